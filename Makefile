@@ -1,0 +1,59 @@
+# Every target creates and reuses the local virtualenv .venv; nothing needs installing by hand.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# DeepSpeed JIT-compiles its shared-memory comm op on first use; keep the cache in the project.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: help setup system-deps test test-slow lint demo proto lock clean
+
+help:
+	@echo "make demo      set up, then pretrain -> fine-tune -> export -> serve on the default data"
+	@echo "make test      set up, then run the test suite (what CI runs)"
+	@echo "make test-slow the long suites (soak, large fuzz)"
+	@echo "make lint      ruff"
+	@echo "make proto     regenerate the gRPC code from proto/"
+
+setup: $(STAMP)
+
+# numactl: DeepSpeed's --bind_cores_to_rank; g++: DeepSpeed's JIT-compiled ops.
+system-deps:
+	@if ! command -v numactl >/dev/null || ! command -v g++ >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq numactl g++ >/dev/null; \
+	  else echo "warning: numactl/g++ missing and not root: install them for core binding and DeepSpeed ops"; fi; fi
+
+$(STAMP): pyproject.toml requirements.lock | system-deps
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned, from the same constraints: never a CUDA build by accident.
+	$(BIN)/pip install -q -c requirements.lock torch
+	$(BIN)/pip install -q -c requirements.lock -e '.[train,serve,dev]'
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+lint: setup
+	$(BIN)/ruff check .
+
+demo: setup
+	bash launch/demo.sh
+
+proto: setup
+	$(BIN)/python -m serving.gen_proto
+
+lock:
+	rm -rf /tmp/ts-lock-venv && $(PY) -m venv /tmp/ts-lock-venv
+	/tmp/ts-lock-venv/bin/pip install -q torch==2.13.0
+	/tmp/ts-lock-venv/bin/pip install -q '.[train,serve,dev]'
+	/tmp/ts-lock-venv/bin/pip freeze --exclude transfer-sentiment
+
+clean:
+	rm -rf $(VENV) .cache runs .pytest_cache

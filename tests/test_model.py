@@ -1,0 +1,148 @@
+"""The lab's model: exact parameter counts, padding and causal invariance, shared encoder keys, bf16 buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.config import ModelConfig, lab, tiny
+from trainer.model import (
+    Classifier,
+    LanguageModel,
+    build,
+    count_parameters,
+    load_encoder,
+    parameter_formula,
+)
+from trainer.params import report
+
+
+def test_lab_parameter_counts_match_the_lab_exactly():
+    cfg = lab().model
+    assert count_parameters(build(cfg, "lm")) == 21_018_401
+    assert count_parameters(build(cfg, "classifier")) == 10_968_602
+    assert sum(parameter_formula(cfg, "lm").values()) == 21_018_401
+    assert sum(parameter_formula(cfg, "classifier").values()) == 10_968_602
+    assert parameter_formula(cfg, "lm")["embedding"] == 10_000_200
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        dict(vocab_size=99, d_model=32, n_layers=2, n_heads=2, d_ff=48),
+        dict(vocab_size=1001, d_model=30, n_layers=3, n_heads=5, d_ff=7, num_classes=3),
+        dict(vocab_size=7, d_model=8, n_layers=1, n_heads=1, d_ff=200, num_classes=5),
+    ],
+)
+def test_formula_matches_the_model_for_other_sizes(sizes):
+    cfg = ModelConfig(**sizes)
+    for task in ("lm", "classifier"):
+        assert count_parameters(build(cfg, task)) == sum(parameter_formula(cfg, task).values())
+
+
+def test_params_report_prints_the_lab_totals():
+    text, counted, total = report(lab().model, "lm")
+    assert counted == total == 21_018_401
+    assert "21,018,401" in text
+
+
+def _batch(cfg: ModelConfig, lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.randint(4, cfg.vocab_size, (len(lengths), T), generator=g)
+    ids[:, 0] = 0  # <sos>
+    mask = torch.arange(T)[None, :] >= torch.tensor(lengths)[:, None]  # (B, T) True at padding
+    ids[mask] = cfg.pad_id
+    return ids, mask
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_classifier_logits_do_not_change_when_batched_with_longer_sequences(causal):
+    cfg = ModelConfig(**{**tiny().model.__dict__, "classifier_causal": causal})
+    torch.manual_seed(0)
+    model = Classifier(cfg).eval()
+    ids, mask = _batch(cfg, [7, 3, 5, 1])
+    batched = model(ids, mask)  # (4, C)
+    for i, n in enumerate([7, 3, 5, 1]):
+        alone = model(ids[i : i + 1, :n], mask[i : i + 1, :n])
+        torch.testing.assert_close(batched[i : i + 1], alone, atol=1e-5, rtol=0)
+
+
+def test_lm_logits_of_real_tokens_do_not_depend_on_padding():
+    cfg = tiny().model
+    torch.manual_seed(0)
+    model = LanguageModel(cfg).eval()
+    ids, mask = _batch(cfg, [7, 4])
+    batched = model(ids, mask)  # (2, 7, V)
+    alone = model(ids[1:, :4], mask[1:, :4])
+    torch.testing.assert_close(batched[1:, :4], alone, atol=1e-5, rtol=0)
+
+
+def test_causal_lm_position_t_ignores_tokens_after_t():
+    cfg = tiny().model
+    torch.manual_seed(0)
+    model = LanguageModel(cfg).eval()
+    ids, mask = _batch(cfg, [7])
+    changed = ids.clone()
+    changed[0, 4:] = (changed[0, 4:] + 1 - 4) % (cfg.vocab_size - 4) + 4  # new tokens after t=3
+    a, b = model(ids, mask), model(changed, mask)
+    torch.testing.assert_close(a[:, :4], b[:, :4], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[:, 4:], b[:, 4:])  # the test can fail: later positions do change
+
+
+def test_bidirectional_encoder_does_see_the_future():
+    cfg = tiny().model
+    torch.manual_seed(0)
+    model = LanguageModel(cfg).eval()
+    ids, mask = _batch(cfg, [7])
+    changed = ids.clone()
+    changed[0, 6] = 5 if ids[0, 6] != 5 else 6
+    assert not torch.allclose(model(ids, mask, causal=False)[:, 0], model(changed, mask, causal=False)[:, 0])
+
+
+def test_classifier_reads_the_last_real_token_not_the_last_position():
+    cfg = tiny().model
+    torch.manual_seed(0)
+    model = Classifier(cfg).eval()
+    ids, mask = _batch(cfg, [3, 7])
+    out = model(ids, mask)
+    ids2 = ids.clone()
+    ids2[0, 3:] = 50  # garbage in padded positions must not matter
+    torch.testing.assert_close(out, model(ids2, mask), atol=1e-6, rtol=0)
+
+
+def test_classifier_loads_a_pretrained_encoder_by_key():
+    cfg = tiny().model
+    torch.manual_seed(1)
+    lm = LanguageModel(cfg)
+    torch.manual_seed(2)
+    clf = Classifier(cfg)
+    keys = load_encoder(clf, lm.state_dict())
+    assert keys and all(k.startswith("encoder.") for k in keys)
+    for k in keys:
+        torch.testing.assert_close(clf.state_dict()[k], lm.state_dict()[k], atol=0, rtol=0)
+    assert clf.head.weight.shape == (cfg.num_classes, cfg.d_model)
+
+
+def test_load_encoder_names_a_mismatched_key():
+    small, big = tiny().model, ModelConfig(vocab_size=99, d_model=64, n_layers=2, n_heads=2, d_ff=48)
+    with pytest.raises(ValueError, match="encoder.embedding.weight"):
+        load_encoder(Classifier(small), LanguageModel(big).state_dict())
+
+
+def test_bf16_forward_keeps_bf16_activations():
+    cfg = tiny().model
+    model = Classifier(cfg).to(torch.bfloat16).eval()  # buffers stay fp32, as under DeepSpeed bf16
+    model.encoder.positions = model.encoder.positions.float()
+    ids, mask = _batch(cfg, [7, 2])
+    out = model(ids, mask)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_params_cli_prints_both_lab_totals():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "trainer", "params", "--preset", "lab"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "21,018,401" in out and "10,968,602" in out

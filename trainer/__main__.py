@@ -1,0 +1,60 @@
+"""`python -m trainer SUBCOMMAND ...` (console script: `transfer-sentiment`).
+
+Each subcommand lives in its own module with `add_arguments(parser)` and `main(args) -> int`; only the module of
+the chosen subcommand is imported, so `params` or `export` never pay for importing DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "params": ("trainer.params", "print the trainable-parameter table of a preset (the lab's question 3)"),
+    "tokenizer": ("trainer.tokenizer_cli", "build the tokenizer of a config (load the lab's, or train one)"),
+    "pretrain": ("trainer.pretrain", "pretrain the encoder as a language model (DeepSpeed)"),
+    "finetune": ("trainer.finetune", "fine-tune a classifier, pretrained or from scratch, or --compare both"),
+    "generate": ("trainer.generate", "greedy completion of a prompt with a pretrained LM artifact"),
+    "export": ("trainer.export", "export a classifier artifact to a validated ONNX bundle, or --check one"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    lines = "\n".join(f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items())
+    p = argparse.ArgumentParser(
+        prog="python -m trainer",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Pretrain, fine-tune and export the transfer-sentiment encoder.",
+        epilog=f"subcommands:\n{lines}\n\n`python -m trainer SUBCOMMAND --help` shows each one's options and examples.",
+    )
+    p.add_argument("subcommand", choices=sorted(SUBCOMMANDS), metavar="SUBCOMMAND")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        _parser().parse_args(argv[:1] or ["--help"])
+    name, rest = argv[0], argv[1:]
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    sub = argparse.ArgumentParser(
+        prog=f"python -m trainer {name}",
+        description=(module.__doc__ or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=getattr(module, "EXAMPLES", None),
+    )
+    module.add_arguments(sub)
+    args = sub.parse_args(rest)
+    try:
+        return int(module.main(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        # Our own errors (ConfigError, DataError, ArtifactError, ExportError...) are ValueErrors with a message
+        # that names the file, key or limit: show it without a traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

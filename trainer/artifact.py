@@ -1,0 +1,152 @@
+"""Model artifacts: the hand-over between stages (pretrain -> finetune -> export), with no DeepSpeed and no pickle.
+
+An artifact folder holds `model.safetensors` (fp32), `config.json` (the resolved RunConfig), `artifact.json`
+(task, labels, checksum) and `tokenizer/`. It is written into a temporary sibling folder and renamed into place,
+so a crash never leaves a half artifact where a later stage would read it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainer import config as config_mod
+from trainer.config import RunConfig
+from trainer.model import build
+
+FORMAT = 1
+WEIGHTS = "model.safetensors"
+
+
+class ArtifactError(ValueError):
+    """An artifact folder is missing, incomplete or does not match its own metadata."""
+
+
+class SavesItself(Protocol):
+    def save(self, folder: str | Path) -> None: ...
+
+
+@dataclass
+class Artifact:
+    path: Path
+    cfg: RunConfig
+    task: str  # "lm" | "classifier"
+    meta: dict[str, Any]
+    state: dict[str, torch.Tensor]
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / "tokenizer"
+
+    def model(self) -> torch.nn.Module:
+        """The model with these weights, in eval mode, fp32."""
+        m = build(self.cfg.model, self.task)
+        m.load_state_dict(self.state, strict=True)
+        return m.eval()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write a file via a temp file in the same folder + rename: readers see the old or the new file, never half."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished temp folder into place; an existing folder is swapped out, then removed."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def save(
+    out: str | Path,
+    model: torch.nn.Module,
+    cfg: RunConfig,
+    task: str,
+    tokenizer: SavesItself,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write an artifact folder atomically and return its path."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        # fp32, contiguous, detached from any DeepSpeed wrapper or bf16 cast.
+        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS))
+        (tmp / "config.json").write_text(cfg.to_json(), encoding="utf-8")
+        tokenizer.save(tmp / "tokenizer")
+        meta = {
+            "format": FORMAT,
+            "task": task,
+            "labels": cfg.data.labels,
+            "label_names": cfg.data.label_names,
+            "weights_sha256": sha256_file(tmp / WEIGHTS),
+            "parameters": sum(v.numel() for v in state.values()),
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            **(extra or {}),
+        }
+        (tmp / "artifact.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load(path: str | Path, verify: bool = True) -> Artifact:
+    """Read an artifact folder; every missing piece or checksum mismatch is an ArtifactError naming the file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ArtifactError(f"artifact folder not found: {path}")
+    for name in (WEIGHTS, "config.json", "artifact.json", "tokenizer"):
+        if not (path / name).exists():
+            raise ArtifactError(f"{path}: missing {name} (not a model artifact, or an interrupted write)")
+    try:
+        meta = json.loads((path / "artifact.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path / 'artifact.json'}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    if meta.get("format") != FORMAT:
+        raise ArtifactError(f"{path / 'artifact.json'}: format {meta.get('format')!r}, expected {FORMAT}")
+    if meta.get("task") not in ("lm", "classifier"):
+        raise ArtifactError(f"{path / 'artifact.json'}: task {meta.get('task')!r} is not 'lm' or 'classifier'")
+    if verify and sha256_file(path / WEIGHTS) != meta.get("weights_sha256"):
+        raise ArtifactError(f"{path / WEIGHTS}: checksum does not match artifact.json (corrupt or replaced)")
+    cfg = config_mod.load(path / "config.json")
+    try:
+        state = load_file(str(path / WEIGHTS))  # safetensors: no pickle
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+        raise ArtifactError(f"{path / WEIGHTS}: cannot read weights: {e}") from None
+    return Artifact(path=path, cfg=cfg, task=meta["task"], meta=meta, state=state)
