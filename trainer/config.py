@@ -164,7 +164,9 @@ class PretrainConfig:
         if not 0.0 < self.mask_prob < 1.0:
             raise ConfigError(f"pretrain.mask_prob must be in (0, 1), got {self.mask_prob}")
         if self.micro_batch < 1 or self.seq_len < 2:
-            raise ConfigError(f"pretrain.micro_batch >= 1 and seq_len >= 2 required, got {self.micro_batch}, {self.seq_len}")
+            raise ConfigError(
+                f"pretrain.micro_batch must be >= 1 and seq_len >= 2, got {self.micro_batch} and {self.seq_len}"
+            )
 
 
 @dataclass
@@ -221,7 +223,13 @@ def demo() -> RunConfig:
         model=ModelConfig(vocab_size=8004, d_model=128, n_layers=2, n_heads=2, d_ff=256, max_positions=512),
         tokenizer=TokenizerConfig(kind="train", vocab_size=8000, max_len=256, train_lines=100_000),
         data=DataConfig(pretrain=["cls-books-fr/train.review.txt", "eltec-fr/eltec_fra.txt.gz"]),
-        pretrain=PretrainConfig(micro_batch=32, seq_len=128, epochs=1, max_steps=1500, optim=OptimConfig(lr=1e-3, warmup_steps=100, schedule="cosine")),
+        pretrain=PretrainConfig(
+            micro_batch=32,
+            seq_len=128,
+            epochs=1,
+            max_steps=1500,
+            optim=OptimConfig(lr=1e-3, warmup_steps=100, schedule="cosine"),
+        ),
         finetune=FinetuneConfig(micro_batch=16, epochs=4, optim=OptimConfig(lr=3e-4)),
         engine=EngineConfig(checkpoint_every=500, log_every=25),
     )

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser, default_preset="lab")
 
 
-def module_table(model: nn.Module) -> "OrderedDict[str, int]":
+def module_table(model: nn.Module) -> OrderedDict[str, int]:
     """Trainable parameters by module path (leaf modules that own parameters)."""
     rows: OrderedDict[str, int] = OrderedDict()
     for name, p in model.named_parameters():
