@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: help setup system-deps test test-slow lint demo proto lock clean
+.PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv
 
 help:
 	@echo "make demo      set up, then pretrain -> fine-tune -> export -> serve on the default data"
@@ -33,7 +33,16 @@ $(STAMP): pyproject.toml requirements.lock | system-deps
 	$(BIN)/pip install -q -c requirements.lock -e '.[train,serve,dev]'
 	touch $(STAMP)
 
-test: setup
+# tritonclient pins protobuf < 7 and our generated code needs >= 7.35.1: the KServe conformance test runs it
+# from its own venv, pinned by requirements-triton.lock.
+triton-venv: .venv-triton/.installed
+
+.venv-triton/.installed: requirements-triton.lock
+	test -x .venv-triton/bin/python || $(PY) -m venv .venv-triton
+	.venv-triton/bin/pip install -q -r requirements-triton.lock
+	touch $@
+
+test: setup triton-venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow"
 

@@ -1,0 +1,116 @@
+"""ServerConfig: every server option, with safe defaults, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from serving.errors import ConfigError
+
+
+@dataclass
+class ServerConfig:
+    """Options of `serving.server`; the CLI flags have the same names (`--max-texts`, ...)."""
+
+    # Network
+    host: str = "127.0.0.1"  # bind address; loopback unless asked otherwise
+    port: int = 50051  # gRPC port; 0 = any free port (the bound one is logged and returned)
+    metrics_port: int | None = None  # Prometheus exporter port (0 = any free port, None = off)
+    # Model
+    model_name: str = "sentiment"  # the model's name in KServe v2 requests and in metadata
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when it really loads, else CPU
+    intra_op_threads: int = 1  # onnxruntime threads per run (0 = one per core); with batch_workers runs at once,
+    # 1 x 2 filled 2 cores best under load (bench/serve_bench.py); 0 lowers a lone request's latency
+    inter_op_threads: int = 0  # onnxruntime inter-op pool (0 = default; the graph runs sequentially)
+    ort_spinning: bool = False  # idle onnxruntime threads spin (lower latency alone, steals CPU when shared)
+    optimization: Literal["disable", "basic", "extended", "all"] | None = None  # ORT graph level; None = the
+    # bundle's (manifest runtime.graph_optimization_level), else basic ('all' measured slower on this CPU)
+    # Batching
+    batching: bool = True  # False: every request runs alone (the benchmark's baseline)
+    max_batch_size: int = 64  # texts per onnxruntime run
+    max_batch_tokens: int = 4096  # padded token ids per run (texts x longest); must hold one max_len text. On
+    # a CPU a batch costs its padded ids (the sweep of bench/serve_bench.py): batching saves little there;
+    # raise it on a GPU
+    max_padding: float = 0.1  # padding ids at most this fraction of a batch's real ids (groups similar lengths)
+    batch_workers: int = 2  # batches computed at once, each by one onnxruntime run
+    max_queue_delay_ms: float = 2.0  # longest wait for company before a batch runs
+    max_queue: int = 512  # texts waiting; past it requests get RESOURCE_EXHAUSTED at once
+    # Request limits
+    max_texts: int = 64  # texts per request
+    max_chars: int = 20_000  # characters (code points) per text; longer -> INVALID_ARGUMENT
+    long_text: Literal["truncate", "refuse"] = "truncate"  # over max_len tokens: cut (truncated=true) or refuse
+    max_message_bytes: int = 4 * 1024 * 1024  # largest request message; larger -> RESOURCE_EXHAUSTED (gRPC)
+    max_workers: int = 128  # gRPC handler threads: each in-progress request holds one while it waits
+    max_concurrent_rpcs: int | None = None  # RPCs in progress at once (None = max_workers); past it gRPC refuses
+    # at once with RESOURCE_EXHAUSTED instead of queueing them unseen in front of the batcher
+    # Lifecycle
+    drain_delay_s: float = 0.0  # after SIGTERM: health says NOT_SERVING but requests are still served this
+    # long, so that load balancers watching health stop routing here first (Kubernetes-style); then:
+    grace_s: float = 10.0  # new requests are refused and in-flight ones get this long to finish
+    # Security
+    tls_cert: str | None = None  # PEM server certificate (chain); with tls_key turns TLS on
+    tls_key: str | None = None  # PEM private key of tls_cert
+    tls_client_ca: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mutual TLS)
+    auth_token: str | None = None  # when set, every RPC but health needs "authorization: Bearer <token>"
+
+    def __post_init__(self) -> None:
+        _in_range("port", self.port, 0, 65535)
+        if self.metrics_port is not None:
+            _in_range("metrics_port", self.metrics_port, 0, 65535)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.optimization not in (None, "disable", "basic", "extended", "all"):
+            raise ConfigError(f"optimization must be disable, basic, extended or all, got {self.optimization!r}")
+        if self.long_text not in ("truncate", "refuse"):
+            raise ConfigError(f"long_text must be 'truncate' or 'refuse', got {self.long_text!r}")
+        if not self.model_name or "/" in self.model_name:
+            raise ConfigError(f"model_name must be a non-empty name without '/', got {self.model_name!r}")
+        _in_range("intra_op_threads", self.intra_op_threads, 0, 1024)
+        _in_range("inter_op_threads", self.inter_op_threads, 0, 1024)
+        _in_range("max_batch_size", self.max_batch_size, 1, 4096)
+        _in_range("max_batch_tokens", self.max_batch_tokens, 3, 10_000_000)
+        _in_range("max_queue_delay_ms", self.max_queue_delay_ms, 0.0, 1000.0, integer=False)
+        _in_range("max_padding", self.max_padding, 0.0, 1000.0, integer=False)
+        _in_range("batch_workers", self.batch_workers, 1, 64)
+        _in_range("max_texts", self.max_texts, 1, 10_000)
+        if self.max_queue < self.max_texts:
+            raise ConfigError(f"max_queue={self.max_queue} must be >= max_texts={self.max_texts}: one full "
+                              "request must fit in the queue")
+        _in_range("max_queue", self.max_queue, 1, 1_000_000)
+        _in_range("max_chars", self.max_chars, 1, 10_000_000)
+        _in_range("max_message_bytes", self.max_message_bytes, 1024, 1 << 30)
+        _in_range("max_workers", self.max_workers, 1, 10_000)
+        if self.max_concurrent_rpcs is not None:
+            _in_range("max_concurrent_rpcs", self.max_concurrent_rpcs, 1, 1_000_000)
+        _in_range("grace_s", self.grace_s, 0.0, 3600.0, integer=False)
+        _in_range("drain_delay_s", self.drain_delay_s, 0.0, 3600.0, integer=False)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError(f"tls_cert and tls_key go together, got tls_cert={self.tls_cert!r}, "
+                              f"tls_key={self.tls_key!r}")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key (TLS) as well")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{name}: file not found: {path}")
+        if self.auth_token is not None and (len(self.auth_token) < 16 or not self.auth_token.isprintable()
+                                            or " " in self.auth_token):
+            raise ConfigError("auth_token must be at least 16 printable characters without spaces "
+                              f"(got {len(self.auth_token)} characters)")
+
+    def check_bundle_fit(self, max_len: int) -> None:
+        """The token budget must hold one text of the bundle's max_len."""
+        if self.max_batch_tokens < max_len:
+            raise ConfigError(f"max_batch_tokens={self.max_batch_tokens} must be >= the bundle's max_len {max_len}")
+
+    def replace(self, **changes: object) -> ServerConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _in_range(name: str, value: object, low: float, high: float, integer: bool = True) -> None:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"{name} must be {kind} in [{low}, {high}], got {value!r}")

@@ -1,0 +1,64 @@
+"""Named errors of the serving package and the gRPC status code each one maps to.
+
+Everything below raises these; the server maps them to status codes in one place (serving/server.py,
+`ServingInterceptor`). The code is a name of `grpc.StatusCode` so that this module (imported by the predictor)
+needs no gRPC. Any other exception is a bug and becomes INTERNAL with a generic message (details in the log).
+"""
+
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    """Base class: `code` is the gRPC status code name the client sees; the message is sent as details."""
+
+    code = "INTERNAL"
+
+
+class InvalidInput(ServingError):
+    """The request is malformed or breaks a limit; the message names the field, the value and the limit."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class ModelNotFound(ServingError):
+    """A KServe request names a model or version this server does not hold."""
+
+    code = "NOT_FOUND"
+
+
+class Unauthenticated(ServingError):
+    """Auth is on and the request's bearer token is missing or wrong."""
+
+    code = "UNAUTHENTICATED"
+
+
+class Overloaded(ServingError):
+    """The batching queue is full: refused at once rather than queued without limit."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class NotReady(ServingError):
+    """The server is starting or draining; retry elsewhere or later."""
+
+    code = "UNAVAILABLE"
+
+
+class DeadlineExpired(ServingError):
+    """The request's deadline passed before its texts were computed (they were dropped, not run)."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class Cancelled(ServingError):
+    """The client cancelled the request before its texts were computed (they were dropped, not run)."""
+
+    code = "CANCELLED"
+
+
+class BundleError(ValueError):
+    """A model bundle is missing, incomplete, corrupt or tampered with; the message names the file."""
+
+
+class ConfigError(ValueError):
+    """A server option is invalid; the message names the option, the value and the allowed range."""

@@ -1,0 +1,141 @@
+"""The classification core both protocols share, and the thin sentiment.v1 servicer on top of it.
+
+`ServingCore.classify` validates a list of texts against the limits, tokenizes, queues the rows in the batcher
+and waits for them within the request's deadline. Servicers only translate messages; errors are raised as
+ServingError subclasses and turned into status codes by the server's interceptor.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import grpc
+
+from serving.batcher import Batcher
+from serving.config import ServerConfig
+from serving.errors import DeadlineExpired, InvalidInput, NotReady
+from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
+from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
+from serving.predictor import Prediction, Predictor
+
+_NO_DEADLINE = 1e6  # grpc reports "no deadline" as a huge time_remaining()
+
+
+def deadline_of(context: grpc.ServicerContext) -> float | None:
+    """The RPC's deadline as time.monotonic() seconds, or None."""
+    left = context.time_remaining()
+    return None if left is None or left > _NO_DEADLINE else time.monotonic() + left
+
+
+def cancelled_of(context: grpc.ServicerContext) -> Callable[[], bool]:
+    return lambda: not context.is_active()
+
+
+class ServingCore:
+    """Limits + tokenizer + batcher for one predictor."""
+
+    def __init__(self, predictor: Predictor, batcher: Batcher, cfg: ServerConfig) -> None:
+        self.predictor = predictor
+        self.batcher = batcher
+        self.cfg = cfg
+        self.ready = False  # requests are accepted (False while starting and once draining refuses them)
+        self.draining = False  # shutdown began: readiness reads false, requests may still be served
+        self._active = 0  # accepted classify calls not answered yet
+        self._idle = threading.Condition()
+
+    @property
+    def reports_ready(self) -> bool:
+        """What health and KServe readiness say."""
+        return self.ready and not self.draining
+
+    def classify(
+        self,
+        texts: Sequence[str],
+        deadline: float | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> list[Prediction]:
+        with self._idle:  # the check and the count together: refuse() then sees every accepted call
+            if not self.ready:
+                raise NotReady("server is not ready (starting or draining); retry another replica or later")
+            self._active += 1
+        try:
+            return self._classify(texts, deadline, cancelled)
+        finally:
+            with self._idle:
+                self._active -= 1
+                self._idle.notify_all()
+
+    def refuse_and_wait(self, timeout: float) -> bool:
+        """Refuse new calls (UNAVAILABLE), wait up to `timeout` s for the accepted ones; True when all done."""
+        with self._idle:
+            self.ready = False
+            return self._idle.wait_for(lambda: self._active == 0, timeout)
+
+    def _classify(
+        self,
+        texts: Sequence[str],
+        deadline: float | None,
+        cancelled: Callable[[], bool] | None,
+    ) -> list[Prediction]:
+        cfg = self.cfg
+        if not texts:
+            raise InvalidInput(f"texts: empty list; send 1 to max_texts={cfg.max_texts} texts")
+        if len(texts) > cfg.max_texts:
+            raise InvalidInput(f"texts: {len(texts)} texts > max_texts={cfg.max_texts}; split the request")
+        for i, t in enumerate(texts):
+            if not t.strip():
+                raise InvalidInput(f"texts[{i}]: empty or blank text")
+            if len(t) > cfg.max_chars:
+                raise InvalidInput(f"texts[{i}]: {len(t)} characters > max_chars={cfg.max_chars}")
+        encoded = self.predictor.encode(texts)
+        if cfg.long_text == "refuse":
+            for i, e in enumerate(encoded):
+                if e.truncated:
+                    raise InvalidInput(f"texts[{i}]: more than max_tokens={self.predictor.max_len} tokens and "
+                                       "the server refuses long texts (long_text=refuse)")
+        future = self.batcher.submit([e.ids for e in encoded], deadline, cancelled)
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            probs = future.result(timeout)  # (n, C)
+        except FutureTimeout:
+            raise DeadlineExpired("deadline passed while the texts waited for a batch") from None
+        return self.predictor.predictions(encoded, probs)
+
+
+class SentimentServicer(pb_grpc.SentimentServiceServicer):
+    """sentiment.v1.SentimentService: messages in and out of ServingCore."""
+
+    def __init__(self, core: ServingCore) -> None:
+        self.core = core
+
+    def Classify(self, request: pb.ClassifyRequest, context: grpc.ServicerContext) -> pb.ClassifyResponse:
+        preds = self.core.classify(list(request.texts), deadline_of(context), cancelled_of(context))
+        return pb.ClassifyResponse(results=[
+            pb.Classification(
+                label=p.label,
+                label_index=p.label_index,
+                probabilities=p.probabilities.tolist(),
+                token_count=p.token_count,
+                truncated=p.truncated,
+            )
+            for p in preds
+        ])
+
+    def GetModelMetadata(self, request: pb.GetModelMetadataRequest,
+                         context: grpc.ServicerContext) -> pb.GetModelMetadataResponse:
+        p, cfg = self.core.predictor, self.core.cfg
+        policy = {"truncate": pb.LONG_TEXT_POLICY_TRUNCATE, "refuse": pb.LONG_TEXT_POLICY_REFUSE}[cfg.long_text]
+        return pb.GetModelMetadataResponse(
+            model_name=cfg.model_name,
+            labels=p.labels,
+            max_tokens=p.max_len,
+            bundle_sha256=p.bundle_sha256,
+            execution_provider=p.provider,
+            precision=p.precision,
+            max_texts=cfg.max_texts,
+            max_chars=cfg.max_chars,
+            long_text_policy=policy,
+        )

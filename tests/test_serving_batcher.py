@@ -1,0 +1,194 @@
+"""serving/batcher.py around the real predictor: merging, limits, grouping, bounded queue, dropping, order.
+
+`Gate` wraps the real `Predictor.infer` to record each batch and, when closed, to hold the worker inside a run
+so that the queue fills deterministically.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from serving_fixtures import reviews
+
+from serving.batcher import Batcher
+from serving.errors import Cancelled, DeadlineExpired, NotReady, Overloaded
+from serving.predictor import Predictor
+
+
+@pytest.fixture(scope="module")
+def predictor(tiny_bundle: Path) -> Predictor:
+    return Predictor(tiny_bundle, device="cpu", intra_op_threads=1)
+
+
+class Gate:
+    """Records batches (row lengths) and can hold the first run until `open()`."""
+
+    def __init__(self, predictor: Predictor, closed: bool = False) -> None:
+        self.predictor = predictor
+        self.batches: list[list[int]] = []
+        self.entered = threading.Event()
+        self._open = threading.Event()
+        if not closed:
+            self._open.set()
+
+    def __call__(self, rows: Sequence[np.ndarray]) -> np.ndarray:
+        self.batches.append([len(r) for r in rows])
+        self.entered.set()
+        self._open.wait(10)
+        return self.predictor.infer(rows)
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def _hold_worker(batcher: Batcher, gate: Gate, predictor: Predictor):  # noqa: ANN202
+    """Submit one request and wait until the worker is inside its run (the queue is then ours)."""
+    blocker = batcher.submit([predictor.tokenizer.encode("bloquant").ids])
+    assert gate.entered.wait(5)
+    return blocker
+
+
+def test_concurrent_requests_share_runs_and_each_gets_its_own_answer(predictor: Predictor, data_dir: Path) -> None:
+    texts = reviews(data_dir, 24)
+    alone = [predictor.predict([t])[0].probabilities for t in texts]
+    batcher = Batcher(predictor.infer, max_queue_delay_s=0.05)
+    barrier, results = threading.Barrier(len(texts)), [None] * len(texts)
+
+    def call(i: int) -> None:
+        ids = predictor.tokenizer.encode(texts[i]).ids
+        barrier.wait()
+        results[i] = batcher.submit([ids]).result(10)[0]
+
+    runs = predictor.runs
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    batcher.close()
+    assert predictor.runs - runs < len(texts) / 2
+    for got, expected in zip(results, alone, strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_batches_respect_size_budget_and_padding_and_keep_request_order(predictor: Predictor, data_dir: Path,
+                                                                        workers: int) -> None:
+    texts = reviews(data_dir, 13) + [f"court {i}" for i in range(13)] + ["moyen " * i for i in range(1, 14)]
+    encoded = predictor.encode(texts)
+    gate = Gate(predictor)
+    batcher = Batcher(gate, max_batch_size=5, max_batch_tokens=4 * predictor.max_len, max_padding=0.2,
+                      workers=workers)
+    got = batcher.submit([e.ids for e in encoded]).result(10)
+    batcher.close()
+    assert all(len(b) <= 5 and len(b) * max(b) <= 4 * predictor.max_len for b in gate.batches)
+    assert all(len(b) * max(b) <= 1.2 * sum(b) for b in gate.batches if len(b) > 1)
+    assert max(len(b) for b in gate.batches) > 1
+    assert sum(len(b) for b in gate.batches) == len(texts)
+    expected = np.stack([p.probabilities for p in predictor.predict(texts)])
+    np.testing.assert_allclose(got, expected, atol=1e-5)  # row i is text i, whatever batch it ran in
+
+
+def test_similar_lengths_are_grouped(predictor: Predictor) -> None:
+    gate = Gate(predictor, closed=True)
+    batcher = Batcher(gate, max_batch_size=8)
+    blocker = _hold_worker(batcher, gate, predictor)
+    short = predictor.tokenizer.encode("Bien.").ids
+    long = predictor.tokenizer.encode("Un roman très long, " * 20).ids
+    futures = [batcher.submit([short if i % 2 == 0 else long]) for i in range(16)]  # interleaved arrivals
+    gate.open()
+    for f in [blocker, *futures]:
+        f.result(10)
+    batcher.close()
+    assert sorted(map(sorted, gate.batches[1:])) == [[len(short)] * 8, [len(long)] * 8]
+
+
+def test_full_queue_refuses_at_once_and_accepted_requests_complete(predictor: Predictor) -> None:
+    gate = Gate(predictor, closed=True)
+    batcher = Batcher(gate, max_queue=4)
+    blocker = _hold_worker(batcher, gate, predictor)
+    ids = predictor.tokenizer.encode("Un livre agréable.").ids
+    accepted = [batcher.submit([ids, ids]), batcher.submit([ids, ids])]
+    start = time.perf_counter()
+    with pytest.raises(Overloaded, match="max_queue 4"):
+        batcher.submit([ids])
+    assert time.perf_counter() - start < 0.05
+    gate.open()
+    expected = predictor.predict(["Un livre agréable."])[0].probabilities
+    for f in accepted:
+        np.testing.assert_allclose(f.result(10), [expected, expected], atol=1e-5)
+    blocker.result(10)
+    assert batcher.submit([ids]).result(10).shape == (1, len(predictor.labels))  # room again
+    batcher.close()
+
+
+def test_expired_and_cancelled_requests_are_dropped_before_compute(predictor: Predictor) -> None:
+    gate = Gate(predictor, closed=True)
+    batcher = Batcher(gate)
+    blocker = _hold_worker(batcher, gate, predictor)
+    t = predictor.tokenizer
+    expired = batcher.submit([t.encode("a" * 30).ids], deadline=time.monotonic() + 0.02)
+    cancelled = batcher.submit([t.encode("b" * 31).ids], cancelled=lambda: True)
+    live = batcher.submit([t.encode("c").ids])
+    time.sleep(0.05)
+    gate.open()
+    with pytest.raises(DeadlineExpired):
+        expired.result(10)
+    with pytest.raises(Cancelled):
+        cancelled.result(10)
+    live.result(10)
+    blocker.result(10)
+    batcher.close()
+    computed = [n for b in gate.batches for n in b]
+    assert len(t.encode("c").ids) in computed
+    assert len(t.encode("a" * 30).ids) not in computed and len(t.encode("b" * 31).ids) not in computed
+
+
+def test_a_failed_run_fails_only_its_own_requests(predictor: Predictor) -> None:
+    calls = []
+
+    def flaky(rows: Sequence[np.ndarray]) -> np.ndarray:
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise RuntimeError("onnxruntime failed")
+        return predictor.infer(rows)
+
+    batcher = Batcher(flaky)
+    ids = predictor.tokenizer.encode("Bof.").ids
+    with pytest.raises(RuntimeError, match="onnxruntime failed"):
+        batcher.submit([ids]).result(10)
+    assert batcher.submit([ids]).result(10).shape == (1, len(predictor.labels))
+    batcher.close()
+
+
+def test_batching_off_runs_each_request_alone(predictor: Predictor) -> None:
+    batcher = Batcher(predictor.infer, enabled=False, max_queue=8)
+    ids = predictor.tokenizer.encode("Sans batching.").ids
+    runs = predictor.runs
+    for _ in range(3):
+        assert batcher.submit([ids, ids]).result(10).shape == (2, len(predictor.labels))
+    assert predictor.runs - runs == 3
+    with pytest.raises(DeadlineExpired):
+        batcher.submit([ids], deadline=time.monotonic() - 1).result(10)
+    assert predictor.runs - runs == 3  # the expired one never ran
+    batcher.close()
+
+
+def test_close_drains_then_refuses(predictor: Predictor) -> None:
+    gate = Gate(predictor, closed=True)
+    batcher = Batcher(gate)
+    blocker = _hold_worker(batcher, gate, predictor)
+    queued = batcher.submit([predictor.tokenizer.encode("en attente").ids])
+    closer = threading.Thread(target=batcher.close)
+    closer.start()
+    time.sleep(0.05)
+    with pytest.raises(NotReady):
+        batcher.submit([predictor.tokenizer.encode("trop tard").ids])
+    gate.open()
+    closer.join(10)
+    assert blocker.done() and queued.result(0).shape == (1, len(predictor.labels))

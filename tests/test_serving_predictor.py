@@ -1,0 +1,139 @@
+"""serving/predictor.py on the real exported tiny bundle: answers, providers, and refusal of bad bundles."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from serving_fixtures import reviews
+
+from serving.errors import BundleError, ConfigError
+from serving.predictor import CPU, CUDA, Predictor, _cuda_driver_present, softmax
+
+
+@pytest.fixture(scope="module")
+def predictor(tiny_bundle: Path) -> Predictor:
+    return Predictor(tiny_bundle, device="cpu", intra_op_threads=1)
+
+
+def test_predictions_equal_a_plain_onnxruntime_session(predictor: Predictor, tiny_bundle: Path,
+                                                       data_dir: Path) -> None:
+    texts = reviews(data_dir, 13) + ["Bien.", "Un livre que je n'ai pas aimé du tout."]
+    preds = predictor.predict(texts)
+    # The reference: our own padding, the bundle's graph, numpy softmax.
+    session = ort.InferenceSession(str(tiny_bundle / "model.onnx"), providers=[CPU])
+    ids = [predictor.tokenizer.encode(t).ids for t in texts]
+    T = max(len(r) for r in ids)
+    batch = np.ones((len(ids), T), dtype=np.int64)  # <pad> = 1
+    mask = np.zeros_like(batch)
+    for i, r in enumerate(ids):
+        batch[i, : len(r)], mask[i, : len(r)] = r, 1
+    (logits,) = session.run(None, {"input_ids": batch, "attention_mask": mask})
+    expected = np.exp(logits - logits.max(1, keepdims=True))
+    expected /= expected.sum(1, keepdims=True)
+    got = np.stack([p.probabilities for p in preds])
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+    assert [p.label_index for p in preds] == expected.argmax(1).tolist()
+    assert [p.label for p in preds] == [predictor.labels[k] for k in expected.argmax(1)]
+    assert [p.token_count for p in preds] == [len(r) for r in ids]
+    assert any(p.truncated for p in preds) and not all(p.truncated for p in preds)
+    np.testing.assert_allclose(got.sum(1), 1.0, atol=1e-6)
+
+
+def test_a_row_alone_equals_the_same_row_in_a_padded_batch(predictor: Predictor, data_dir: Path) -> None:
+    """What makes batching invisible to callers: padding other rows never changes a row's answer."""
+    texts = ["Court.", *reviews(data_dir, 6)]
+    together = predictor.predict(texts)
+    for text, p in zip(texts, together, strict=True):
+        (alone,) = predictor.predict([text])
+        np.testing.assert_allclose(alone.probabilities, p.probabilities, rtol=0, atol=1e-5)
+        assert alone.label == p.label
+
+
+def test_runs_count_onnxruntime_runs(predictor: Predictor) -> None:
+    before = predictor.runs
+    predictor.predict(["un", "deux", "trois"])
+    predictor.predict(["quatre"])
+    assert predictor.runs == before + 2
+
+
+def test_softmax_is_stable_on_extreme_logits() -> None:
+    p = softmax(np.array([[1000.0, 0.0], [-1000.0, -1001.0], [3e38, -3e38]], dtype=np.float32))
+    assert np.isfinite(p).all()
+    np.testing.assert_allclose(p.sum(1), 1.0, atol=1e-6)
+    np.testing.assert_allclose(p[1], [1 / (1 + np.exp(-1)), 1 - 1 / (1 + np.exp(-1))], atol=1e-6)
+
+
+def test_provider_is_the_one_onnxruntime_really_uses(predictor: Predictor, tiny_bundle: Path) -> None:
+    assert predictor.provider == predictor.session.get_providers()[0] == CPU
+    auto = Predictor(tiny_bundle, device="auto", intra_op_threads=1)
+    assert auto.provider == auto.session.get_providers()[0]
+    if not _cuda_driver_present():
+        assert auto.provider == CPU
+        # onnxruntime-gpu lists CUDA here yet falls back silently: asking for it must fail loudly.
+        with pytest.raises(ConfigError, match="cuda"):
+            Predictor(tiny_bundle, device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_provider_gives_the_cpu_answers(predictor: Predictor, tiny_bundle: Path) -> None:
+    if not _cuda_driver_present() or CUDA not in ort.get_available_providers():
+        pytest.skip("no CUDA GPU")
+    gpu = Predictor(tiny_bundle, device="cuda")
+    assert gpu.provider == CUDA
+    texts = ["Un chef-d'oeuvre.", "Ennuyeux et trop long."]
+    np.testing.assert_allclose(np.stack([p.probabilities for p in gpu.predict(texts)]),
+                               np.stack([p.probabilities for p in predictor.predict(texts)]), atol=1e-4)
+
+
+def test_graph_optimization_follows_the_manifest_unless_set(predictor: Predictor, tiny_bundle: Path) -> None:
+    manifest = json.loads((tiny_bundle / "manifest.json").read_text())
+    assert predictor.optimization == manifest.get("runtime", {}).get("graph_optimization_level", "basic")
+    assert Predictor(tiny_bundle, device="cpu", optimization="disable").optimization == "disable"
+
+
+# ---------------------------------------------------------------------------------------------- bad bundles
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _edit_manifest(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def edit(bundle: Path) -> None:
+        m = json.loads((bundle / "manifest.json").read_text())
+        change(m)
+        (bundle / "manifest.json").write_text(json.dumps(m))
+    return edit
+
+
+BAD_BUNDLES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "no folder": (lambda b: shutil.rmtree(b), "bundle folder not found"),
+    "no manifest": (lambda b: (b / "manifest.json").unlink(), "manifest.json"),
+    "manifest not JSON": (lambda b: (b / "manifest.json").write_text("{oops"), "manifest.json: not valid JSON"),
+    "corrupt model": (lambda b: _flip_byte(b / "model.onnx"), "model.onnx: checksum mismatch"),
+    "tampered vocab": (lambda b: (b / "tokenizer" / "vocab.txt").write_text("▁evil\n", encoding="utf-8"),
+                       "vocab.txt: checksum mismatch"),
+    "missing spm model": (lambda b: (b / "tokenizer" / "spm.model").unlink(), "spm.model"),
+    "unlisted model": (_edit_manifest(lambda m: m["files"].pop("model.onnx")), "lacks 'model.onnx'"),
+    "path escapes": (_edit_manifest(lambda m: m["files"].update({"../x": "0" * 64})), "inside the bundle"),
+    "wrong task": (_edit_manifest(lambda m: m.update(task="translation")), "'task'"),
+    "labels vs logits": (_edit_manifest(lambda m: m.update(labels=["a", "b", "c"])), "logits shape"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BUNDLES))
+def test_bad_bundles_are_refused_naming_the_file(tiny_bundle: Path, tmp_path: Path, case: str) -> None:
+    bundle = shutil.copytree(tiny_bundle, tmp_path / "bundle")
+    damage, message = BAD_BUNDLES[case]
+    damage(bundle)
+    with pytest.raises(BundleError, match=message.replace("(", r"\(")) as info:
+        Predictor(bundle, device="cpu")
+    assert str(bundle) in str(info.value)
