@@ -43,8 +43,9 @@ class ServerConfig:
     long_text: Literal["truncate", "refuse"] = "truncate"  # over max_len tokens: cut (truncated=true) or refuse
     max_message_bytes: int = 4 * 1024 * 1024  # largest request message; larger -> RESOURCE_EXHAUSTED (gRPC)
     max_workers: int = 128  # gRPC handler threads: each in-progress request holds one while it waits
-    max_concurrent_rpcs: int | None = None  # RPCs in progress at once (None = max_workers); past it gRPC refuses
-    # at once with RESOURCE_EXHAUSTED instead of queueing them unseen in front of the batcher
+    max_concurrent_rpcs: int | None = None  # RPCs in progress at once (None = max_workers): that many callers are
+    # always served; past it (plus a headroom of a quarter, at least 8, for gRPC's accounting: serving/server.py)
+    # gRPC refuses at once with RESOURCE_EXHAUSTED instead of queueing them unseen in front of the batcher
     # Lifecycle
     drain_delay_s: float = 0.0  # after SIGTERM: health says NOT_SERVING but requests are still served this
     # long, so that load balancers watching health stop routing here first (Kubernetes-style); then:

@@ -168,15 +168,22 @@ class SentimentServer:
         )
         self.core = ServingCore(self.predictor, self.batcher, cfg)
         self.health = health.HealthServicer(experimental_non_blocking=True)
+        # gRPC counts an RPC until its handler's thread returns, which is after the client has its answer: a caller
+        # that sends its next request at once can find its previous one still counted. With the limit equal to the
+        # number of callers, 128 closed-loop callers were refused ("Concurrent RPC limit exceeded!") 184 times in
+        # 159k requests (bench/soak.py, docs/RELIABILITY.md). So gRPC's limit gets a headroom, and the pool as many
+        # more threads, so that callers within the limit are served and no accepted RPC waits unseen for a thread.
+        limit = cfg.max_concurrent_rpcs or cfg.max_workers
+        headroom = max(8, limit // 4)
         self.grpc_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="grpc"),
+            futures.ThreadPoolExecutor(max_workers=cfg.max_workers + headroom, thread_name_prefix="grpc"),
             interceptors=[ServingInterceptor(self.metrics, cfg.auth_token)],
             options=[
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.so_reuseport", 0),  # a taken port is an error, not a silently shared one
             ],
-            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs or cfg.max_workers,
+            maximum_concurrent_rpcs=limit + headroom,
         )
         sentiment_service_pb2_grpc.add_SentimentServiceServicer_to_server(SentimentServicer(self.core),
                                                                          self.grpc_server)
