@@ -1,0 +1,195 @@
+"""trainer/engine.py and the data side of trainer/pretrain.py, in-process and fast: the derived DeepSpeed JSON and the
+checks on a user's JSON, the learning-rate schedule, the distributed environment (Slurm, plain python), windows,
+MLM masking and the cut of a global batch into micro-batches. Launcher-level behaviour is in test_training.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainer import engine as eng
+from trainer import stage
+from trainer.config import OptimConfig, lab, override, tiny
+from trainer.data import Corpus
+from trainer.pretrain import Batcher, cut_windows
+
+
+def write(tmp_path: Path, data: object, name: str = "ds.json") -> str:
+    p = tmp_path / name
+    p.write_text(json.dumps(data) if not isinstance(data, str) else data, encoding="utf-8")
+    return str(p)
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed JSON
+
+
+def test_derived_config_follows_run_config() -> None:
+    cfg = override(tiny(), {"engine.zero_stage": 2, "engine.grad_accum": 3, "engine.precision": "bf16"})
+    ds, plan = eng.ds_config(cfg, "pretrain", world=2, cuda=False)
+    assert ds["train_micro_batch_size_per_gpu"] == 13 and ds["gradient_accumulation_steps"] == 3
+    assert "train_batch_size" not in ds  # DeepSpeed infers it
+    assert plan == eng.BatchPlan(13, 3, 2) and plan.global_batch == 78
+    assert ds["zero_optimization"] == {"stage": 2} and ds["bf16"] == {"enabled": True}
+    params = ds["optimizer"]["params"]
+    # DeepSpeed's "Adam" silently means AdamW unless adam_w_mode is false; torch_adam avoids FusedAdam's JIT on CPU.
+    assert ds["optimizer"]["type"] == "Adam" and params["adam_w_mode"] is False and params["torch_adam"] is True
+    assert params["lr"] == cfg.pretrain.optim.lr and ds["gradient_clipping"] == 0.5
+
+    ft, _ = eng.ds_config(override(lab(), {"finetune.optim.name": "adamw"}), "finetune", world=1, cuda=True)
+    assert ft["train_micro_batch_size_per_gpu"] == 8 and ft["optimizer"]["type"] == "AdamW"
+    assert ft["optimizer"]["params"]["adam_w_mode"] is True and "torch_adam" not in ft["optimizer"]["params"]
+    assert ft["optimizer"]["params"]["lr"] == 1e-4
+
+
+def test_user_json_overrides_keys(tmp_path: Path) -> None:
+    user = write(tmp_path, {"gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "train_batch_size": 52})
+    ds, plan = eng.ds_config(tiny(), "pretrain", world=2, user_json=user, cuda=False)
+    assert ds["gradient_clipping"] == 1.0 and ds["zero_optimization"]["stage"] == 1
+    assert ds["optimizer"]["type"] == "Adam"  # untouched keys keep the derived values
+    assert plan.micro_batch == 26 and plan.global_batch == 52  # the global batch fixed the micro-batch
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        ({"gradient_clippping": 1.0}, ["gradient_clippping", "unknown"]),
+        ({"train_batch_size": 27}, ["train_batch_size=27", "not divisible"]),
+        ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 7}, ["train_batch_size=30", "(= 14)"]),
+        ({"zero_optimization": {"stagee": 2}}, ["stagee"]),
+        ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps", ">= 1"]),
+        ("{\n  \"bf16\": {\n", ["invalid JSON", "line"]),
+        ([1, 2], ["JSON object"]),
+    ],
+)
+def test_bad_user_json_names_file_and_key(tmp_path: Path, data: object, words: list[str]) -> None:
+    path = write(tmp_path, data)
+    with pytest.raises(eng.EngineConfigError) as e:
+        eng.ds_config(tiny(), "pretrain", world=2, user_json=path, cuda=False)
+    assert path in str(e.value)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_missing_user_json() -> None:
+    with pytest.raises(eng.EngineConfigError, match="not found: /nonexistent/ds.json"):
+        eng.ds_config(tiny(), "pretrain", world=1, user_json="/nonexistent/ds.json", cuda=False)
+
+
+def test_known_keys_come_from_deepspeed() -> None:
+    keys = eng.known_keys()
+    assert {"optimizer", "scheduler", "zero_optimization", "bf16", "gradient_clipping",
+            "train_micro_batch_size_per_gpu", "flops_profiler", "activation_checkpointing"} <= keys
+    assert "gradient_clippping" not in keys
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+
+
+def test_lr_schedule_warmup_never_zero_and_decay_ends_at_a_tenth() -> None:
+    total = 100
+    cos = OptimConfig(warmup_steps=10, schedule="cosine")
+    f = [eng.lr_factor(s, cos, total) for s in range(total)]
+    assert f[0] == pytest.approx(0.1) and f[0] > 0  # not DeepSpeed WarmupLR's lr 0 at step 1
+    assert f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
+    assert f[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(f[10:], f[11:], strict=False))
+    lin = [eng.lr_factor(s, OptimConfig(schedule="linear"), total) for s in range(total)]
+    assert lin[0] == 1.0 and lin[-1] == pytest.approx(0.1) and lin[50] == pytest.approx(1 - 0.9 * 50 / 99)
+    assert {eng.lr_factor(s, OptimConfig(), total) for s in range(total)} == {1.0}
+
+
+# ---------------------------------------------------------------------------------------------- environment
+
+
+def test_slurm_variables_become_torch_distributed_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the node list is parsed here
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)",
+           "SLURM_JOB_NODELIST": "gpu[07-09,12],cpu1", "SLURM_JOB_ID": "123456"}
+    eng.prepare_env(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_SIZE"]) == ("5", "8", "1", "4")
+    assert env["MASTER_ADDR"] == "gpu07"
+    assert env["MASTER_PORT"] == str(20000 + 123456 % 20000)  # the same on every rank without talking
+
+
+def test_launcher_variables_are_kept() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+           "SLURM_PROCID": "7", "SLURM_NTASKS": "9", "LOCAL_SIZE": "2"}
+    before = dict(env)
+    assert eng.prepare_env(env) == []
+    assert env == before
+
+
+def test_plain_python_is_one_process_on_loopback() -> None:
+    env: dict[str, str] = {}
+    eng.prepare_env(env)
+    assert env["RANK"] == "0" and env["WORLD_SIZE"] == "1" and env["MASTER_ADDR"] == "127.0.0.1"
+    assert 0 < int(env["MASTER_PORT"]) < 65536
+    with pytest.raises(eng.EngineConfigError, match="MASTER_PORT is not set for a world of 4"):
+        eng.prepare_env({"RANK": "0", "WORLD_SIZE": "4"})
+
+
+# ---------------------------------------------------------------------------------------------- windows, masks
+
+
+def corpus_of(lengths: list[int], vocab: int = 99, seed: int = 0) -> Corpus:
+    rng = np.random.default_rng(seed)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = rng.integers(4, vocab, size=int(offsets[-1])).astype(np.uint16)
+    return Corpus(tokens, offsets, vocab)
+
+
+def test_clm_windows_predict_every_token_once() -> None:
+    c = corpus_of([0, 1, 5, 6, 7, 30, 100])
+    full = c.lengths() + 2
+    w = cut_windows(np.arange(len(c)), full, seq_len=7, overlap=1)
+    assert (w.length <= 8).all() and (w.length >= 2).all()
+    b = Batcher(c, w, "clm", 0.15, 99, seed=0)
+    assert b.n_predicted(list(range(len(w.doc)))) == int((full - 1).sum())
+    ids, pad, pos, tgt = b.make(list(range(len(w.doc))), epoch=0)
+    flat = ids.reshape(-1).numpy()
+    # target at position t is the token after the input at t, within the document's sequence
+    for d in range(len(c)):
+        seq = np.concatenate([[0], c.doc(d).astype(np.int64), [2]])
+        got = [int(t) for t, doc in zip(tgt.numpy(), np.repeat(w.doc, w.length - 1), strict=True) if doc == d]
+        assert got == seq[1:].tolist()
+    assert not pad.reshape(-1)[pos].any() and (flat[pos] != 1).all()
+
+
+def test_mlm_masks_are_bert_style_and_seeded_per_window() -> None:
+    c = corpus_of([200] * 60 + [0, 3])
+    full = c.lengths() + 2
+    w = cut_windows(np.arange(len(c)), full, seq_len=24, overlap=0)
+    assert int(w.length.sum()) == int(full.sum())  # mlm windows tile each document exactly
+    b = Batcher(c, w, "mlm", 0.15, 99, seed=3)
+    batch = list(range(len(w.doc)))
+    ids, pad, pos, tgt = b.make(batch, epoch=1)
+    assert len(tgt) == b.n_predicted(batch)
+    originals = np.concatenate([b.ids(i) for i in batch])
+    lengths = w.length[batch]
+    T = ids.shape[1]
+    flat_orig = np.full(len(batch) * T, -1)
+    for row, (i, n) in enumerate(zip(batch, lengths, strict=True)):
+        flat_orig[row * T : row * T + n] = b.ids(i)
+    assert (flat_orig[pos.numpy()] == tgt.numpy()).all()  # targets are the original tokens
+    assert not np.isin(tgt.numpy(), [0, 1, 2]).any()  # never <sos>, <pad> or <eos>
+    shown = ids.reshape(-1).numpy()[pos.numpy()]
+    frac_mask = float((shown == 3).mean())
+    frac_keep = float((shown == tgt.numpy()).mean())
+    assert 0.74 < frac_mask < 0.86 and 0.05 < frac_keep < 0.16, (frac_mask, frac_keep)
+    assert abs(len(tgt) / (originals.size - 2 * len(c)) - 0.15) < 0.02
+    again = b.make(batch[::-1], epoch=1)[3].numpy()  # same windows, other order / other rank: same targets
+    assert sorted(again.tolist()) == sorted(tgt.numpy().tolist())
+    assert not np.array_equal(b.make(batch, epoch=2)[2].numpy(), pos.numpy())  # a new epoch masks anew
+
+
+def test_global_batch_cut_is_independent_of_world_size() -> None:
+    batch = list(range(100, 126))
+    two = stage.slots(batch, eng.BatchPlan(13, 1, 2))
+    one = stage.slots(batch, eng.BatchPlan(26, 1, 1))
+    assert one == [batch] and two[0] + two[1] == batch
+    accum = stage.slots(batch, eng.BatchPlan(4, 3, 2))  # micro-step a of rank r is slot a * W + r
+    assert sorted(sum(accum, [])) == batch and len(accum) == 6
+    assert stage.usable([[1, 2, 3], [4]], eng.BatchPlan(1, 1, 2)) == [[1, 2, 3]]
+

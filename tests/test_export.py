@@ -1,0 +1,403 @@
+"""ONNX export: the bundle matches PyTorch on many shapes, describes itself, loads without torch, refuses tampering,
+refuses lengths beyond the positional table, and its int8/fp16 variants hold their stated tolerances.
+
+The CI export step is `tiny_bundle` (tests/conftest.py): train a tiny classifier a few steps, export, validate;
+`test_ci_export_step_loads_like_the_server` then opens it the way the server does.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from trainer import artifact
+from trainer.__main__ import main as cli
+from trainer.export import (
+    INPUTS,
+    OUTPUT,
+    TOLERANCES,
+    BundleError,
+    ExportError,
+    ExportValidationError,
+    Tolerance,
+    check_bundle,
+    check_graph,
+    compare,
+    cuda_present,
+    export_bundle,
+    make_batch,
+    open_session,
+    ort_logits,
+    providers,
+    torch_logits,
+    validate,
+    verify_bundle,
+)
+
+TEST_FILE = "cls-books-fr/test.review.txt"
+
+
+def manifest_of(bundle: Path) -> dict:
+    return json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
+
+
+def leftovers(parent: Path, name: str) -> list[Path]:
+    """Temporary siblings an export might leave behind."""
+    return [p for p in parent.iterdir() if p.name.startswith(f".{name}.")]
+
+
+# ---------------------------------------------------------------------------------------------- fp32 bundle
+
+
+def test_validation_of_the_tiny_trained_model_covers_every_shape(tiny_bundle):
+    v = manifest_of(tiny_bundle)["validation"]
+    assert v["passed"] is True and v["provider"] == "CPUExecutionProvider"
+    names = [c["input"] for c in v["cases"]]
+    for b in (1, 2, 13):
+        for t in (1, 7, 48):
+            assert f"{b}x{t}" in names
+    assert sum("padded" in n for n in names) == 3
+    assert v["max_abs_diff"] <= 1e-4 == v["tolerance"]["max_abs_diff"] and v["tolerance"]["rel_diff"] == 0
+    assert v["label_agreement"] == 1.0
+
+
+def test_bundle_matches_pytorch_on_a_fresh_padded_batch(tiny_bundle, tiny_classifier_artifact):
+    model = artifact.load(tiny_classifier_artifact).model()
+    session = open_session(tiny_bundle / "model.onnx", prefer_gpu=False)
+    rng = np.random.default_rng(7)
+    for lengths, width in (([5, 48, 1, 17, 30], 48), ([3] * 11, 3), ([31, 2, 9], 33)):
+        ids, mask = make_batch(lengths, width, 99, 1, rng)
+        ref, got = torch_logits(model, ids, mask), ort_logits(session, ids, mask)
+        assert got.dtype == np.float32 and got.shape == (len(lengths), 2)
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    # The trained model decides: not every logit pair is a tie (else label checks would prove nothing).
+    assert np.abs(ref[:, 0] - ref[:, 1]).max() > 1e-2
+
+
+def test_validation_fails_naming_the_shape_when_logits_differ(tiny_bundle, tiny_classifier_artifact):
+    model = artifact.load(tiny_classifier_artifact).model()
+    with torch.no_grad():
+        model.head.bias[0] += 1e-3  # PyTorch now differs from the exported graph by 1e-3 on every row
+    session = open_session(tiny_bundle / "model.onnx", prefer_gpu=False)
+    with pytest.raises(ExportValidationError, match=r"fp32 bundle differs from PyTorch on input 1x1: "
+                                                    r"max \|logit diff\| 0\.001 > tolerance 0\.0001"):
+        validate(model, session, "fp32", 48, 99, 1)
+
+
+def test_compare_counts_flips_only_outside_near_ties():
+    ref = np.array([[0.0, 1.0], [0.0, 0.05], [2.0, 0.0]], dtype=np.float32)
+    got = np.array([[1.0, 0.0], [0.05, 0.0], [2.0, 0.0]], dtype=np.float32)
+    # bound 0.1: row 0 (gap 1.0) is decided and flipped; row 1 (gap 0.05 < 0.2) is a near-tie.
+    assert compare(ref, got, 0.1) == (1.0, 1, 1)
+    assert compare(ref, ref, 0.0) == (0.0, 0, 0)
+
+
+def test_manifest_describes_the_bundle(tiny_bundle, tiny_classifier_artifact):
+    m = manifest_of(tiny_bundle)
+    src = json.loads((tiny_classifier_artifact / "artifact.json").read_text())
+    assert m["format"] == 1 and m["task"] == "sentiment-classification" and m["precision"] == "fp32"
+    assert m["labels"] == ["negative", "positive"] and m["max_len"] == 48
+    assert m["special_ids"] == {"sos": 0, "pad": 1, "eos": 2, "oov": 3}
+    assert m["inputs"] == [{"name": n, "dtype": d, "shape": ["batch", "sequence"]} for n, d in INPUTS]
+    assert m["outputs"] == [{"name": OUTPUT[0], "dtype": "float32", "shape": ["batch", 2]}]
+    assert set(m["files"]) == {"model.onnx", "tokenizer/spm.model", "tokenizer/vocab.txt", "tokenizer/tokenizer.json"}
+    assert m["source_artifact"]["weights_sha256"] == src["weights_sha256"]
+    assert {"torch", "onnx", "onnxruntime", "onnxscript"} <= set(m["versions"])
+    graph = onnx.load(str(tiny_bundle / "model.onnx"))
+    assert m["opset"] == next(o.version for o in graph.opset_import if o.domain == "") >= 18
+    assert not graph.graph.initializer or all(not t.external_data for t in graph.graph.initializer)
+    assert sorted(p.name for p in tiny_bundle.iterdir()) == ["manifest.json", "model.onnx", "tokenizer"]
+    assert verify_bundle(tiny_bundle) == m
+
+
+def test_graph_check_catches_renamed_axes_and_checker_errors(tiny_bundle):
+    graph = onnx.load(str(tiny_bundle / "model.onnx"))
+    check_graph(graph, 2, "tiny")
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(graph)
+    renamed.graph.input[1].type.tensor_type.shape.dim[1].dim_param = "tokens"
+    with pytest.raises(ExportError, match=r"tiny: graph inputs .*'tokens'.* differ from the declared inputs"):
+        check_graph(renamed, 2, "tiny")
+    with pytest.raises(ExportError, match="differ from the declared"):
+        check_graph(graph, 3, "tiny")  # a 3-class head was declared
+    broken = onnx.ModelProto()
+    broken.CopyFrom(graph)
+    broken.graph.node[0].input[0] = "no_such_tensor"
+    with pytest.raises(ExportError, match="tiny: onnx.checker failed"):
+        check_graph(broken, 2, "tiny")
+
+
+def test_ci_export_step_loads_like_the_server(tiny_bundle, tiny_tokenizer):
+    """Providers: CUDA first when present, else CPU; trust get_providers() (STACK.md)."""
+    session = open_session(tiny_bundle / "model.onnx")
+    if cuda_present():  # asked first; onnxruntime may still fall back when CUDA libraries are missing
+        assert providers() == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        assert session.get_providers()[0] in providers()
+    else:
+        assert providers() == ["CPUExecutionProvider"] == session.get_providers()
+    assert [i.name for i in session.get_inputs()] == [n for n, _ in INPUTS]
+    assert [o.name for o in session.get_outputs()] == [OUTPUT[0]]
+    texts = ["Un livre magnifique, je le recommande.", "Ennuyeux.", "Pas terrible, une histoire sans intérêt " * 9]
+    seqs = tiny_tokenizer.encode_batch(texts)
+    assert len(seqs[2]) == 48  # cut to max_len
+    ids, mask = make_batch([len(s) for s in seqs], max(map(len, seqs)), 99, 1, np.random.default_rng(0))
+    for row, s in enumerate(seqs):
+        ids[row, :len(s)] = s
+    logits = ort_logits(session, ids, mask)
+    assert logits.shape == (3, 2) and np.isfinite(logits).all()
+
+
+FRESH_PROCESS = textwrap.dedent("""
+    import hashlib, json, sys
+    from pathlib import Path
+    import numpy as np
+    import onnxruntime as ort
+    import sentencepiece as spm
+
+    bundle = Path(sys.argv[1])
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for name, digest in manifest["files"].items():
+        assert hashlib.sha256((bundle / name).read_bytes()).hexdigest() == digest, name
+    sp = spm.SentencePieceProcessor(model_file=str(bundle / "tokenizer" / "spm.model"))
+    vocab = {p: i + 4 for i, p in enumerate((bundle / "tokenizer" / "vocab.txt").read_text().split("\\n")[:-1])}
+    texts = json.loads(sys.argv[2])
+    n = manifest["max_len"]
+    seqs = [[0] + [vocab.get(p, 3) for p in sp.encode(t, out_type=str)][: n - 2] + [2] for t in texts]
+    width = max(map(len, seqs))
+    ids = np.full((len(seqs), width), manifest["special_ids"]["pad"], dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)], mask[r, : len(s)] = s, 1
+    session = ort.InferenceSession(str(bundle / "model.onnx"), providers=["CPUExecutionProvider"])
+    logits = session.run([manifest["outputs"][0]["name"]],
+                         {manifest["inputs"][0]["name"]: ids, manifest["inputs"][1]["name"]: mask})[0]
+    print(json.dumps({"ids": ids.tolist(), "logits": logits.tolist(),
+                      "modules": sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "trainer"))}))
+""")
+
+
+def test_bundle_runs_in_a_fresh_process_without_torch_or_trainer(tiny_bundle, tiny_classifier_artifact,
+                                                                  tiny_tokenizer):
+    texts = ["Un roman passionnant du début à la fin.", "Je me suis ennuyé.", "Bof."]
+    run = subprocess.run([sys.executable, "-I", "-c", FRESH_PROCESS, str(tiny_bundle), json.dumps(texts)],
+                         capture_output=True, text=True, timeout=60, cwd=tiny_bundle)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["modules"] == []  # neither torch nor trainer was imported to serve the bundle
+    ids = np.array(out["ids"], dtype=np.int64)
+    # Same ids as the project's tokenizer, same logits as PyTorch.
+    for row, text in enumerate(texts):
+        want = tiny_tokenizer.encode(text)
+        assert ids[row, :len(want)].tolist() == want
+    model = artifact.load(tiny_classifier_artifact).model()
+    np.testing.assert_allclose(out["logits"], torch_logits(model, ids, (ids != 1).astype(np.int64)), atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- fused attention
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_attention_swap_computes_the_plain_model(causal):
+    from trainer.config import ModelConfig
+    from trainer.model import Classifier
+    from trainer.onnx_attention import FusedSelfAttention, with_fused_attention
+
+    torch.manual_seed(0)
+    model = Classifier(ModelConfig(vocab_size=99, d_model=30, n_layers=2, n_heads=3, d_ff=7, max_positions=20,
+                                   num_classes=3, classifier_causal=causal)).eval()
+    fused = with_fused_attention(model)
+    assert all(isinstance(layer.self_attn, FusedSelfAttention) for layer in fused.encoder.layers.layers)
+    assert not any(isinstance(m, FusedSelfAttention) for m in model.modules())  # the model stays plain
+    ids, mask = make_batch([13, 1, 7, 13, 2], 13, 99, 1, np.random.default_rng(0))
+    np.testing.assert_allclose(torch_logits(fused, ids, mask), torch_logits(model, ids, mask), atol=1e-5)
+
+
+def test_default_bundle_has_one_fused_attention_node_per_layer(tiny_bundle):
+    graph = onnx.load(str(tiny_bundle / "model.onnx")).graph
+    attention = [n for n in graph.node if n.op_type == "Attention" and n.domain == "com.microsoft"]
+    assert len(attention) == 2  # tiny: 2 layers
+    assert {a.name: onnx.helper.get_attribute_value(a) for a in attention[0].attribute} == \
+        {"num_heads": 2, "unidirectional": 1}  # tiny classifies with the lab's causal mask
+    m = manifest_of(tiny_bundle)
+    assert m["runtime"]["fused_attention"] is True and m["opset_imports"]["com.microsoft"] == 1
+
+
+def test_unfused_export_uses_plain_onnx_ops_and_validates(tiny_classifier_artifact, tmp_path):
+    out = export_bundle(tiny_classifier_artifact, tmp_path / "plain", fuse_attention=False)
+    m = manifest_of(out)
+    assert m["runtime"]["fused_attention"] is False and set(m["opset_imports"]) == {"ai.onnx"}
+    assert m["validation"]["passed"] and m["validation"]["max_abs_diff"] <= 1e-4
+    assert not any(n.domain for n in onnx.load(str(out / "model.onnx")).graph.node)
+
+
+# ---------------------------------------------------------------------------------------------- tampering
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundle, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny_bundle, tmp_path / "bundle"))
+
+
+def test_tampered_model_is_rejected(bundle_copy):
+    data = bytearray((bundle_copy / "model.onnx").read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit in the weights
+    (bundle_copy / "model.onnx").write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"model\.onnx: sha256 does not match manifest\.json"):
+        verify_bundle(bundle_copy)
+
+
+def test_manifest_that_does_not_match_the_graph_is_rejected(bundle_copy):
+    m = manifest_of(bundle_copy)
+    m["inputs"][1]["name"] = "padding_mask"
+    (bundle_copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match=r"inputs .*padding_mask.* do not match model\.onnx's .*attention_mask"):
+        verify_bundle(bundle_copy)
+
+
+def test_manifest_with_wrong_label_count_or_missing_file_is_rejected(bundle_copy):
+    m = manifest_of(bundle_copy)
+    (bundle_copy / "manifest.json").write_text(json.dumps({**m, "labels": ["neg", "neutral", "pos"]}))
+    with pytest.raises(BundleError, match="3 labels for a model of 2 classes"):
+        verify_bundle(bundle_copy)
+    (bundle_copy / "manifest.json").write_text(json.dumps(m))
+    (bundle_copy / "tokenizer" / "vocab.txt").unlink()
+    with pytest.raises(BundleError, match=r"vocab\.txt: listed in manifest\.json but missing"):
+        verify_bundle(bundle_copy)
+
+
+def test_check_command_refuses_a_tampered_bundle(bundle_copy, data_dir, capsys):
+    (bundle_copy / "tokenizer" / "vocab.txt").write_text("tampered\n")
+    rc = cli(["export", "--check", str(bundle_copy), "--data", str(data_dir / TEST_FILE)])
+    assert rc == 2
+    assert "vocab.txt: sha256 does not match manifest.json" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def test_export_refused_beyond_the_positional_table(tiny_classifier_artifact, tmp_path):
+    out = tmp_path / "bundle"
+    with pytest.raises(ExportError, match=r"max_len 65 exceeds the model's positional table: "
+                                          r"model\.max_positions=64"):
+        export_bundle(tiny_classifier_artifact, out, max_len=65)
+    # An artifact whose tokenizer cuts at 48 but whose table holds 40 positions: refused by default.
+    short = Path(shutil.copytree(tiny_classifier_artifact, tmp_path / "short"))
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["model"]["max_positions"] = 40  # the table is not in the weights (a function of the config)
+    (short / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match=r"max_len 48 exceeds .*model\.max_positions=40"):
+        export_bundle(short, out)
+    assert not out.exists() and not leftovers(tmp_path, "bundle")
+
+
+def test_failed_validation_leaves_no_bundle_and_keeps_the_old_one(tiny_classifier_artifact, tiny_bundle,
+                                                                   tmp_path, monkeypatch):
+    out = Path(shutil.copytree(tiny_bundle, tmp_path / "bundle"))
+    before = manifest_of(out)
+    monkeypatch.setitem(TOLERANCES, "fp32", Tolerance(0.0, 0.0, 1.0, 0.0))  # nothing is exact enough
+    with pytest.raises(ExportValidationError, match=r"on input 1x1: max \|logit diff\| .* > tolerance 0"):
+        export_bundle(tiny_classifier_artifact, out)
+    assert manifest_of(out) == before and not leftovers(tmp_path, "bundle")
+
+
+def test_export_refuses_to_replace_a_folder_that_is_not_a_bundle(tiny_classifier_artifact, tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="is not a bundle"):
+        export_bundle(tiny_classifier_artifact, tmp_path / "notes")
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+
+
+def test_export_refuses_a_language_model_artifact(tiny_classifier_artifact, tiny_tokenizer, tmp_path):
+    from trainer.model import build
+
+    cfg = artifact.load(tiny_classifier_artifact).cfg
+    lm = artifact.save(tmp_path / "lm", build(cfg.model, "lm"), cfg, "lm", tiny_tokenizer)
+    with pytest.raises(ExportError, match="task 'lm'; only classifier artifacts are exported"):
+        export_bundle(lm, tmp_path / "bundle")
+
+
+# ---------------------------------------------------------------------------------------------- precisions
+
+
+def weight_bytes(bundle: Path, op_type: str) -> int:
+    """Bytes of the initializers that feed `op_type` nodes, directly or through one DequantizeLinear/MatMulInteger."""
+    graph = onnx.load(str(bundle / "model.onnx")).graph
+    inits = {t.name: t for t in graph.initializer}
+    ops = {op_type, "MatMulInteger", "DynamicQuantizeMatMul"}
+    names = {i for n in graph.node if n.op_type in ops for i in n.input if i in inits}
+    return sum(onnx.numpy_helper.to_array(inits[n]).nbytes for n in names)
+
+
+def test_int8_export_through_the_cli_records_its_accuracy_change(tiny_classifier_artifact, tiny_bundle, data_dir,
+                                                                  tmp_path, capsys):
+    out = tmp_path / "int8"
+    rc = cli(["export", str(tiny_classifier_artifact), "--out", str(out), "--quantize", "int8",
+              "--data", str(data_dir / TEST_FILE), "--limit", "400"])
+    assert rc == 0, capsys.readouterr().err
+    m = manifest_of(out)
+    v, tol = m["validation"], TOLERANCES["int8"]
+    assert m["precision"] == "int8" and m["runtime"]["quantization"]["method"] == "dynamic"
+    assert v["passed"] and v["tolerance"]["max_abs_diff"] == tol.max_abs_diff
+    assert all(c["max_abs_diff"] <= c["tolerance"] for c in v["cases"])
+    assert 0 < v["max_abs_diff"] <= tol.max_abs_diff + tol.rel_diff * 10  # int8 is not exact; logits here < 10
+    d = v["data"]
+    assert d["examples"] == 400 and d["label_agreement"] >= tol.min_data_agreement
+    assert d["accuracy_change_points"] == pytest.approx(d["bundle_accuracy"] - d["torch_accuracy"], abs=1e-2)
+    assert -d["accuracy_change_points"] <= tol.max_accuracy_drop
+    assert "accuracy" in capsys.readouterr().out
+    # int8 weights: the Linear (MatMul) initializers take about a quarter of their fp32 bytes (plus scales).
+    assert 0 < weight_bytes(out, "MatMul") < 0.35 * weight_bytes(tiny_bundle, "MatMul")
+    verify_bundle(out)
+
+
+def test_fp16_export_keeps_the_served_signature(tiny_classifier_artifact, tmp_path):
+    out = export_bundle(tiny_classifier_artifact, tmp_path / "fp16", fp16=True)
+    m = manifest_of(out)
+    assert m["precision"] == "fp16" and m["outputs"][0]["dtype"] == "float32"
+    graph = onnx.load(str(out / "model.onnx"))
+    assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in graph.graph.initializer)
+    v = m["validation"]
+    # ORT's CPU provider runs this graph today; if a release drops that, the manifest must say so.
+    assert v["passed"] is True or "cannot run this fp16 graph" in v["skipped"]
+    if v["passed"]:
+        assert v["max_abs_diff"] <= TOLERANCES["fp16"].max_abs_diff
+
+
+def test_int8_and_fp16_are_exclusive(tiny_classifier_artifact, tmp_path):
+    with pytest.raises(ExportError, match="exclusive"):
+        export_bundle(tiny_classifier_artifact, tmp_path / "b", quantize="int8", fp16=True)
+
+
+# ---------------------------------------------------------------------------------------------- check command
+
+
+def test_check_reports_accuracy_and_agreement_with_pytorch(tiny_bundle, tiny_classifier_artifact, data_dir, capsys):
+    report = check_bundle(tiny_bundle, data_dir / TEST_FILE, tiny_classifier_artifact, limit=300)
+    assert report["examples"] == 300 and report["label_agreement"] == 1.0
+    assert report["bundle_accuracy"] == report["torch_accuracy"]
+    assert report["max_abs_diff"] <= 1e-4
+    rc = cli(["export", "--check", str(tiny_bundle), "--data", str(data_dir / TEST_FILE), "--limit", "50"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "accuracy" in out and "label agreement 100.00%" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_present(), reason="needs a CUDA GPU")
+def test_fp16_bundle_runs_on_cuda(tiny_classifier_artifact, tmp_path):
+    out = export_bundle(tiny_classifier_artifact, tmp_path / "fp16", fp16=True)
+    session = open_session(out / "model.onnx")
+    assert session.get_providers()[0] == "CUDAExecutionProvider"
+    model = artifact.load(tiny_classifier_artifact).model()
+    ids, mask = make_batch([48, 3, 17], 48, 99, 1, np.random.default_rng(0))
+    np.testing.assert_allclose(ort_logits(session, ids, mask), torch_logits(model, ids, mask),
+                               atol=TOLERANCES["fp16"].max_abs_diff)

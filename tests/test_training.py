@@ -1,0 +1,352 @@
+"""Training through the real DeepSpeed launcher on CPU (gloo), tiny preset: equivalence, resume, faults, artifacts.
+
+Every run here is a real `deepspeed ... launch/pretrain.sh` (or `python -m trainer`) subprocess. Each launch costs
+5-10 s; the first one on a fresh machine also compiles DeepSpeed's shm comm op (~30-90 s, cached in
+TORCH_EXTENSIONS_DIR, the repo's .cache/torch_extensions as in the Makefile). Runs are shared through module fixtures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TINY = ["--preset", "tiny"]
+# 2 ranks x 7 == 1 rank x 14 (odd sizes: shape bugs show)
+ONE_STEP = ["--set", "pretrain.max_steps=1"]
+# Resume runs: ZeRO-2, accumulation 2, dropout on, warmup + cosine: everything that could drift on resume.
+RESUME = ["--set", "pretrain.micro_batch=7", "--set", "engine.zero_stage=2", "--set", "engine.grad_accum=2",
+          "--set", "model.dropout=0.1", "--set", "pretrain.optim.schedule=cosine",
+          "--set", "pretrain.optim.warmup_steps=3", "--set", "pretrain.max_steps=24",
+          "--set", "engine.checkpoint_every=4", "--set", "engine.log_every=1", "--set", "engine.keep_checkpoints=3"]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
+    e["DS_ACCELERATOR"] = "cpu"
+    e.pop("RANK", None)
+    e.pop("WORLD_SIZE", None)
+    e.pop("LOCAL_RANK", None)
+    return e
+
+
+def run(cmd: list[str], timeout: int = 300, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    if ok:
+        assert p.returncode == 0, f"rc {p.returncode} for {' '.join(cmd)}\n{out[-4000:]}"
+        assert "terminate called" not in out  # the gloo exit abort (engine.finish prevents it)
+    return p
+
+
+def deepspeed(args: list[str], ranks: int = 2, launcher: list[str] | None = None, script: str = "launch/pretrain.sh",
+              **kw: object) -> subprocess.CompletedProcess[str]:
+    return run([str(BIN / "deepspeed"), *(launcher or []), "--num_gpus", str(ranks),
+                "--master_port", str(free_port()), script, *args], **kw)  # type: ignore[arg-type]
+
+
+def trainer(args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    return run([sys.executable, "-m", "trainer", *args], **kw)  # type: ignore[arg-type]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "artifact" / "model.safetensors"))
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].detach() - b[k].detach()).abs().max()) for k in a)
+
+
+def tree_hashes(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def losses(run_dir: Path) -> list[float]:
+    rows = (run_dir / "metrics.csv").read_text().splitlines()[1:]
+    return [float(r.split(",")[2]) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def base(tiny_tokenizer_dir: Path, data_dir: Path) -> list[str]:
+    return [*TINY, "--tokenizer", str(tiny_tokenizer_dir), "--set", f"data.root={data_dir}"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Run folders shared by the tests of this module, created on first use."""
+    return {"root": tmp_path_factory.mktemp("training")}
+
+
+def once(runs: dict[str, Path], name: str, make) -> Path:  # noqa: ANN001
+    if name not in runs:
+        out = runs["root"] / name
+        make(out)
+        runs[name] = out
+    return runs[name]
+
+
+def one_rank_14(runs: dict[str, Path], base: list[str], zero: int) -> Path:
+    """The 1 x 2B reference, through the two other entry routes of the launch script."""
+    args = [*base, *ONE_STEP, "--set", "pretrain.micro_batch=14", "--set", f"engine.zero_stage={zero}"]
+    if zero == 0:  # `deepspeed --no_python` runs the file with bash
+        return once(runs, "one0", lambda out: deepspeed([*args, "--out", str(out)], ranks=1, launcher=["--no_python"]))
+    return once(runs, "one2", lambda out: run(["bash", "launch/pretrain.sh", *args, "--out", str(out)]))
+
+
+def two_ranks_7(runs: dict[str, Path], base: list[str], zero: int) -> Path:
+    args = [*base, *ONE_STEP, "--set", "pretrain.micro_batch=7", "--set", f"engine.zero_stage={zero}"]
+    return once(runs, f"two{zero}", lambda out: deepspeed([*args, "--out", str(out)]))  # python -u launch/pretrain.sh
+
+
+# ---------------------------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_two_ranks_equal_one_rank_with_twice_the_batch(runs: dict[str, Path], base: list[str], zero: int) -> None:
+    one, two = weights(one_rank_14(runs, base, zero)), weights(two_ranks_7(runs, base, zero))
+    assert max_diff(one, two) < 1e-5
+    from trainer.config import tiny
+    from trainer.model import LanguageModel
+
+    torch.manual_seed(0)  # what pretrain builds before the engine: the step really moved the weights
+    init = LanguageModel(tiny().model).state_dict()
+    assert max_diff(one, init) > 1e-4
+    assert json.loads((runs[f"two{zero}"] / "env.json").read_text())["world_size"] == 2
+
+
+def test_simulated_two_nodes_equal_one_node(runs: dict[str, Path], base: list[str], tmp_path: Path) -> None:
+    """Two launchers, one per 'node' of a hostfile, started without ssh: the path a cluster takes minus ssh."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    out, port = runs["root"] / "two-nodes", str(free_port())
+    args = [*base, *ONE_STEP, "--set", "pretrain.micro_batch=7", "--set", "engine.zero_stage=2", "--out", str(out)]
+
+    def node(k: int) -> subprocess.Popen[str]:
+        return subprocess.Popen([str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(k),
+                                 "--master_addr", "127.0.0.1", "--master_port", port, "launch/pretrain.sh", *args],
+                                cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    nodes = [node(0), node(1)]
+    outs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "'node-a': [0], 'node-b': [0]" in outs[0]
+    assert json.loads((out / "env.json").read_text())["world_size"] == 2
+    assert max_diff(weights(out), weights(two_ranks_7(runs, base, 2))) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+def uninterrupted(runs: dict[str, Path], base: list[str]) -> Path:
+    return once(runs, "full", lambda out: deepspeed([*base, *RESUME, "--out", str(out)]))
+
+
+def test_resume_equals_uninterrupted(runs: dict[str, Path], base: list[str]) -> None:
+    full = uninterrupted(runs, base)
+    out = runs["root"] / "halves"
+    deepspeed([*base, *RESUME, "--out", str(out), "--stop_at", "12"])
+    assert not (out / "artifact").exists() and (out / "checkpoints" / "latest").read_text().strip() == "step00000012"
+    p = deepspeed([*base, *RESUME, "--out", str(out), "--resume"])
+    assert "resumed at step 12" in p.stderr
+    assert len(losses(full)) == 24 and np.allclose(losses(out), losses(full), rtol=0, atol=1e-6)
+    assert max_diff(weights(out), weights(full)) < 1e-6
+    # old checkpoints pruned; latest is the end
+    tags = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step"))
+    assert tags == ["step00000016", "step00000020", "step00000024"]
+
+
+def test_sigkill_of_a_rank_then_resume_finishes(runs: dict[str, Path], base: list[str]) -> None:
+    full = uninterrupted(runs, base)
+    out = runs["root"] / "killed"
+    args = [*base, *RESUME, "--out", str(out)]
+    launcher = subprocess.Popen([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                                 "launch/pretrain.sh", *args], cwd=REPO, env=env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed_at = None
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and launcher.poll() is None:
+            latest = out / "checkpoints" / "latest"
+            if latest.exists():  # the first checkpoint is done: kill rank 1 in the middle of training
+                rank1 = [c for c in psutil.Process(launcher.pid).children(recursive=True)
+                         if "--local_rank=1" in c.cmdline()]
+                if rank1:
+                    killed_at = latest.read_text().strip()
+                    os.kill(rank1[0].pid, signal.SIGKILL)
+                    break
+            time.sleep(0.01)
+        output = launcher.communicate(timeout=120)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert killed_at is not None, "the run finished before a rank could be killed"
+    assert launcher.returncode != 0, output[-2000:]
+    assert not (out / "artifact").exists()
+    p = deepspeed([*args, "--resume"])
+    assert "resumed at step" in p.stderr
+    assert max_diff(weights(out), weights(full)) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_corrupt_checkpoint_is_refused_and_left_untouched(runs: dict[str, Path], base: list[str],
+                                                          tmp_path: Path) -> None:
+    src = uninterrupted(runs, base)
+    out = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(src), str(out)], check=True)
+    victim = out / "checkpoints" / "step00000024" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[:-100])  # truncated, as by a full disk
+    before = tree_hashes(out / "checkpoints")
+    p = trainer(["pretrain", *base, *RESUME, "--out", str(out), "--resume"], ok=False)
+    assert p.returncode == 2 and str(victim) in p.stderr and "corrupt" in p.stderr, p.stderr[-2000:]
+    assert tree_hashes(out / "checkpoints") == before
+    p = trainer(["pretrain", *base, *RESUME, "--out", str(out), "--resume", "step00000016"], ok=False)
+    assert p.returncode == 2 and "written by 2 ranks, this run has 1" in p.stderr  # a good one, wrong world size
+    p = trainer(["pretrain", *base, *RESUME, "--out", str(out)], ok=False)  # a fresh run into an old run's folder
+    assert p.returncode == 2 and "already holds checkpoints" in p.stderr
+    assert tree_hashes(out / "checkpoints") == before
+
+
+def test_missing_resume_folder(base: list[str], tmp_path: Path) -> None:
+    p = trainer(["pretrain", *base, "--out", str(tmp_path / "never-ran"), "--resume"], ok=False)
+    assert p.returncode == 2 and f"nothing to resume: {tmp_path / 'never-ran' / 'config.json'} not found" in p.stderr
+    assert not (tmp_path / "never-ran").exists()
+
+
+@pytest.mark.parametrize("data, word", [({"gradient_clippping": 1.0}, "'gradient_clippping'"),
+                                        ({"train_batch_size": 27}, "train_batch_size=27 is not divisible")])
+def test_bad_deepspeed_json_on_the_command_line(base: list[str], tmp_path: Path, data: dict, word: str) -> None:
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(data))
+    args = [*base, "--set", "engine.grad_accum=2", "--out", str(tmp_path / "run"), "--deepspeed_config", str(ds)]
+    p = trainer(["pretrain", *args], ok=False)
+    assert p.returncode == 2 and str(ds) in p.stderr and word in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------- artifacts
+
+
+def test_artifact_is_the_engines_fp32_weights_and_loads_without_pickle(runs: dict[str, Path], base: list[str],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from trainer import artifact
+    from trainer.finetune import ClassifierObjective
+    from trainer.model import load_encoder
+
+    full = uninterrupted(runs, base)
+    zero = get_fp32_state_dict_from_zero_checkpoint(str(full / "checkpoints"), tag="step00000024")
+    saved = weights(full)
+    assert max_diff(saved, {k: zero[k] for k in saved}) == 0.0  # ZeRO-2 shards consolidated independently
+
+    def no_pickle(*a: object, **k: object) -> None:
+        raise AssertionError("artifact loading must not unpickle")
+
+    monkeypatch.setattr(torch, "load", no_pickle)
+    art = artifact.load(full / "artifact")
+    assert art.task == "lm" and art.meta["objective"] == "clm" and art.meta["steps"] == 24
+    assert not [p for p in (full / "artifact").rglob("*") if p.suffix in (".pt", ".bin", ".pkl")]
+    clf = ClassifierObjective(art.cfg.model)
+    load_encoder(clf, art.state)
+    for k, v in clf.state_dict().items():
+        if k.startswith("encoder."):
+            assert torch.equal(v, saved[k]), k
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_bf16_artifact_holds_the_fp32_master_weights(base: list[str], tmp_path: Path, zero: int) -> None:
+    out = tmp_path / f"bf16-{zero}"
+    trainer(["pretrain", *base, *ONE_STEP, "--set", "engine.precision=bf16", "--set", f"engine.zero_stage={zero}",
+             "--out", str(out)])
+    art = weights(out)
+    module = torch.load(out / "checkpoints" / "step00000001" / "mp_rank_00_model_states.pt", weights_only=False,
+                        map_location="cpu")["module"]
+    k = next(k for k in art if k.endswith("linear1.weight"))
+    assert module[k].dtype == torch.bfloat16
+    assert torch.equal(art[k].bfloat16(), module[k]) and not torch.equal(art[k], module[k].float())
+
+
+def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> None:
+    from trainer import artifact
+
+    pre = uninterrupted(runs, base) / "artifact"
+    out = runs["root"] / "finetune"
+    args = [*base, "--pretrained", str(pre), "--compare", "--out", str(out),
+            "--set", "finetune.micro_batch=5", "--set", "engine.zero_stage=1"]
+    p = deepspeed(args, script="launch/finetune.sh")
+    rows = (out / "compare.csv").read_text().splitlines()
+    assert rows[0] == "epoch,scratch_accuracy,pretrained_accuracy,difference" and len(rows) == 3
+    assert "| epoch | from scratch | pretrained | difference |" in (out / "compare.md").read_text()
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    clf = artifact.load(out / "artifact")
+    assert clf.task == "classifier" and clf.meta["run"] == "pretrained"
+    assert clf.meta["pretrained_from"]["weights_sha256"] == artifact.load(pre).meta["weights_sha256"]
+    assert artifact.load(out / "scratch" / "artifact").meta["pretrained_from"] is None
+    assert len(clf.meta["history"]) == 2 and "classifier artifact:" in p.stdout
+    # Both runs saw the same examples per epoch (same seed, same data order): same training-set sizes logged.
+    for name in ("scratch", "pretrained"):
+        assert (out / name / "metrics.csv").read_text().count("\n") >= 3
+
+
+def test_mlm_pretraining_and_generation(runs: dict[str, Path], base: list[str], tmp_path: Path) -> None:
+    from trainer import artifact
+    from trainer.generate import complete
+    from trainer.tokenizer import Tokenizer
+
+    out = tmp_path / "mlm"
+    trainer(["pretrain", *base, "--set", "pretrain.objective=mlm", "--out", str(out)])
+    art = artifact.load(out / "artifact")
+    assert art.meta["objective"] == "mlm" and art.meta["eval_loss"] > 0
+    p = trainer(["generate", str(out / "artifact"), "bonjour"], ok=False)
+    assert p.returncode == 2 and "objective mlm" in p.stderr
+
+    clm = one_rank_14(runs, base, 2)
+    lm = artifact.load(clm / "artifact")
+    tok = Tokenizer.load(lm.tokenizer_dir)
+    prompt, new = complete(lm.model(), tok, "Ce livre", max_len=12)
+    assert prompt[0] == Tokenizer.SOS and Tokenizer.EOS not in prompt
+    assert len(prompt) + len(new) == 12 or new[-1] == Tokenizer.EOS
+    assert complete(lm.model(), tok, "Ce livre", max_len=12) == (prompt, new)  # greedy: deterministic
+    p = trainer(["generate", str(clm / "artifact"), "Ce livre", "--max_len", "12"])
+    assert p.stdout.startswith("Ce livre \u2192 ")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_two_ranks_nccl(base: list[str], tmp_path: Path) -> None:
+    """On a GPU machine: NCCL, bf16, FusedAdam (no torch_adam), the same artifact contract."""
+    ranks = min(2, torch.cuda.device_count())
+    out = tmp_path / "gpu"
+    deepspeed([*base, "--set", "engine.precision=bf16", "--set", "engine.zero_stage=2", "--out", str(out)], ranks=ranks)
+    info = json.loads((out / "env.json").read_text())
+    assert info["backend"] == "nccl" and info["device"].startswith("cuda")
+    ds = json.loads((out / "deepspeed_config.json").read_text())
+    assert "torch_adam" not in ds["optimizer"]["params"] and ds["bf16"]["enabled"]
+    assert all(v.dtype == torch.float32 for v in weights(out).values())

@@ -1,0 +1,449 @@
+"""DeepSpeed, in one place: the only module that imports `deepspeed`.
+
+- `ds_config()` derives DeepSpeed's JSON from our `RunConfig` (micro-batch, accumulation, ZeRO stage, precision,
+  Adam/AdamW, clipping); a user's own JSON overrides it key by key, and is checked before DeepSpeed sees it
+  (unknown keys and batch sizes that do not divide are errors naming the file and the key).
+- `init_distributed()` starts torch.distributed with the same code under the DeepSpeed launcher, torchrun, Slurm
+  (`SLURM_PROCID`... mapped to `RANK`...) or plain `python` (one process, loopback defaults): NCCL on GPU, gloo on CPU.
+- `initialize()` wraps a model into a DeepSpeed engine with our learning-rate schedule.
+- `finish()` is how every rank's entry point ends: gloo ranks intermittently abort at interpreter exit
+  ("terminate called without an active exception", STACK.md), so we tear down and leave with `os._exit`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import OptimConfig, RunConfig
+
+Stage = Literal["pretrain", "finetune"]
+
+# A checkout keeps DeepSpeed's JIT cache (the shared-memory comm op, ~26 s to build) beside the code, like the
+# Makefile does; an installed package leaves DeepSpeed's default (~/.cache/torch_extensions).
+_REPO = Path(__file__).resolve().parents[1]
+if (_REPO / "pyproject.toml").exists():
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO / ".cache" / "torch_extensions"))
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # only silences DeepSpeed's "no GPU found" warning
+
+import deepspeed  # noqa: E402  (after the environment defaults above)
+from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
+
+
+class EngineConfigError(ValueError):
+    """A DeepSpeed JSON (ours merged with the user's) is invalid; the message names the file and the key."""
+
+
+# ---------------------------------------------------------------------------------------------- distributed
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    backend: str
+    device: torch.device
+
+
+def prepare_env(env: dict[str, str] | os._Environ) -> list[str]:
+    """Fill the variables torch.distributed reads (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) in `env`.
+
+    Under the DeepSpeed launcher or torchrun they are already set. Under Slurm (`srun`, or `deepspeed --launcher
+    slurm`, which sets no RANK) they come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and the job's first node.
+    Under plain `python` this is one process on loopback with a free port. Returns the names it set.
+    """
+    set_: list[str] = []
+
+    def default(name: str, value: str) -> None:
+        if name not in env:
+            env[name] = value
+            set_.append(name)
+
+    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        default("RANK", env["SLURM_PROCID"])
+        default("WORLD_SIZE", env["SLURM_NTASKS"])
+        default("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+        if "SLURM_NTASKS_PER_NODE" in env:
+            default("LOCAL_SIZE", env["SLURM_NTASKS_PER_NODE"].split("(")[0].split(",")[0])
+        default("MASTER_ADDR", _slurm_first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", ""))))
+        # Every rank must pick the same port without talking: derive it from the job id.
+        default("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    default("RANK", "0")
+    default("WORLD_SIZE", "1")
+    default("LOCAL_RANK", "0")
+    default("LOCAL_SIZE", env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))  # torchrun names it LOCAL_WORLD_SIZE
+    default("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in env:
+        if env["WORLD_SIZE"] != "1":
+            raise EngineConfigError(
+                f"MASTER_PORT is not set for a world of {env['WORLD_SIZE']} processes: start the ranks with "
+                "`deepspeed`, `torchrun` or `srun`, or set MASTER_ADDR and MASTER_PORT"
+            )
+        default("MASTER_PORT", str(free_port()))
+    return set_
+
+
+def _slurm_first_host(nodelist: str) -> str:
+    """First host of a Slurm node list ("gpu[07-09,12],cpu1" -> "gpu07"); scontrol when available."""
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    first = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
+    if "[" in first:
+        prefix, rest = first.split("[", 1)
+        return prefix + rest.split(",")[0].split("-")[0].rstrip("]")
+    return first
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(timeout_s: int = 1800) -> DistInfo:
+    """Start (or join) the process group: NCCL on GPU, gloo on CPU. Safe to call twice."""
+    prepare_env(os.environ)
+    info = dist_info()
+    if info.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Unbound ranks on a shared CPU each default to all cores and run ~2x slower (STACK.md); split the cores.
+        # `deepspeed --bind_cores_to_rank` sets OMP_NUM_THREADS itself and pins each rank with numactl.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // info.local_size))
+    if info.device.type == "cuda":
+        torch.cuda.set_device(info.device)
+    _quiet_deepspeed(info.rank)
+    if not dist.is_initialized():
+        import datetime as dt
+
+        deepspeed.init_distributed(dist_backend=info.backend, auto_mpi_discovery=False, verbose=False,
+                                   timeout=dt.timedelta(seconds=timeout_s))
+    return info
+
+
+def dist_info() -> DistInfo:
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_size = int(os.environ.get("LOCAL_SIZE", world))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if cuda else torch.device("cpu")
+    return DistInfo(rank, world, local_rank, local_size, "nccl" if cuda else "gloo", device)
+
+
+def _quiet_deepspeed(rank: int) -> None:
+    # DeepSpeed logs every config key at INFO; our own log lines (rank 0) say what matters.
+    import logging
+
+    deepspeed.utils.logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_main() -> bool:
+    """Only rank 0 logs, plots and writes artifacts; every rank writes its engine-checkpoint shards."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few floats over ranks (fp64). A host-device sync: call at log intervals only."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t)
+    return [float(v) for v in t.cpu()]
+
+
+def finish(code: int = 0) -> NoReturn:
+    """End a rank: barrier, destroy the process group, flush, `os._exit(code)`.
+
+    With the interpreter's normal exit, gloo ranks intermittently abort ("terminate called without an active
+    exception", launcher rc 250: 4 runs in 10 here); this sequence gave 0 in 18 (STACK.md). On failure the barrier is
+    skipped (the other ranks may never reach it; the launcher stops them when one rank exits non-zero).
+    """
+    try:
+        if dist.is_initialized():
+            if code == 0:
+                dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed JSON
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a global batch is cut: every rank runs `grad_accum` micro-batches of `micro_batch` sequences per step."""
+
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.world_size
+
+
+def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = None,
+              cuda: bool | None = None) -> tuple[dict[str, Any], BatchPlan]:
+    """DeepSpeed's JSON for one training stage, derived from `cfg`, then overridden by `user_json`'s keys.
+
+    DeepSpeed infers `train_batch_size` from micro-batch x accumulation x world size; a user JSON that sets it must
+    agree. Returns the merged JSON and the batch plan the data loader must follow.
+    """
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    micro = cfg.pretrain.micro_batch if stage == "pretrain" else cfg.finetune.micro_batch
+    optim = cfg.pretrain.optim if stage == "pretrain" else cfg.finetune.optim
+    derived: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": cfg.engine.grad_accum,
+        "gradient_clipping": optim.grad_clip,
+        "zero_optimization": {"stage": cfg.engine.zero_stage},
+        "bf16": {"enabled": cfg.engine.precision == "bf16"},
+        "optimizer": {
+            # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false: say which one we mean.
+            "type": "AdamW" if optim.name == "adamw" else "Adam",
+            "params": {
+                "lr": optim.lr,
+                "betas": list(optim.betas),
+                "eps": 1e-8,
+                "weight_decay": optim.weight_decay,
+                "adam_w_mode": optim.name == "adamw",
+                # Without torch_adam DeepSpeed picks FusedAdam, which JIT-compiles C++ for ~45 s on a CPU.
+                **({} if cuda else {"torch_adam": True}),
+            },
+        },
+        "steps_per_print": 1 << 30,  # our loop logs; DeepSpeed's per-step prints would interleave with tqdm
+        "wall_clock_breakdown": False,
+    }
+    source = user_json or ""
+    user = read_user_json(user_json) if user_json else {}
+    merged = _merge(derived, user)
+    check_keys(user, source)
+    plan = _batch_plan(merged, user, world, source)
+    merged["train_micro_batch_size_per_gpu"] = plan.micro_batch
+    merged["gradient_accumulation_steps"] = plan.grad_accum
+    merged.pop("train_batch_size", None)  # DeepSpeed infers it; we checked any user value above
+    try:
+        DeepSpeedConfig(copy.deepcopy(merged))  # DeepSpeed's own checks (e.g. unknown zero_optimization keys)
+    except Exception as e:  # pydantic ValidationError, AssertionError, DeepSpeedConfigError...
+        raise EngineConfigError(f"{source or 'derived DeepSpeed config'}: {type(e).__name__}: {e}") from None
+    return merged, plan
+
+
+def read_user_json(path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EngineConfigError(f"DeepSpeed config file not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise EngineConfigError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise EngineConfigError(f"{path}: a DeepSpeed config must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+@lru_cache(maxsize=1)
+def known_keys() -> frozenset[str]:
+    """The top-level keys the installed DeepSpeed reads, found by watching `DeepSpeedConfig` read a config.
+
+    DeepSpeed silently ignores a top-level key it does not know (a typo like "gradient_clippping" would do nothing),
+    so we ask it which names it looks up instead of keeping a list that goes stale with each release.
+    """
+    seen: set[str] = set()
+
+    class Keys:  # what `param_dict.keys()` returns: DeepSpeed tests `NAME in param_dict.keys()`
+        def __init__(self, d: dict[str, Any]) -> None:
+            self.d = d
+
+        def __contains__(self, k: object) -> bool:
+            seen.add(str(k))
+            return k in self.d
+
+        def __iter__(self):  # noqa: ANN204
+            return iter(self.d)
+
+        def __len__(self) -> int:
+            return len(self.d)
+
+    class Watch(dict):
+        def get(self, k: Any, default: Any = None) -> Any:
+            seen.add(k)
+            return super().get(k, default)
+
+        def __getitem__(self, k: Any) -> Any:
+            seen.add(k)
+            return super().__getitem__(k)
+
+        def __contains__(self, k: object) -> bool:
+            seen.add(str(k))
+            return super().__contains__(k)
+
+        def keys(self) -> Any:  # type: ignore[override]
+            return Keys(self)
+
+    DeepSpeedConfig(Watch({"train_micro_batch_size_per_gpu": 1}))
+    return frozenset(seen)
+
+
+def check_keys(user: dict[str, Any], source: str) -> None:
+    unknown = sorted(set(user) - known_keys())
+    if unknown:
+        raise EngineConfigError(
+            f"{source}: unknown DeepSpeed key(s) {unknown} (deepspeed {deepspeed.__version__} would ignore them); "
+            f"known keys: {', '.join(sorted(known_keys()))}"
+        )
+
+
+def _batch_plan(merged: dict[str, Any], user: dict[str, Any], world: int, source: str) -> BatchPlan:
+    """Resolve micro-batch and accumulation; a user's train_batch_size must divide and agree (DeepSpeed asserts)."""
+    micro = merged["train_micro_batch_size_per_gpu"]
+    accum = merged["gradient_accumulation_steps"]
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum)):
+        if not isinstance(value, int) or value < 1:
+            raise EngineConfigError(f"{source}: {key} must be an integer >= 1, got {value!r}")
+    if "train_batch_size" in user:
+        total = user["train_batch_size"]
+        if not isinstance(total, int) or total < 1:
+            raise EngineConfigError(f"{source}: train_batch_size must be an integer >= 1, got {total!r}")
+        if "train_micro_batch_size_per_gpu" not in user:
+            # The user fixed the global batch: the micro-batch follows from it, and must come out whole.
+            if total % (accum * world):
+                raise EngineConfigError(
+                    f"{source}: train_batch_size={total} is not divisible by gradient_accumulation_steps={accum} "
+                    f"x world size {world}"
+                )
+            micro = total // (accum * world)
+        elif total != micro * accum * world:
+            raise EngineConfigError(
+                f"{source}: train_batch_size={total} != train_micro_batch_size_per_gpu={micro} x "
+                f"gradient_accumulation_steps={accum} x world size {world} (= {micro * accum * world})"
+            )
+    return BatchPlan(micro, accum, world)
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+
+
+def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """Multiplier of optim.lr for optimizer step `step` (0-based).
+
+    Linear warmup from lr/warmup (never 0: DeepSpeed's WarmupLR with warmup_min_lr 0 trains step 1 at lr 0), then
+    constant, linear or cosine decay that ends at 0.1 x lr on the last step.
+    """
+    w = optim.warmup_steps
+    if step < w:
+        return (step + 1) / w
+    if optim.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - w) / max(1, total_steps - 1 - w))
+    if optim.schedule == "linear":
+        return 1.0 - 0.9 * progress
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, total_steps: int) -> Any:
+    """A DeepSpeed engine around `model`. Our schedule drives the lr unless the user's JSON names a "scheduler"."""
+    scheduler = None
+    if "scheduler" not in ds:
+        def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+            return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, optim, total_steps))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=copy.deepcopy(ds), lr_scheduler=scheduler)
+    return engine
+
+
+def current_lr(engine: Any) -> float:
+    return float(engine.get_lr()[0])
+
+
+def fp32_state_dict(engine: Any, ckpt_dir: str | Path | None = None, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's fp32 weights, for the artifact (call on every rank; use the result on rank 0).
+
+    fp32 training: every rank's module holds the full fp32 weights under ZeRO 0/1/2 (ZeRO 1/2 partition optimizer
+    state and gradients, not parameters), so they are read directly: exact. bf16: the module holds bf16 copies and
+    the fp32 master weights live in the optimizer. ZeRO 1/2 partition them across ranks: consolidated from the
+    checkpoint `tag` with deepspeed.utils.zero_to_fp32 (in-process: its CLI needs huggingface_hub). ZeRO 0 keeps
+    them whole in its FP16 optimizer wrapper (which zero_to_fp32 does not read): taken from there.
+    """
+    own = engine.module.state_dict()
+    if not engine.bfloat16_enabled():
+        return {k: v.detach().to("cpu", torch.float32).clone() for k, v in own.items()}
+    if engine.zero_optimization_stage() >= 1:
+        if ckpt_dir is None or tag is None:
+            raise ValueError("bf16 under ZeRO 1/2: the fp32 weights are consolidated from a checkpoint; pass its tag")
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        master = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    else:
+        from torch._utils import _unflatten_dense_tensors
+
+        opt = engine.optimizer  # FP16_Optimizer (fused: flat fp32 groups) or FP16_UnfusedOptimizer (torch Adam)
+        masters = ([_unflatten_dense_tensors(f, g) for f, g in zip(opt.fp32_groups_flat, opt.fp16_groups, strict=True)]
+                   if hasattr(opt, "fp32_groups_flat") else opt.fp32_groups)
+        by_id = {id(p): m for group, ms in zip(opt.fp16_groups, masters, strict=True)
+                 for p, m in zip(group, ms, strict=True)}
+        master = {name: by_id[id(p)] for name, p in engine.module.named_parameters() if id(p) in by_id}
+    # Parameters come from the fp32 masters; buffers (none persistent in our models today) from the module.
+    return {k: (master[k] if k in master else v).detach().to("cpu", torch.float32).clone() for k, v in own.items()}
+
+
+def versions() -> dict[str, str]:
+    import platform
+
+    import numpy
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+           "numpy": numpy.__version__}
+    try:
+        import sentencepiece
+
+        out["sentencepiece"] = sentencepiece.__version__
+    except ImportError:
+        pass
+    return out

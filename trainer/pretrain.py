@@ -1,0 +1,308 @@
+"""Pretrain the encoder as a language model with DeepSpeed: next-token (the lab) or masked LM (BERT-style).
+
+Documents of `data.pretrain` become [<sos>] + pieces + [<eos>] and are cut into windows of `pretrain.seq_len`
+tokens; the last `data.pretrain_eval_lines` documents are held out for the eval loss. The loss is the mean over
+predicted tokens (padding never counts) of the whole global batch, so 2 ranks x B equal 1 rank x 2B.
+  clm: input window[:-1] predicts window[1:] under the causal mask (windows overlap by one token, so every token
+       but a document's <sos> is predicted once).
+  mlm: 15% of the real tokens of a window (at least one; never <sos>/<eos>) are predicted, no causal mask;
+       of those 80% become <oov> (id 3, the mask token), 10% a random piece, 10% stay.
+Writes RUN_DIR/artifact (task "lm", objective in artifact.json) for `finetune --pretrained`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainer import artifact, monitor, stage
+from trainer import checkpoint as ckpt
+from trainer import engine as eng
+from trainer.cli import add_config_args, config_from_args
+from trainer.config import ConfigError, ModelConfig, RunConfig
+from trainer.data import Corpus, bucket_batches, encode_corpus, pad_batch
+from trainer.model import LanguageModel
+from trainer.tokenizer import Tokenizer
+
+EXAMPLES = """examples:
+  python -m trainer pretrain --preset demo --out runs/demo/pretrain
+  python -m trainer pretrain --preset demo --set pretrain.objective=mlm --out runs/demo/pretrain-mlm
+  deepspeed --num_gpus 2 --bind_cores_to_rank launch/pretrain.sh --preset tiny --out runs/tiny
+  python -m trainer pretrain --preset demo --out runs/demo/pretrain --resume      # after an interruption
+"""
+
+MASK = Tokenizer.OOV  # the mask token is <oov> (id 3): no extra vocabulary row (COMMON.md)
+EVAL_EPOCH = 1 << 30  # seeds the eval windows' MLM masks: fixed, so every eval scores the same task
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser, default_preset="demo")
+    stage.add_run_arguments(parser)
+    parser.add_argument("--tokenizer", metavar="DIR", help="use this tokenizer folder instead of building one")
+
+
+def main(args: argparse.Namespace) -> int:
+    return stage.entry(run, args)
+
+
+class LMObjective(LanguageModel):
+    """The language model with its loss inside forward, so DeepSpeed's engine runs both.
+
+    Same parameter names as LanguageModel (a subclass): checkpoints and artifacts load into either."""
+
+    def __init__(self, cfg: ModelConfig, causal: bool) -> None:
+        super().__init__(cfg)
+        self.causal = causal
+
+    def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor,  # type: ignore[override]
+                positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids, (B, T) pad mask, (N,) flat indices into B*T of predicted positions, (N,) target ids
+        -> summed cross-entropy (scalar). The head runs on the N predicted positions only (it is most FLOPs)."""
+        h = self.encoder(input_ids, padding_mask, self.causal)  # (B, T, d)
+        picked = h.reshape(-1, h.shape[-1]).index_select(0, positions)  # (N, d)
+        return F.cross_entropy(self.head(picked).float(), targets, reduction="sum")
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class Windows:
+    """Window w is tokens [start[w], start[w] + length[w]) of document doc[w]'s sequence [<sos>] + pieces + [<eos>]."""
+
+    doc: np.ndarray  # (W,) int64
+    start: np.ndarray  # (W,) int64
+    length: np.ndarray  # (W,) int64
+
+
+def cut_windows(docs: np.ndarray, full_len: np.ndarray, seq_len: int, overlap: int) -> Windows:
+    """Cut each document's sequence (length full_len[doc]) into windows of seq_len + overlap tokens, stepping by
+    seq_len: with overlap 1 (clm) each window's last token is the next one's first, so every target appears once."""
+    f = full_len[docs]
+    n = np.maximum(1, -(-(f - overlap) // seq_len))  # (D,) windows per document
+    doc = np.repeat(docs, n)
+    first = np.repeat(np.cumsum(n) - n, n)
+    start = (np.arange(len(doc)) - first) * seq_len
+    length = np.minimum(seq_len + overlap, full_len[doc] - start)
+    return Windows(doc, start, length)
+
+
+class Batcher:
+    """Window ids -> padded model inputs, targets, and the count of predicted tokens (known before the forward)."""
+
+    def __init__(self, corpus: Corpus, windows: Windows, objective: str, mask_prob: float, vocab: int, seed: int):
+        self.c, self.w, self.objective, self.p = corpus, windows, objective, mask_prob
+        self.vocab, self.seed = vocab, seed
+        self.full_len = corpus.lengths() + 2
+
+    def ids(self, w: int) -> np.ndarray:
+        d, s, n = int(self.w.doc[w]), int(self.w.start[w]), int(self.w.length[w])
+        p = np.arange(s, s + n)  # positions in [<sos>] + pieces + [<eos>]
+        f = int(self.full_len[d])
+        out = self.c.tokens[np.clip(self.c.offsets[d] + p - 1, 0, max(0, len(self.c.tokens) - 1))].astype(np.int64)
+        out[p == 0] = Tokenizer.SOS
+        out[p == f - 1] = Tokenizer.EOS
+        return out
+
+    def n_predicted(self, batch: list[int]) -> int:
+        """Predicted tokens of a set of windows (clm: length - 1; mlm: round(15%) of the non-special tokens)."""
+        w = np.asarray(batch, dtype=np.int64)
+        n = self.w.length[w]
+        if self.objective == "clm":
+            return int((n - 1).sum())
+        real = n - (self.w.start[w] == 0) - (self.w.start[w] + n == self.full_len[self.w.doc[w]])
+        return int(np.where(real > 0, np.maximum(1, np.rint(real * self.p)), 0).sum())
+
+    def make(self, batch: list[int], epoch: int) -> tuple[torch.Tensor, ...]:
+        """(input_ids (B, T), padding_mask (B, T), positions (N,), targets (N,))."""
+        seqs, pos, tgt = [], [], []
+        for w in batch:
+            x = self.ids(w)
+            if self.objective == "clm":
+                seqs.append(x[:-1])
+                pos.append(np.arange(len(x) - 1))
+                tgt.append(x[1:])
+            else:
+                x, p, t = self.mask(x, w, epoch)
+                seqs.append(x)
+                pos.append(p)
+                tgt.append(t)
+        ids, pad = pad_batch(seqs, Tokenizer.PAD)
+        T = ids.shape[1]
+        flat = np.concatenate([p + row * T for row, p in enumerate(pos)])  # indices into the (B*T) positions
+        return ids, pad, torch.from_numpy(flat.astype(np.int64)), torch.from_numpy(np.concatenate(tgt))
+
+    def mask(self, x: np.ndarray, w: int, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """BERT masking of one window, seeded by (seed, epoch, window): the same on any number of ranks."""
+        rng = np.random.default_rng([self.seed, epoch, int(w)])
+        cand = np.flatnonzero((x != Tokenizer.SOS) & (x != Tokenizer.EOS))
+        if len(cand) == 0:
+            return x, np.zeros(0, np.int64), np.zeros(0, np.int64)
+        k = max(1, int(np.rint(len(cand) * self.p)))
+        chosen = np.sort(rng.choice(cand, size=k, replace=False))
+        target = x[chosen].copy()
+        x = x.copy()
+        r = rng.random(k)
+        x[chosen[r < 0.8]] = MASK
+        rand = chosen[(r >= 0.8) & (r < 0.9)]
+        x[rand] = rng.integers(Tokenizer.OOV + 1, self.vocab, size=len(rand))
+        return x, chosen, target
+
+
+def obtain_corpus(cfg: RunConfig, tok: Tokenizer, run_dir: Path) -> Corpus:
+    """RUN_DIR/corpus.npz: the pretraining text tokenized once by rank 0 (a resume reuses it)."""
+    path = run_dir / "corpus.npz"
+    if eng.is_main() and not path.exists():
+        corpus = encode_corpus([cfg.data.path(p) for p in cfg.data.pretrain], tok, progress=True)
+        corpus.save(path)
+    eng.barrier()
+    return Corpus.load(path, fingerprint=tok.fingerprint)
+
+
+# ---------------------------------------------------------------------------------------------- loop
+
+
+def run(args: argparse.Namespace) -> None:
+    cfg = config_from_args(args)
+    pc = cfg.pretrain
+    run_dir, ckpt_dir = Path(args.out), Path(args.out) / "checkpoints"
+    info = eng.init_distributed()
+    resume_tag = None
+    if args.resume:
+        if not (run_dir / "config.json").is_file():
+            raise ckpt.CheckpointError(f"nothing to resume: {run_dir / 'config.json'} not found")
+        monitor.check_resume_config(run_dir, cfg)
+        resume_tag = ckpt.find(ckpt_dir, args.resume)
+    else:
+        ckpt.refuse_overwrite(ckpt_dir)
+    if cfg.model.max_positions < pc.seq_len:
+        raise ConfigError(f"pretrain.seq_len={pc.seq_len} exceeds model.max_positions={cfg.model.max_positions}")
+    ds, plan = eng.ds_config(cfg, "pretrain", info.world_size, args.deepspeed_config or cfg.engine.deepspeed_config)
+    tok = stage.obtain_tokenizer(cfg, run_dir, args.tokenizer)
+    corpus = obtain_corpus(cfg, tok, run_dir)
+
+    # Held-out slice: the last documents. Windows: clm overlaps them by one token (see module docstring).
+    n_eval = min(cfg.data.pretrain_eval_lines, len(corpus) - 1)
+    full_len = corpus.lengths() + 2
+    overlap = 1 if pc.objective == "clm" else 0
+    train_w = cut_windows(np.arange(len(corpus) - n_eval), full_len, pc.seq_len, overlap)
+    eval_w = cut_windows(np.arange(len(corpus) - n_eval, len(corpus)), full_len, pc.seq_len, overlap)
+    train_b = Batcher(corpus, train_w, pc.objective, pc.mask_prob, tok.vocab_size, cfg.seed)
+    eval_b = Batcher(corpus, eval_w, pc.objective, pc.mask_prob, tok.vocab_size, cfg.seed)
+
+    def epoch_batches(epoch: int) -> list[list[int]]:
+        return stage.usable(bucket_batches(train_w.length, plan.global_batch, cfg.seed, epoch), plan)
+
+    per_epoch = len(epoch_batches(0))
+    if per_epoch == 0:
+        raise ConfigError(f"{len(train_w.doc)} training windows cannot fill one global batch of {plan.global_batch}")
+    total = pc.max_steps or pc.epochs * per_epoch
+    monitor.write_run_info(run_dir, cfg, ds, {"stage": "pretrain", "documents": len(corpus), "tokens": corpus.n_tokens,
+                                              "train_windows": len(train_w.doc), "eval_windows": len(eval_w.doc),
+                                              "steps": total, "global_batch": plan.global_batch})
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank and for every world size
+    engine = eng.initialize(LMObjective(cfg.model, causal=pc.objective == "clm"), ds, pc.optim, total)
+    state = ckpt.LoopState()
+    if resume_tag:
+        state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
+    meta = {"stage": "pretrain", "objective": pc.objective}
+    log = monitor.Metrics(run_dir, total, state.step, f"pretrain {pc.objective}",
+                          ["epoch", "loss", "ppl", "lr", "tokens_per_s", "eval_loss", "eval_ppl", "elapsed_s"])
+    log.print(f"pretrain {pc.objective}: {len(corpus):,} documents, {corpus.n_tokens:,} pieces, {len(train_w.doc):,} "
+              f"windows ({per_epoch:,} global batches of {plan.global_batch}/epoch), {total:,} steps, "
+              f"world {info.world_size}, ZeRO {cfg.engine.zero_stage}, {cfg.engine.precision}"
+              + (f", resumed at step {state.step}" if resume_tag else ""))
+
+    t0 = time.perf_counter()
+    t_log, tok_log = t0, 0  # this process's real input tokens since the last log line
+    loss_acc = torch.zeros((), device=info.device)  # summed loss since the last log (stays on device: no sync)
+    n_acc = 0  # predicted tokens (all ranks) since the last log
+    batches = epoch_batches(state.epoch)
+    while state.step < total and not state.done:
+        if state.batch >= len(batches):
+            state.epoch, state.batch = state.epoch + 1, 0
+            batches = epoch_batches(state.epoch)
+        batch = batches[state.batch]
+        n_global = train_b.n_predicted(batch)  # the whole global batch's count: every rank knows it
+        for micro, part in enumerate(stage.slots(batch, plan)[info.rank::plan.world_size]):
+            ids, pad, pos, tgt = train_b.make(part, state.epoch)
+            tok_log += ids.numel() - int(pad.sum())  # CPU tensors: no device sync
+            ids, pad, pos, tgt = (t.to(info.device, non_blocking=True) for t in (ids, pad, pos, tgt))
+            stage.seed_micro_step(cfg.seed, state.step, micro, info.rank)
+            loss = engine(ids, pad, pos, tgt)
+            # DeepSpeed averages gradients over ranks: scale so the gradient is that of sum / n_global.
+            engine.backward(loss * (plan.world_size / max(1, n_global)), scale_wrt_gas=False)
+            engine.step()
+            loss_acc += loss.detach()
+        n_acc += n_global
+        state.step, state.batch = state.step + 1, state.batch + 1
+        state.tokens += int(train_w.length[batch].sum())  # window tokens of the global batch (all ranks)
+        log.advance()
+        last = state.step == total
+        eval_now = last or (pc.eval_every and state.step % pc.eval_every == 0)
+        if state.step % cfg.engine.log_every == 0 or last or eval_now:
+            (loss_sum,) = eng.all_reduce_sum([float(loss_acc)])  # the one host-device sync, at log intervals
+            mean = loss_sum / max(1, n_acc)
+            now = time.perf_counter()
+            row = {"epoch": state.epoch, "loss": mean, "ppl": _ppl(mean), "lr": eng.current_lr(engine),
+                   "tokens_per_s": tok_log / max(1e-9, now - t_log), "elapsed_s": now - t0}
+            if eval_now:
+                row["eval_loss"] = evaluate(engine, eval_b, plan, info)
+                row["eval_ppl"] = _ppl(row["eval_loss"])
+                state.history.append({"step": state.step, "loss": mean, "eval_loss": row["eval_loss"]})
+            log.log(state.step, **row)
+            loss_acc.zero_()
+            n_acc, tok_log, t_log = 0, 0, time.perf_counter()
+        if last:
+            state.done = True
+        if last or (cfg.engine.checkpoint_every and state.step % cfg.engine.checkpoint_every == 0) \
+                or state.step == args.stop_at:
+            tag = ckpt.save(engine, ckpt_dir, state, cfg.engine.keep_checkpoints, meta)
+        if state.step == args.stop_at and not last:
+            log.close()
+            log.print(f"stopped at step {state.step} (--stop_at); checkpoint {ckpt_dir / tag}")
+            return
+    log.close()
+
+    tag = ckpt.read_latest(ckpt_dir) or ckpt.tag_for(state.step)
+    weights = eng.fp32_state_dict(engine, ckpt_dir, tag)
+    if eng.is_main():
+        lm = LanguageModel(cfg.model)
+        lm.load_state_dict(weights, strict=True)
+        final = {"loss": float("nan"), "eval_loss": float("nan"), **(state.history[-1] if state.history else {})}
+        out = artifact.save(run_dir / "artifact", lm, cfg, "lm", tok, extra={
+            "objective": pc.objective, "steps": state.step, "tokens": state.tokens,
+            "train_loss": final.get("loss"), "eval_loss": final.get("eval_loss"), "world_size": info.world_size,
+        })
+        wall = time.perf_counter() - t0
+        print(f"pretrain {pc.objective}: {state.step} steps, loss {final['loss']:.4f}, eval loss "
+              f"{final['eval_loss']:.4f} (perplexity {_ppl(final['eval_loss']):.1f}), "
+              f"{wall:.0f} s this session; artifact: {out}", file=sys.stdout)
+
+
+@torch.no_grad()
+def evaluate(engine: torch.nn.Module, batcher: Batcher, plan: eng.BatchPlan, info: eng.DistInfo) -> float:
+    """Mean loss per predicted token on the held-out windows (each rank scores a share; summed over ranks)."""
+    engine.eval()
+    total, count = 0.0, 0
+    batches = bucket_batches(batcher.w.length, plan.micro_batch, batcher.seed, 0, shuffle=False)
+    for batch in batches[info.rank::info.world_size]:
+        ids, pad, pos, tgt = (t.to(info.device) for t in batcher.make(batch, EVAL_EPOCH))
+        total += float(engine(ids, pad, pos, tgt))
+        count += len(tgt)
+    engine.train()
+    s, n = eng.all_reduce_sum([total, count])
+    return s / max(1.0, n)
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 50.0)) if loss == loss else float("nan")
