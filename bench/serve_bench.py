@@ -11,7 +11,7 @@ The server runs as a subprocess (`python -m serving.server`), the load generator
 one request at a time (closed loop). Both share this machine's cores, as a client and a server on one host do.
 A sweep first prints the in-process cost per text against texts per run (lengths sorted or shuffled): what
 batching can gain on this hardware at all.
-Prints a markdown table; docs/benchmarks/serving.md records a run with its command, machine and date.
+Prints a markdown table; docs/BENCHMARKS.md (Serving) records a run with its command, machine and date.
 """
 
 from __future__ import annotations

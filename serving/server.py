@@ -5,8 +5,8 @@
 
 A threaded grpc server: handlers block on the batcher's futures while onnxruntime runs in the batcher's threads
 (it releases the GIL). bench/grpc_mode_bench.py measured the threaded server faster than grpc.aio on this
-machine (health Check p50 0.40 vs 0.46 ms alone, 2,100 vs 1,300 calls/s at 64 callers; docs/benchmarks/
-serving.md), and blocking code stays simple.
+machine (health Check p50 0.40 vs 0.46 ms alone, 2,100 vs 1,300 calls/s at 64 callers; docs/
+BENCHMARKS.md, Serving), and blocking code stays simple.
 
 Lifecycle: the bundle is loaded and verified before the port opens (a bad bundle exits non-zero). SIGTERM or
 SIGINT: health goes NOT_SERVING and new requests get UNAVAILABLE, in-flight requests finish (up to grace_s),

@@ -541,7 +541,7 @@ def export_bundle(
         if save_optimized:
             # onnxruntime writes the graph it optimised, so a server skips that work at load time. Measured: at
             # BASIC the dynamo graph (already folded by onnxscript) comes back with the same nodes; see
-            # docs/benchmarks/export.md.
+            # docs/BENCHMARKS.md (Export).
             open_session(staged, optimize, prefer_gpu=False, optimized_out=final)
         for p in (fp32_path, staged):
             if p != final:
