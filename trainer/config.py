@@ -216,21 +216,29 @@ def lab() -> RunConfig:
 
 
 def demo() -> RunConfig:
-    """The whole pipeline on 2 CPU cores in about 15 minutes: a trained 8k tokenizer (the 50k-way LM head is
-    most of the lab's FLOPs), in-domain text first, a shorter schedule."""
+    """The whole pipeline on 2 CPU cores in about 12 minutes: a trained 8k tokenizer (the 50k-way LM head is
+    most of the lab's FLOPs), next-token LM as in the lab, and the lab's fine-tuning lr.
+
+    Pretraining text: the novels of eltec-fr plus the cls-books train reviews listed 8 times (in-domain text is
+    then ~14% of the pieces instead of 2%); the valid reviews come last, so they are the held-out eval slice.
+    Measured choices (docs/RESULTS.md): fine-tuning lr 1e-4 beat 3e-4 from scratch; 2000 steps fit the budget."""
     return RunConfig(
         preset="demo",
         model=ModelConfig(vocab_size=8004, d_model=128, n_layers=2, n_heads=2, d_ff=256, max_positions=512),
         tokenizer=TokenizerConfig(kind="train", vocab_size=8000, max_len=256, train_lines=100_000),
-        data=DataConfig(pretrain=["cls-books-fr/train.review.txt", "eltec-fr/eltec_fra.txt.gz"]),
+        data=DataConfig(
+            pretrain=["eltec-fr/eltec_fra.txt.gz", *["cls-books-fr/train.review.txt"] * 8,
+                      "cls-books-fr/valid.review.txt"],
+            pretrain_eval_lines=400,
+        ),
         pretrain=PretrainConfig(
             micro_batch=32,
             seq_len=128,
             epochs=1,
-            max_steps=1500,
+            max_steps=2000,
             optim=OptimConfig(lr=1e-3, warmup_steps=100, schedule="cosine"),
         ),
-        finetune=FinetuneConfig(micro_batch=16, epochs=4, optim=OptimConfig(lr=3e-4)),
+        finetune=FinetuneConfig(micro_batch=16, epochs=6, optim=OptimConfig(lr=1e-4)),
         engine=EngineConfig(checkpoint_every=500, log_every=25),
     )
 
