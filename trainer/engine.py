@@ -36,6 +36,12 @@ Stage = Literal["pretrain", "finetune"]
 _REPO = Path(__file__).resolve().parents[1]
 if (_REPO / "pyproject.toml").exists():
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO / ".cache" / "torch_extensions"))
+# torch's JIT runs the first `ninja` on PATH. The venv's ninja (pip, 1.13) and the system's (apt, 1.11) record
+# different command hashes in the shared .ninja_log, so alternating them rebuilt the op (~30-90 s) on every switch
+# (seen here: `.venv/bin/python` without the venv on PATH vs the launcher): prefer the one beside this interpreter.
+_BIN = str(Path(sys.executable).parent)
+if (Path(_BIN) / "ninja").exists() and os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
+    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # only silences DeepSpeed's "no GPU found" warning
 

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> None:
                                               "train_examples": len(train.ids), "test_examples": len(test.ids)})
     if pre is not None and pre.meta.get("objective") == "mlm" and cfg.model.classifier_causal:
         monitor.note(f"note: {pre.path} was pretrained without a causal mask (mlm) but "
-                             "model.classifier_causal=true; consider --set model.classifier_causal=false")
+                     "model.classifier_causal=true; consider --set model.classifier_causal=false")
 
     t0 = time.perf_counter()
     results: dict[str, list[dict[str, Any]]] = {}
