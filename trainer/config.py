@@ -376,15 +376,23 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     return _build(RunConfig, data, "")
 
 
-def load(path: str | Path) -> RunConfig:
-    """Read a resolved `config.json` (from a run folder or an artifact)."""
-    path = Path(path)
+def read_json(path: str | Path) -> dict[str, Any]:
+    """A JSON object from a file; a missing file, bad JSON or a non-object is a ConfigError naming the file."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load(path: str | Path) -> RunConfig:
+    """Read a resolved `config.json` (from a run folder or an artifact)."""
+    path = Path(path)
+    data = read_json(path)
     try:
         return from_dict(data)
     except ConfigError as e:
@@ -395,13 +403,7 @@ def resolve(preset_name: str, overrides: list[str] | None = None, config_file: s
     """Preset, then a JSON file's keys, then `--set` overrides: the order the CLI applies them."""
     cfg = preset(preset_name)
     if config_file:
-        try:
-            file_data = json.loads(Path(config_file).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {config_file}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{config_file}: invalid JSON at line {e.lineno}: {e.msg}") from None
-        cfg = override(cfg, _flatten(file_data))
+        cfg = override(cfg, _flatten(read_json(config_file)))
     if overrides:
         cfg = override(cfg, overrides)
     return cfg
