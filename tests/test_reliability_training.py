@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import procs
 import psutil
 import pytest
 import torch
@@ -65,15 +66,14 @@ def free_port() -> int:
 
 
 def launch(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                             "launch/pretrain.sh", *args], cwd=REPO, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return procs.popen([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                        "launch/pretrain.sh", *args], cwd=REPO, env=env(),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def finish(args: list[str], ok: bool = True, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                        "launch/pretrain.sh", *args], cwd=REPO, env=env(), capture_output=True, text=True,
-                       timeout=timeout)
+    p = procs.run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                   "launch/pretrain.sh", *args], timeout, cwd=REPO, env=env())
     if ok:
         assert p.returncode == 0, f"rc {p.returncode}\n{(p.stdout + p.stderr)[-4000:]}"
     return p
@@ -176,9 +176,7 @@ def wait(launcher: subprocess.Popen[str], watch: Watch, ckpt_dir: Path) -> str:
     try:
         out = launcher.communicate(timeout=120)[0]
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        procs.kill_group(launcher)
     watch.look_at_latest(ckpt_dir)
     return out
 

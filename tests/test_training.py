@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import procs
 import psutil
 import pytest
 import torch
@@ -46,7 +47,7 @@ def env() -> dict[str, str]:
 
 
 def run(cmd: list[str], timeout: int = 300, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    p = procs.run(cmd, timeout, cwd=REPO, env=env())
     out = p.stdout + p.stderr
     if ok:
         assert p.returncode == 0, f"rc {p.returncode} for {' '.join(cmd)}\n{out[-4000:]}"
@@ -147,12 +148,16 @@ def test_simulated_two_nodes_equal_one_node(runs: dict[str, Path], base: list[st
     args = [*base, *ONE_STEP, "--set", "pretrain.micro_batch=7", "--set", "engine.zero_stage=2", "--out", str(out)]
 
     def node(k: int) -> subprocess.Popen[str]:
-        return subprocess.Popen([str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(k),
-                                 "--master_addr", "127.0.0.1", "--master_port", port, "launch/pretrain.sh", *args],
-                                cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return procs.popen([str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(k),
+                            "--master_addr", "127.0.0.1", "--master_port", port, "launch/pretrain.sh", *args],
+                           cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     nodes = [node(0), node(1)]
-    outs = [p.communicate(timeout=300)[0] for p in nodes]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            procs.kill_group(p)
     assert [p.returncode for p in nodes] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "'node-a': [0], 'node-b': [0]" in outs[0]
     assert json.loads((out / "env.json").read_text())["world_size"] == 2
@@ -184,9 +189,9 @@ def test_sigkill_of_a_rank_then_resume_finishes(runs: dict[str, Path], base: lis
     full = uninterrupted(runs, base)
     out = runs["root"] / "killed"
     args = [*base, *RESUME, "--out", str(out)]
-    launcher = subprocess.Popen([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                                 "launch/pretrain.sh", *args], cwd=REPO, env=env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = procs.popen([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                            "launch/pretrain.sh", *args], cwd=REPO, env=env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     killed_at = None
     deadline = time.monotonic() + 240
     try:
@@ -202,8 +207,7 @@ def test_sigkill_of_a_rank_then_resume_finishes(runs: dict[str, Path], base: lis
             time.sleep(0.01)
         output = launcher.communicate(timeout=120)[0]
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        procs.kill_group(launcher)
     assert killed_at is not None, "the run finished before a rank could be killed"
     assert launcher.returncode != 0, output[-2000:]
     assert not (out / "artifact").exists()

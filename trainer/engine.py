@@ -31,8 +31,8 @@ from trainer.config import OptimConfig, RunConfig
 
 Stage = Literal["pretrain", "finetune"]
 
-# A checkout keeps DeepSpeed's JIT cache (the shared-memory comm op, ~26 s to build) beside the code, like the
-# Makefile does; an installed package leaves DeepSpeed's default (~/.cache/torch_extensions).
+# A checkout keeps DeepSpeed's JIT cache (ops compiled on first use) beside the code, like the Makefile does; an
+# installed package leaves DeepSpeed's default (~/.cache/torch_extensions).
 _REPO = Path(__file__).resolve().parents[1]
 if (_REPO / "pyproject.toml").exists():
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO / ".cache" / "torch_extensions"))
@@ -139,12 +139,26 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     _quiet_deepspeed(info.rank)
+    if info.device.type == "cpu":
+        _skip_shm_allreduce()
     if not dist.is_initialized():
         import datetime as dt
 
         deepspeed.init_distributed(dist_backend=info.backend, auto_mpi_discovery=False, verbose=False,
                                    timeout=dt.timedelta(seconds=timeout_s))
     return info
+
+
+def _skip_shm_allreduce() -> None:
+    """Keep DeepSpeed's CPU backend from building and starting its shared-memory all-reduce (deepspeed_shm_comm).
+
+    That op serves `inference_all_reduce` only; training all-reduces go through torch.distributed (gloo). Started,
+    it costs ~26 s of g++ on first use and a 66 MiB /dev/shm segment per rank per run that DeepSpeed never unlinks
+    (20 GiB had piled up here after a day of runs). Where /dev/shm is smaller (64 MiB is a container's default) a rank
+    dies of SIGSEGV/SIGBUS writing it and its peers spin forever waiting for its segment (seen in CI)."""
+    from deepspeed import ops
+
+    ops.__compatible_ops__["deepspeed_shm_comm"] = False  # DeepSpeed's own switch: build_shm_op() then returns None
 
 
 def dist_info() -> DistInfo:

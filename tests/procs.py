@@ -1,0 +1,38 @@
+"""Child processes that never outlive their test.
+
+Each command starts in a session of its own, so every process it spawns (DeepSpeed's launcher and its ranks, a
+server and its workers) shares one process group. On timeout and on the way out the whole group is SIGKILLed: a
+timed-out launcher killed alone would leave its ranks running (or spinning on a dead peer) under the rest of the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Sequence
+
+
+def popen(cmd: Sequence[str], **kw: object) -> subprocess.Popen[str]:
+    """subprocess.Popen in a new session (process group = its pid); pair with `kill_group` in a finally."""
+    return subprocess.Popen(list(cmd), start_new_session=True, text=True, **kw)  # type: ignore[call-overload]
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL everything left in `proc`'s process group (also after `proc` itself has exited), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.wait()
+
+
+def run(cmd: Sequence[str], timeout: float, **kw: object) -> subprocess.CompletedProcess[str]:
+    """subprocess.run(capture_output=True, text=True) whose timeout also kills the command's descendants."""
+    proc = popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
