@@ -239,6 +239,28 @@ def test_unfused_export_uses_plain_onnx_ops_and_validates(tiny_classifier_artifa
     assert not any(n.domain for n in onnx.load(str(out / "model.onnx")).graph.node)
 
 
+def test_mean_pooled_bidirectional_classifier_exports_and_validates(tiny_classifier_artifact, tiny_tokenizer,
+                                                                    tmp_path):
+    """The English preset's classifier (mean pooling, no causal mask) through the real exporter and validation."""
+    import dataclasses
+
+    from trainer.model import Classifier
+
+    src = artifact.load(tiny_classifier_artifact)
+    model_cfg = dataclasses.replace(src.cfg.model, pooling="mean", classifier_causal=False)
+    model = Classifier(model_cfg).eval()
+    model.load_state_dict(src.state)
+    art = artifact.save(tmp_path / "mean", model, dataclasses.replace(src.cfg, model=model_cfg), "classifier",
+                        tiny_tokenizer)
+    out = export_bundle(art, tmp_path / "bundle")
+    m = manifest_of(out)
+    assert m["validation"]["passed"] and m["validation"]["max_abs_diff"] <= 1e-4
+    assert m["source_artifact"]["model"]["pooling"] == "mean"
+    attention = [n for n in onnx.load(str(out / "model.onnx")).graph.node if n.op_type == "Attention"]
+    assert [onnx.helper.get_attribute_value(a) for n in attention for a in n.attribute if a.name == "unidirectional"] \
+        in ([], [0, 0])
+
+
 # ---------------------------------------------------------------------------------------------- tampering
 
 

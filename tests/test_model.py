@@ -56,9 +56,9 @@ def _batch(cfg: ModelConfig, lengths: list[int], seed: int = 0) -> tuple[torch.T
     return ids, mask
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_classifier_logits_do_not_change_when_batched_with_longer_sequences(causal):
-    cfg = ModelConfig(**{**tiny().model.__dict__, "classifier_causal": causal})
+@pytest.mark.parametrize("causal,pooling", [(True, "last"), (False, "last"), (True, "mean"), (False, "mean")])
+def test_classifier_logits_do_not_change_when_batched_with_longer_sequences(causal, pooling):
+    cfg = ModelConfig(**{**tiny().model.__dict__, "classifier_causal": causal, "pooling": pooling})
     torch.manual_seed(0)
     model = Classifier(cfg).eval()
     ids, mask = _batch(cfg, [7, 3, 5, 1])
@@ -109,6 +109,19 @@ def test_classifier_reads_the_last_real_token_not_the_last_position():
     ids2 = ids.clone()
     ids2[0, 3:] = 50  # garbage in padded positions must not matter
     torch.testing.assert_close(out, model(ids2, mask), atol=1e-6, rtol=0)
+
+
+def test_mean_pooling_is_the_mean_of_the_real_positions():
+    cfg = ModelConfig(**{**tiny().model.__dict__, "pooling": "mean"})
+    torch.manual_seed(0)
+    model = Classifier(cfg).eval()
+    ids, mask = _batch(cfg, [3, 7])
+    h = model.encoder(ids, mask, cfg.classifier_causal)  # (2, 7, d)
+    expected = model.head(torch.stack([h[0, :3].mean(0), h[1, :7].mean(0)]))
+    torch.testing.assert_close(model(ids, mask), expected, atol=1e-6, rtol=0)
+    last = Classifier(ModelConfig(**{**cfg.__dict__, "pooling": "last"})).eval()
+    last.load_state_dict(model.state_dict())
+    assert not torch.allclose(last(ids, mask), expected)  # the two poolings really differ
 
 
 def test_classifier_loads_a_pretrained_encoder_by_key():

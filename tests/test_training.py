@@ -302,8 +302,12 @@ def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> N
 
     pre = uninterrupted(runs, base) / "artifact"
     out = runs["root"] / "finetune"
+    # The test file itself, whole, among the extra sets: its end-of-run score must equal the last epoch's.
+    extra = ["cls-books-fr/valid.review.txt", "cls-books-fr/test.review.txt"]
     args = [*base, "--pretrained", str(pre), "--compare", "--out", str(out),
-            "--set", "finetune.micro_batch=5", "--set", "engine.zero_stage=1"]
+            "--set", "finetune.micro_batch=5", "--set", "engine.zero_stage=1",
+            "--set", "data.test=cls-books-fr/test.review.txt", "--set", "data.max_test_examples=0",
+            "--set", f"data.extra_test={','.join(extra)}"]
     p = deepspeed(args, script="launch/finetune.sh")
     rows = (out / "compare.csv").read_text().splitlines()
     assert rows[0] == "epoch,scratch_accuracy,pretrained_accuracy,difference" and len(rows) == 3
@@ -314,6 +318,9 @@ def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> N
     assert clf.meta["pretrained_from"]["weights_sha256"] == artifact.load(pre).meta["weights_sha256"]
     assert artifact.load(out / "scratch" / "artifact").meta["pretrained_from"] is None
     assert len(clf.meta["history"]) == 2 and "classifier artifact:" in p.stdout
+    assert list(clf.meta["extra_accuracy"]) == extra and 0 <= clf.meta["extra_accuracy"][extra[0]] <= 100
+    assert clf.meta["extra_accuracy"][extra[1]] == clf.meta["history"][-1]["test_accuracy"]
+    assert f"| `{extra[0]}` |" in (out / "compare.md").read_text() and f"accuracy on {extra[0]}" in p.stdout
     # Both runs saw the same examples per epoch (same seed, same data order): same training-set sizes logged.
     for name in ("scratch", "pretrained"):
         assert (out / name / "metrics.csv").read_text().count("\n") >= 3

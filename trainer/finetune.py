@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigError(f"tokenizer max_len {tok.max_len} exceeds model.max_positions={cfg.model.max_positions}")
     train = load_split(cfg, cfg.data.train, tok, cfg.data.max_train_examples)
     test = load_split(cfg, cfg.data.test, tok, cfg.data.max_test_examples)
+    extra = {name: load_split(cfg, name, tok, 0) for name in cfg.data.extra_test}
     monitor.write_run_info(run_dir, cfg, ds, {"stage": "finetune", "pretrained": str(args.pretrained or ""),
                                               "train_examples": len(train.ids), "test_examples": len(test.ids)})
     if pre is not None and pre.meta.get("objective") == "mlm" and cfg.model.classifier_causal:
@@ -149,8 +150,8 @@ def run(args: argparse.Namespace) -> None:
     for name, src in runs:
         art = run_dir / "artifact" if (src is not None or not args.compare) else run_dir / "scratch" / "artifact"
         resume = args.resume if args.resume and (sub[name] / "checkpoints").is_dir() else None
-        results[name] = train_classifier(cfg, name, src, tok, train, test, plan, ds, sub[name], art, resume,
-                                         args.stop_at, info)
+        results[name] = train_classifier(cfg, name, src, tok, train, test, extra, plan, ds, sub[name], art,
+                                         resume, args.stop_at, info)
         if results[name] is None:
             return  # --stop_at
     if eng.is_main():
@@ -159,6 +160,8 @@ def run(args: argparse.Namespace) -> None:
         for name, hist in results.items():
             accs = " ".join(f"{h['test_accuracy']:.2f}" for h in hist)
             print(f"finetune {name}: test accuracy per epoch {accs}")
+            for file, acc in hist[-1].get("extra_accuracy", {}).items():
+                print(f"finetune {name}: accuracy on {file} {acc:.2f}")
         print(f"finetune: {time.perf_counter() - t0:.0f} s this session; classifier artifact: {run_dir / 'artifact'}")
 
 
@@ -166,8 +169,9 @@ def run(args: argparse.Namespace) -> None:
 
 
 def train_classifier(cfg: RunConfig, name: str, pre: artifact.Artifact | None, tok: Tokenizer, train: Split,
-                     test: Split, plan: eng.BatchPlan, ds: dict[str, Any], run_dir: Path, art_dir: Path,
-                     resume: str | None, stop_at: int, info: eng.DistInfo) -> list[dict[str, Any]] | None:
+                     test: Split, extra: dict[str, Split], plan: eng.BatchPlan, ds: dict[str, Any], run_dir: Path,
+                     art_dir: Path, resume: str | None, stop_at: int,
+                     info: eng.DistInfo) -> list[dict[str, Any]] | None:
     """Train one classifier; returns its per-epoch history (None when stopped by --stop_at)."""
     fc, ckpt_dir = cfg.finetune, run_dir / "checkpoints"
 
@@ -227,6 +231,10 @@ def train_classifier(cfg: RunConfig, name: str, pre: artifact.Artifact | None, t
                                       "train_loss": epoch_loss / max(1, epoch_n)})
                 log.print(f"finetune {name}: epoch {state.epoch + 1} train loss "
                           f"{state.history[-1]['train_loss']:.4f}, test accuracy {acc:.2f}%")
+                if last and extra:  # the other test sets: once, on the final weights
+                    state.history[-1]["extra_accuracy"] = {f: accuracy(engine, sp, info) for f, sp in extra.items()}
+                    log.print(f"finetune {name}: " + ", ".join(
+                        f"{f} {a:.2f}%" for f, a in state.history[-1]["extra_accuracy"].items()))
                 epoch_loss, epoch_n = 0.0, 0
             log.log(state.step, **row)
             loss_acc.zero_()
@@ -252,7 +260,8 @@ def train_classifier(cfg: RunConfig, name: str, pre: artifact.Artifact | None, t
         final = state.history[-1] if state.history else {}
         artifact.save(art_dir, clf, cfg, "classifier", tok, extra={
             "objective": None, "run": name, "steps": state.step, "epochs": len(state.history),
-            "test_accuracy": final.get("test_accuracy"), "history": state.history,
+            "test_accuracy": final.get("test_accuracy"), "extra_accuracy": final.get("extra_accuracy"),
+            "history": state.history,
             "pretrained_from": None if pre is None else {"path": str(pre.path),
                                                            "weights_sha256": pre.meta.get("weights_sha256"),
                                                            "objective": pre.meta.get("objective")},
@@ -298,6 +307,12 @@ def write_compare(run_dir: Path, results: dict[str, list[dict[str, Any]]], cfg: 
     wins = sum(b > a for _, a, b in rows)
     md += ["", f"Best: scratch {best_s:.2f}, pretrained {best_p:.2f}. "
            f"Pretrained ahead at {wins} of {len(rows)} epochs.", ""]
+    extra_s, extra_p = s[-1].get("extra_accuracy", {}), p[-1].get("extra_accuracy", {})
+    if extra_s:
+        md += ["Accuracy (%) of the final weights on the other test sets (`data.extra_test`):", "",
+               "| test set | from scratch | pretrained | difference |", "|---|---:|---:|---:|"]
+        md += [f"| `{f}` | {a:.2f} | {extra_p[f]:.2f} | {extra_p[f] - a:+.2f} |" for f, a in extra_s.items()]
+        md += [""]
     write_text_atomic(run_dir / "compare.md", "\n".join(md))
 
     import matplotlib

@@ -91,7 +91,8 @@ class LanguageModel(nn.Module):
 
 
 class Classifier(nn.Module):
-    """Encoder + d -> C head on the last real token of each sequence (the lab read the last position)."""
+    """Encoder + d -> C head on the last real token of each sequence (the lab read the last position), or on the
+    mean of the real tokens' outputs (`pooling="mean"`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -102,8 +103,14 @@ class Classifier(nn.Module):
     def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
         """(B, T), (B, T) -> (B, C) logits."""
         h = self.encoder(input_ids, padding_mask, self.cfg.classifier_causal)  # (B, T, d)
-        last = (~padding_mask).sum(dim=1) - 1  # (B,) index of the last real token
-        pooled = h[torch.arange(h.shape[0], device=h.device), last]  # (B, d)
+        if self.cfg.pooling == "mean":
+            # A next-token LM trains the <eos> output to predict what follows a document, the same for every
+            # review; the mean of all real positions carries what the encoder learned about the text itself.
+            real = (~padding_mask).unsqueeze(-1).to(h.dtype)  # (B, T, 1)
+            pooled = (h * real).sum(dim=1) / real.sum(dim=1).clamp(min=1.0)  # (B, d)
+        else:
+            last = (~padding_mask).sum(dim=1) - 1  # (B,) index of the last real token
+            pooled = h[torch.arange(h.shape[0], device=h.device), last]  # (B, d)
         return self.head(pooled)
 
 

@@ -2,7 +2,7 @@
 
 Only rank 0 writes (every function here is a no-op elsewhere): `config.json`, `env.json` (versions, world size,
 hostname, command line), `metrics.csv` (one row per log interval) and TensorBoard event files under `tb/`, plus a
-tqdm progress bar on the terminal.
+tqdm progress bar on a terminal (one plain line per logged row otherwise).
 """
 
 from __future__ import annotations
@@ -91,9 +91,12 @@ class Metrics:
 
         self.tb = SummaryWriter(str(run_dir / "tb"))
         self._bar_args = {"total": total, "initial": initial, "desc": desc}
+        # A bar redraws with \r many times a second: in a log file (cluster jobs, `make demo > log`) that is one
+        # endless line, so without a terminal each logged row is printed as a plain line instead.
+        self.tty = sys.stderr.isatty()
 
     def advance(self, n: int = 1) -> None:
-        if not self.main:
+        if not self.main or not self.tty:
             return
         if self.bar is None:  # created on the first step, so the lines printed before it stay above it
             from tqdm import tqdm
@@ -110,9 +113,13 @@ class Metrics:
         for k, v in values.items():
             if isinstance(v, (int, float)) and self.tb is not None:
                 self.tb.add_scalar(k, v, step)
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in values.items() if v is not None}
         if self.bar is not None:
-            shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in values.items() if v is not None}
             self.bar.set_postfix(shown, refresh=False)
+        elif not self.tty:
+            args = self._bar_args
+            print(f"{args['desc']}: step {step}/{args['total']} " + " ".join(f"{k}={v}" for k, v in shown.items()),
+                  file=sys.stderr, flush=True)
 
     def print(self, text: str) -> None:
         if not self.main:
