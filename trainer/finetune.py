@@ -204,7 +204,7 @@ def train_classifier(cfg: RunConfig, name: str, pre: artifact.Artifact | None, t
     while state.step < total and not state.done:
         batch = batches[state.batch]
         for micro, part in enumerate(stage.slots(batch, plan)[info.rank::plan.world_size]):
-            ids, pad, labels = (t.to(info.device, non_blocking=True) for t in train.batch(part))
+            ids, pad, labels = stage.to_device(train.batch(part), info.device)
             stage.seed_micro_step(cfg.seed, state.step, micro, info.rank)
             loss = engine(ids, pad, labels)
             engine.backward(loss * (plan.world_size / len(batch)), scale_wrt_gas=False)  # grad of the global mean
@@ -277,7 +277,7 @@ def accuracy(engine: torch.nn.Module, split: Split, info: eng.DistInfo) -> float
     count = 0
     batches = bucket_batches(split.lengths, EVAL_BATCH, 0, 0, shuffle=False)
     for idx in batches[info.rank::info.world_size]:
-        ids, pad, labels = (t.to(info.device) for t in split.batch(idx))
+        ids, pad, labels = stage.to_device(split.batch(idx), info.device)
         correct += (engine(ids, pad).argmax(dim=-1) == labels).sum()
         count += len(idx)
     engine.train()

@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> None:
         for micro, part in enumerate(stage.slots(batch, plan)[info.rank::plan.world_size]):
             ids, pad, pos, tgt = train_b.make(part, state.epoch)
             tok_log += ids.numel() - int(pad.sum())  # CPU tensors: no device sync
-            ids, pad, pos, tgt = (t.to(info.device, non_blocking=True) for t in (ids, pad, pos, tgt))
+            ids, pad, pos, tgt = stage.to_device((ids, pad, pos, tgt), info.device)
             stage.seed_micro_step(cfg.seed, state.step, micro, info.rank)
             loss = engine(ids, pad, pos, tgt)
             # DeepSpeed averages gradients over ranks: scale so the gradient is that of sum / n_global.
@@ -293,14 +293,14 @@ def run(args: argparse.Namespace) -> None:
 def evaluate(engine: torch.nn.Module, batcher: Batcher, plan: eng.BatchPlan, info: eng.DistInfo) -> float:
     """Mean loss per predicted token on the held-out windows (each rank scores a share; summed over ranks)."""
     engine.eval()
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64, device=info.device), 0  # summed on the device: one sync
     batches = bucket_batches(batcher.w.length, plan.micro_batch, batcher.seed, 0, shuffle=False)
     for batch in batches[info.rank::info.world_size]:
-        ids, pad, pos, tgt = (t.to(info.device) for t in batcher.make(batch, EVAL_EPOCH))
-        total += float(engine(ids, pad, pos, tgt))
+        ids, pad, pos, tgt = stage.to_device(batcher.make(batch, EVAL_EPOCH), info.device)
+        total += engine(ids, pad, pos, tgt).double()
         count += len(tgt)
     engine.train()
-    s, n = eng.all_reduce_sum([total, count])
+    s, n = eng.all_reduce_sum([float(total), count])
     return s / max(1.0, n)
 
 

@@ -80,3 +80,11 @@ def slots(batch: list[int], plan: eng.BatchPlan) -> list[list[int]]:
 def usable(batches: list[list[int]], plan: eng.BatchPlan) -> list[list[int]]:
     """Drop a last global batch too small to give every micro-step at least one example."""
     return [b for b in batches if len(b) >= plan.grad_accum * plan.world_size]
+
+
+def to_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """CPU batch tensors -> `device`. On CUDA they are pinned first: a copy from pageable memory is synchronous
+    whatever `non_blocking` says, and would stall the host until the GPU had finished the previous step."""
+    if device.type != "cuda":
+        return tensors
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)

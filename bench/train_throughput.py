@@ -1,0 +1,437 @@
+"""Training throughput (issue 6): a plain PyTorch loop against our DeepSpeed engine, same model, data and batches.
+
+One run, one process or several (`deepspeed --num_gpus 2 bench/train_throughput.py ...`), for each task:
+  (a) plain: the objective module of trainer/pretrain.py (LMObjective) or trainer/finetune.py (ClassifierObjective),
+      torch.optim.Adam (AdamW when the config says adamw) with the config's lr/betas/weight decay, clip_grad_norm_ to
+      optim.grad_clip (0.5), the same loss scaling as our loops; torch DistributedDataParallel when world > 1.
+  (b) deepspeed: the same module wrapped by trainer.engine.initialize with the JSON trainer.engine.ds_config derives,
+      exactly as pretrain.py / finetune.py build it, stepped by a copy of their hot loop.
+Both start from the same weights (same seed) and see the same global batches in the same order: window k of (a) and
+window k of (b) train on identical batches. Windows of --steps optimizer steps alternate between (a) and (b) in the
+same process (a-b, then b-a, ...) so that load from other processes hits both alike; the first --warmup windows of
+each are discarded. Reported per loop: the median over windows of tokens/s (real, non-pad input tokens of the whole
+global batch per second), the ratio deepspeed/plain of the medians (and the median of the per-window ratios), the
+fraction of step time spent producing the next batch (batching + host-to-device copy), model FLOPs per token and
+achieved FLOP/s, and the utilisation against a matrix-multiply peak measured in the same process (bf16 on GPU, fp32
+on CPU).
+
+Data: cls-books-fr train reviews (`data.train`) with the preset's tokenizer (the lab's for --preset lab). LM: the
+reviews cut into next-token windows of --seq-len tokens (pretrain.py's cut_windows + Batcher, objective clm).
+Classifier: the reviews cut to --seq-len ids (tokenizer.max_len), labels from train.label.
+
+Model FLOPs per token (training = 3 x forward): 6 x N + 12 x L x d x T, where N counts the weights of every matrix
+multiply a token goes through (per layer: attention in-projection 3d^2, out-projection d^2, feed-forward 2 d d_ff;
+plus the LM head d V for the language model, whose every real input token is predicted under clm) and 12 L d T is the
+attention score and value products (QK^T and AV, 2 x 2 T d per layer forward) at T = --seq-len. Not counted:
+embedding lookups, biases, layer norms, softmax, the classifier's head (once per sequence, d C), padded positions.
+
+  .venv/bin/python bench/train_throughput.py --task both --json runs/bench-train/p1.json
+  deepspeed --num_gpus 2 bench/train_throughput.py --task both --baseline runs/bench-train/p1.json
+Only rank 0 prints and writes; every rank ends through trainer.engine.finish (STACK.md: gloo exit aborts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer import engine as eng
+from trainer import stage
+from trainer.config import ModelConfig, OptimConfig, RunConfig, override, preset
+from trainer.data import bucket_batches, encode_corpus
+from trainer.finetune import ClassifierObjective, load_split
+from trainer.pretrain import Batcher, LMObjective, cut_windows
+from trainer.tokenizer import build_tokenizer
+
+LOOPS = ("plain", "deepspeed")
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+
+
+@dataclass
+class Task:
+    """What both loops need for one task: batches, how to make a micro-batch, the loss denominator, the model."""
+
+    name: str  # "lm" | "classifier"
+    stage: str  # "pretrain" | "finetune": which config section (micro-batch, optimizer) and ds_config stage
+    batches: list[list[int]]  # global batches of example/window indices, in training order
+    make: Callable[[list[int]], tuple[torch.Tensor, ...]]  # (input_ids (B, T), padding_mask (B, T), ...) on CPU
+    denominator: Callable[[list[int]], int]  # the global batch's summed loss is divided by this (as in our loops)
+    new_model: Callable[[], torch.nn.Module]  # the objective module (loss inside forward), fresh weights per seed
+    optim: OptimConfig
+    flops_per_token: float
+
+
+def model_flops_per_token(m: ModelConfig, task: str, seq_len: int) -> float:
+    """6 x matmul weights (encoder + LM head) + 12 L d T attention (module docstring says what is counted)."""
+    d, f, L = m.d_model, m.d_ff, m.n_layers
+    matmul = L * (3 * d * d + d * d + 2 * d * f) + (d * m.vocab_size if task == "lm" else 0)
+    return float(6 * matmul + 12 * L * d * seq_len)
+
+
+def global_batches(lengths: np.ndarray, plan: eng.BatchPlan, seed: int, need: int) -> list[list[int]]:
+    """The first `need` global batches in our loops' order (bucketed, seeded per epoch), over enough epochs."""
+    out: list[list[int]] = []
+    epoch = 0
+    while len(out) < need:
+        got = stage.usable(bucket_batches(lengths, plan.global_batch, seed, epoch), plan)
+        if not got:
+            raise ValueError(f"{len(lengths)} examples cannot fill one global batch of {plan.global_batch}")
+        out += got
+        epoch += 1
+    return out[:need]
+
+
+def lm_task(cfg: RunConfig, plan: eng.BatchPlan, need: int) -> Task:
+    tok = build_tokenizer(cfg)
+    corpus = encode_corpus([cfg.data.path(cfg.data.train)], tok)
+    full_len = corpus.lengths() + 2
+    windows = cut_windows(np.arange(len(corpus)), full_len, cfg.pretrain.seq_len, overlap=1)  # clm windows
+    batcher = Batcher(corpus, windows, "clm", cfg.pretrain.mask_prob, tok.vocab_size, cfg.seed)
+    return Task("lm", "pretrain", global_batches(windows.length, plan, cfg.seed, need),
+                make=lambda part: batcher.make(part, 0), denominator=batcher.n_predicted,
+                new_model=lambda: LMObjective(cfg.model, causal=True), optim=cfg.pretrain.optim,
+                flops_per_token=model_flops_per_token(cfg.model, "lm", cfg.pretrain.seq_len))
+
+
+def classifier_task(cfg: RunConfig, plan: eng.BatchPlan, need: int) -> Task:
+    tok = build_tokenizer(cfg)  # max_len = --seq-len: reviews are cut there
+    split = load_split(cfg, cfg.data.train, tok, 0)
+    return Task("classifier", "finetune", global_batches(split.lengths, plan, cfg.seed, need),
+                make=split.batch, denominator=len, new_model=lambda: ClassifierObjective(cfg.model),
+                optim=cfg.finetune.optim,
+                flops_per_token=model_flops_per_token(cfg.model, "classifier", cfg.tokenizer.max_len))
+
+
+# ---------------------------------------------------------------------------------------------- the two loops
+
+
+@dataclass
+class Window:
+    seconds: float  # wall time of the window (slowest rank)
+    tokens: int  # real input tokens of the window, all ranks
+    positions: int  # input positions incl. padding, all ranks
+    data_fraction: float  # time producing batches / window time (worst rank)
+    loss: float  # mean loss per predicted token (LM) or per example (classifier) over the window
+
+
+class Loop:
+    """One way of training the task's model: `window(batches)` runs len(batches) optimizer steps and times them."""
+
+    def __init__(self, kind: str, task: Task, cfg: RunConfig, ds: dict[str, Any], plan: eng.BatchPlan,
+                 info: eng.DistInfo, total_steps: int) -> None:
+        self.kind, self.task, self.cfg, self.plan, self.info = kind, task, cfg, plan, info
+        self.step = 0
+        torch.manual_seed(cfg.seed)  # both loops start from the same weights (as pretrain.py / finetune.py seed)
+        model = task.new_model()
+        if kind == "deepspeed":
+            self.engine = eng.initialize(model, ds, task.optim, total_steps)
+            return
+        model.to(info.device).train()
+        self.module = model
+        if info.world_size > 1:
+            # The positions buffer is a pure function of the config: broadcasting it every forward is wasted work.
+            self.module = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+                forward_sync_buffers=False)
+        o = task.optim
+        cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+        fused = {"fused": True} if info.device.type == "cuda" else {}  # the fastest torch Adam where it exists
+        self.opt = cls(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=1e-8, weight_decay=o.weight_decay,
+                       **fused)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: eng.lr_factor(s, o, total_steps))
+        bf16 = cfg.engine.precision == "bf16"
+        # bf16 here: autocast over fp32 weights (DeepSpeed's bf16 keeps bf16 weights and fp32 masters instead).
+        self.autocast = (lambda: torch.autocast(info.device.type, dtype=torch.bfloat16)) if bf16 \
+            else contextlib.nullcontext
+
+    def window(self, batches: list[list[int]]) -> Window:
+        info, plan, task = self.info, self.plan, self.task
+        sync(info)
+        t0 = time.perf_counter()
+        data_s = 0.0
+        tokens = positions = denom = 0
+        loss_acc = torch.zeros((), device=info.device)  # stays on the device: no sync inside the window
+        for batch in batches:
+            td = time.perf_counter()
+            n_global = task.denominator(batch)  # the whole global batch's count: every rank knows it
+            data_s += time.perf_counter() - td
+            parts = stage.slots(batch, plan)[info.rank::plan.world_size]
+            for micro, part in enumerate(parts):
+                td = time.perf_counter()
+                inputs = task.make(part)
+                tokens += inputs[0].numel() - int(inputs[1].sum())  # CPU tensors: no device sync
+                positions += inputs[0].numel()
+                inputs = tuple(t.to(info.device, non_blocking=True) for t in inputs)
+                data_s += time.perf_counter() - td
+                scale = plan.world_size / max(1, n_global)  # gradient of (global sum / n_global), as our loops do
+                if self.kind == "deepspeed":  # pretrain.py / finetune.py's hot loop
+                    stage.seed_micro_step(self.cfg.seed, self.step, micro, info.rank)
+                    loss = self.engine(*inputs)
+                    self.engine.backward(loss * scale, scale_wrt_gas=False)
+                    self.engine.step()
+                else:
+                    last = micro == len(parts) - 1
+                    no_sync = self.module.no_sync if info.world_size > 1 and not last else contextlib.nullcontext
+                    with no_sync():
+                        with self.autocast():
+                            loss = self.module(*inputs)
+                        (loss * scale).backward()
+                loss_acc += loss.detach()
+            if self.kind == "plain":
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), task.optim.grad_clip)
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+                self.sched.step()
+            denom += n_global
+            self.step += 1
+        sync(info)
+        seconds = time.perf_counter() - t0
+        # Outside the timed region: one sync per window, then a few numbers across ranks.
+        t_max, frac_max = reduce([seconds, data_s / seconds], dist.ReduceOp.MAX, info)
+        tok_sum, pos_sum, loss_sum = reduce([tokens, positions, float(loss_acc)], dist.ReduceOp.SUM, info)
+        return Window(t_max, int(tok_sum), int(pos_sum), frac_max, loss_sum / max(1, denom))
+
+
+def sync(info: eng.DistInfo) -> None:
+    if info.device.type == "cuda":
+        torch.cuda.synchronize(info.device)
+
+
+def reduce(values: list[float], op: dist.ReduceOp, info: eng.DistInfo) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=info.device if info.backend == "nccl" else "cpu")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+    return [float(v) for v in t.cpu()]
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def matmul_peak(info: eng.DistInfo) -> tuple[float, str]:
+    """FLOP/s of a large square matmul on this process's device: bf16 8192^2 on GPU, fp32 1536^2 on CPU."""
+    cuda = info.device.type == "cuda"
+    n, dtype, reps = (8192, torch.bfloat16, 20) if cuda else (1536, torch.float32, 4)
+    a = torch.randn(n, n, device=info.device, dtype=dtype)
+    b = torch.randn(n, n, device=info.device, dtype=dtype)
+    torch.matmul(a, b)  # warm-up (cuBLAS handles, CPU thread pool)
+    best = float("inf")
+    for _ in range(3):
+        sync(info)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.matmul(a, b)
+        sync(info)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return 2.0 * n**3 / best, f"{'bf16' if cuda else 'fp32'} {n}x{n} matmul"
+
+
+def measure(task: Task, cfg: RunConfig, ds: dict[str, Any], plan: eng.BatchPlan, info: eng.DistInfo,
+            args: argparse.Namespace) -> dict[str, list[Window]]:
+    """Alternate windows of the two loops; returns every window (warm-up first) per loop."""
+    n_windows = args.warmup + args.windows
+    loops = {k: Loop(k, task, cfg, ds, plan, info, n_windows * args.steps) for k in LOOPS}
+    out: dict[str, list[Window]] = {k: [] for k in LOOPS}
+    for w in range(n_windows):
+        batches = task.batches[w * args.steps:(w + 1) * args.steps]  # the same batches for both loops
+        for k in LOOPS if w % 2 == 0 else LOOPS[::-1]:
+            out[k].append(loops[k].window(batches))
+    return out
+
+
+def rows_for(task: Task, windows: dict[str, list[Window]], cfg: RunConfig, plan: eng.BatchPlan,
+             info: eng.DistInfo, peak: float, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    rate = {k: [w.tokens / w.seconds for w in windows[k][args.warmup:]] for k in LOOPS}
+    med = {k: statistics.median(rate[k]) for k in LOOPS}
+    for k in LOOPS:
+        ws, measured = windows[k], windows[k][args.warmup:]
+        tps = med[k]
+        flops = task.flops_per_token * tps
+        row: dict[str, Any] = {
+            "task": task.name, "loop": k, "processes": info.world_size, "threads_per_process": torch.get_num_threads(),
+            "device": info.device.type, "precision": cfg.engine.precision, "preset": cfg.preset,
+            "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "global_batch": plan.global_batch,
+            "seq_len": args.seq_len, "steps_per_window": args.steps, "warmup_windows": args.warmup,
+            "measured_windows": len(measured),
+            "tokens_per_s": tps, "tokens_per_s_per_process": tps / info.world_size,
+            "step_ms": 1000 * statistics.median(w.seconds / args.steps for w in measured),
+            "data_wait_fraction": statistics.median(w.data_fraction for w in measured),
+            "pad_fraction": 1 - sum(w.tokens for w in measured) / max(1, sum(w.positions for w in measured)),
+            "flops_per_token": task.flops_per_token, "achieved_flops": flops,
+            "peak_flops": peak, "utilisation": flops / peak if peak > 0 else None,
+            "tokens_per_s_windows": rate[k],
+            "tokens_per_window": [w.tokens for w in ws],  # warm-up included: the same list for both loops
+            "loss_windows": [w.loss for w in ws],
+        }
+        if k == "deepspeed":
+            row["ratio_vs_plain"] = med["deepspeed"] / med["plain"]
+            row["ratio_paired_median"] = statistics.median(d / p for d, p in zip(rate["deepspeed"], rate["plain"],
+                                                                                   strict=True))
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), "")
+    mem = 0
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        mem = int(next(ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines()
+                       if ln.startswith("MemTotal"))) // (1024 * 1024)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gib": mem, "gpu": gpu,
+            "machine": platform.machine(), **eng.versions()}
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    m = meta["machine"]
+    lines = [f"Training throughput, {meta['date']}: {m['machine']} {m['cpu'] or ''} ({m['cores']} cores, "
+             f"{m['memory_gib']} GiB){', GPU ' + m['gpu'] if m['gpu'] else ', no GPU'}; torch {m['torch']}, "
+             f"deepspeed {m['deepspeed']}; load average {meta['loadavg_start']} at start, "
+             f"{meta['loadavg_end']} at end.",
+             f"peak: {meta['peak']} = {meta['peak_flops'] / 1e9:.1f} GFLOP/s per process; "
+             f"{meta['windows']} windows of {meta['steps']} steps after {meta['warmup']} warm-up windows, "
+             f"median per loop.", "",
+             "| task | loop | processes x threads | global batch x seq | step ms | tokens/s | tokens/s per process "
+             "| deepspeed / plain | data wait % | pad % | MFLOP/token | GFLOP/s | of peak % | loss, last window |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = f"{r['ratio_vs_plain']:.3f} (paired {r['ratio_paired_median']:.3f})" if "ratio_vs_plain" in r else ""
+        util = f"{100 * r['utilisation']:.1f}" if r["utilisation"] is not None else "-"
+        lines.append(
+            f"| {r['task']} | {r['loop']} | {r['processes']} x {r['threads_per_process']} | "
+            f"{r['global_batch']} x {r['seq_len']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
+            f"{r['tokens_per_s_per_process']:.0f} | {ratio} | {100 * r['data_wait_fraction']:.2f} | "
+            f"{100 * r['pad_fraction']:.1f} | {r['flops_per_token'] / 1e6:.3f} | {r['achieved_flops'] / 1e9:.2f} | "
+            f"{util} | {r['loss_windows'][-1]:.4f} |")
+    scaled = [r for r in rows if "scaling_vs_baseline" in r]
+    if scaled:
+        lines += ["", f"Scaling against {meta['baseline']} (same task, loop, micro-batch and sequence length):", "",
+                  "| task | loop | processes | baseline processes | baseline tokens/s | tokens/s | scaling |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for r in scaled:
+            b = r["scaling_vs_baseline"]
+            lines.append(f"| {r['task']} | {r['loop']} | {r['processes']} | {b['processes']} | "
+                         f"{b['tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | {b['factor']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def add_scaling(rows: list[dict[str, Any]], path: str) -> None:
+    """Global tokens/s over a baseline run's (e.g. 2 processes over 1) for matching rows."""
+    base = json.loads(Path(path).read_text(encoding="utf-8"))["rows"]
+    key = ("task", "loop", "micro_batch", "seq_len", "preset", "precision")
+    for r in rows:
+        match = [b for b in base if all(b[k] == r[k] for k in key)]
+        if match:
+            b = match[0]
+            r["scaling_vs_baseline"] = {"processes": b["processes"], "tokens_per_s": b["tokens_per_s"],
+                                        "factor": r["tokens_per_s"] / b["tokens_per_s"]}
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ---------------------------------------------------------------------------------------------- entry
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="lab", help="config preset whose model and optimizers are measured (lab)")
+    p.add_argument("--task", choices=["lm", "classifier", "both"], default="both")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per process per micro-step (8)")
+    p.add_argument("--seq-len", type=int, default=128, help="LM window / classifier cut, in ids (128)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per window (3)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up windows per loop, discarded (3)")
+    p.add_argument("--windows", type=int, default=5, help="measured windows per loop (5)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, as for `python -m trainer` (repeatable)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows (and run details) as JSON")
+    p.add_argument("--baseline", metavar="JSON", help="a --json of another run (e.g. 1 process): report scaling")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # from the DeepSpeed launcher
+    args = p.parse_args(argv)
+    for name in ("micro_batch", "seq_len", "steps", "warmup", "windows"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}, got {getattr(args, name)}")
+    return args
+
+
+def config(args: argparse.Namespace) -> RunConfig:
+    cuda = torch.cuda.is_available()
+    cfg = override(preset(args.preset), {
+        "pretrain.micro_batch": args.micro_batch, "finetune.micro_batch": args.micro_batch,
+        "pretrain.seq_len": args.seq_len, "pretrain.objective": "clm", "tokenizer.max_len": args.seq_len,
+        "engine.precision": "bf16" if cuda else "fp32",  # the issue: fp32 on CPU, bf16 on GPU
+    })
+    cfg = override(cfg, args.overrides)
+    if cfg.model.max_positions < args.seq_len:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds model.max_positions={cfg.model.max_positions}")
+    return cfg
+
+
+def run(args: argparse.Namespace) -> None:
+    cfg = config(args)
+    info = eng.init_distributed()
+    main = eng.is_main()
+    load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    peak, peak_what = matmul_peak(info)
+    need = (args.warmup + args.windows) * args.steps
+    rows: list[dict[str, Any]] = []
+    for name in (["lm", "classifier"] if args.task == "both" else [args.task]):
+        stage_ = "pretrain" if name == "lm" else "finetune"
+        ds, plan = eng.ds_config(cfg, stage_, info.world_size, cfg.engine.deepspeed_config or None)
+        task = (lm_task if name == "lm" else classifier_task)(cfg, plan, need)
+        rows += rows_for(task, measure(task, cfg, ds, plan, info, args), cfg, plan, info, peak, args)
+    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "processes": info.world_size,
+            "loadavg_start": load0, "loadavg_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "peak": peak_what, "peak_flops": peak, "warmup": args.warmup, "windows": args.windows,
+            "steps": args.steps, "baseline": args.baseline}
+    if args.baseline:
+        add_scaling(rows, args.baseline)
+    if main:
+        print(markdown(rows, meta), end="", flush=True)
+        if args.json:
+            write_json_atomic(Path(args.json), {"meta": meta, "rows": rows})
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    stage.entry(run, args)  # ends the process through engine.finish on every rank
+
+
+if __name__ == "__main__":
+    main()
