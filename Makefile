@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv
+.PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-carry
 
 help:
 	@echo "make demo      set up, then pretrain -> fine-tune -> export -> serve on the default data"
@@ -16,6 +16,7 @@ help:
 	@echo "make test-slow the long suites (soak, large fuzz)"
 	@echo "make lint      ruff"
 	@echo "make proto     regenerate the gRPC code from proto/"
+	@echo "make gpu-carry wheels + data for bench/gpu_check.sh on a bare GPU image"
 
 setup: $(STAMP)
 
@@ -57,6 +58,18 @@ demo: setup
 
 proto: setup
 	$(BIN)/python -m serving.gen_proto
+
+# For a bare GPU image that has python3.12 and a CUDA torch but not our other packages (the device tool's
+# machines): the wheels it lacks in .whl/ and the data bench/gpu_check.sh reads in .data/; carry both there.
+GPU_PY ?= 3.12
+gpu-carry: setup
+	rm -rf .whl .data && mkdir -p .whl .data
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w .whl -c requirements.lock deepspeed
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl -c requirements.lock \
+	  hjson pydantic pydantic-core annotated-types typing-inspection grpcio-health-checking grpcio-reflection
+	cp -r ../shared/data/cls-books-fr ../shared/data/eltec-fr .data/
+	du -sh .whl .data
 
 lock:
 	rm -rf /tmp/ts-lock-venv && $(PY) -m venv /tmp/ts-lock-venv

@@ -57,7 +57,7 @@ def matmul_peak(n: int, threads: int, min_s: float) -> float:
                               [helper.make_tensor_value_info("a", TensorProto.FLOAT, [n, n]),
                                helper.make_tensor_value_info("b", TensorProto.FLOAT, [n, n])],
                               [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "mm.onnx"
         onnx.save(model, str(path))

@@ -146,6 +146,8 @@ class Loop:
             return
         model.to(info.device).train()
         self.module = model
+        if kind == "compiled":  # `--compile`: the plain loop with torch.compile (inductor), shapes dynamic
+            self.module = model = torch.compile(model, dynamic=True)  # type: ignore[assignment]
         if info.world_size > 1:
             # The positions buffer is a pure function of the config: broadcasting it every forward is wasted work.
             self.module = torch.nn.parallel.DistributedDataParallel(
@@ -195,7 +197,7 @@ class Loop:
                             loss = self.module(*inputs)
                         (loss * scale).backward()
                 loss_acc += loss.detach()
-            if self.kind == "plain":
+            if self.kind != "deepspeed":
                 torch.nn.utils.clip_grad_norm_(self.module.parameters(), task.optim.grad_clip)
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
@@ -247,21 +249,27 @@ def measure(task: Task, cfg: RunConfig, ds: dict[str, Any], plan: eng.BatchPlan,
             args: argparse.Namespace) -> dict[str, list[Window]]:
     """Alternate windows of the two loops; returns every window (warm-up first) per loop."""
     n_windows = args.warmup + args.windows
-    loops = {k: Loop(k, task, cfg, ds, plan, info, n_windows * args.steps) for k in LOOPS}
-    out: dict[str, list[Window]] = {k: [] for k in LOOPS}
+    kinds = kinds_of(args)
+    loops = {k: Loop(k, task, cfg, ds, plan, info, n_windows * args.steps) for k in kinds}
+    out: dict[str, list[Window]] = {k: [] for k in kinds}
     for w in range(n_windows):
-        batches = task.batches[w * args.steps:(w + 1) * args.steps]  # the same batches for both loops
-        for k in LOOPS if w % 2 == 0 else LOOPS[::-1]:
+        batches = task.batches[w * args.steps:(w + 1) * args.steps]  # the same batches for every loop
+        for k in kinds if w % 2 == 0 else kinds[::-1]:
             out[k].append(loops[k].window(batches))
     return out
+
+
+def kinds_of(args: argparse.Namespace) -> tuple[str, ...]:
+    return (*LOOPS, "compiled") if args.compile else LOOPS
 
 
 def rows_for(task: Task, windows: dict[str, list[Window]], cfg: RunConfig, plan: eng.BatchPlan,
              info: eng.DistInfo, peak: float, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    rate = {k: [w.tokens / w.seconds for w in windows[k][args.warmup:]] for k in LOOPS}
-    med = {k: statistics.median(rate[k]) for k in LOOPS}
-    for k in LOOPS:
+    kinds = kinds_of(args)
+    rate = {k: [w.tokens / w.seconds for w in windows[k][args.warmup:]] for k in kinds}
+    med = {k: statistics.median(rate[k]) for k in kinds}
+    for k in kinds:
         ws, measured = windows[k], windows[k][args.warmup:]
         tps = med[k]
         flops = task.flops_per_token * tps
@@ -281,9 +289,9 @@ def rows_for(task: Task, windows: dict[str, list[Window]], cfg: RunConfig, plan:
             "tokens_per_window": [w.tokens for w in ws],  # warm-up included: the same list for both loops
             "loss_windows": [w.loss for w in ws],
         }
-        if k == "deepspeed":
-            row["ratio_vs_plain"] = med["deepspeed"] / med["plain"]
-            row["ratio_paired_median"] = statistics.median(d / p for d, p in zip(rate["deepspeed"], rate["plain"],
+        if k != "plain":
+            row["ratio_vs_plain"] = med[k] / med["plain"]
+            row["ratio_paired_median"] = statistics.median(d / p for d, p in zip(rate[k], rate["plain"],
                                                                                    strict=True))
         rows.append(row)
     return rows
@@ -316,7 +324,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"{meta['windows']} windows of {meta['steps']} steps after {meta['warmup']} warm-up windows, "
              f"median per loop.", "",
              "| task | loop | processes x threads | global batch x seq | step ms | tokens/s | tokens/s per process "
-             "| deepspeed / plain | data wait % | pad % | MFLOP/token | GFLOP/s | of peak % | loss, last window |",
+             "| vs plain | data wait % | pad % | MFLOP/token | GFLOP/s | of peak % | loss, last window |",
              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r['ratio_vs_plain']:.3f} (paired {r['ratio_paired_median']:.3f})" if "ratio_vs_plain" in r else ""
@@ -380,6 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, as for `python -m trainer` (repeatable)")
     p.add_argument("--json", metavar="PATH", help="also write the rows (and run details) as JSON")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the plain loop under torch.compile (inductor; its compile time is in the warm-up)")
     p.add_argument("--baseline", metavar="JSON", help="a --json of another run (e.g. 1 process): report scaling")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # from the DeepSpeed launcher
     args = p.parse_args(argv)

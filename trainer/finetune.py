@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigError("--compare needs --pretrained ARTIFACT (the encoder to compare with scratch)")
     if pre is not None:
         cfg = adopt_pretrained(cfg, pre)
+    if cfg.finetune.dropout is not None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=cfg.finetune.dropout))
     if cfg.model.num_classes != len(cfg.data.labels):
         raise ConfigError(f"model.num_classes={cfg.model.num_classes} but data.labels has {len(cfg.data.labels)} "
                           f"classes {cfg.data.labels}")
