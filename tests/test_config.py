@@ -49,3 +49,10 @@ def test_config_file_rejects_unknown_keys_with_file_name(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key 'pretrain.lr'"):
         (tmp_path / "o.json").write_text(json.dumps({"pretrain": {"lr": 1}}))
         resolve("tiny", [], str(tmp_path / "o.json"))
+
+
+@pytest.mark.parametrize("name", ["demo", "english", "lab"])
+def test_every_file_a_preset_names_is_in_the_data_folder(name: str, data_dir) -> None:
+    data = override(preset(name), {"data.root": str(data_dir)}).data
+    for rel in [*data.pretrain, data.train, data.test, *data.extra_test]:
+        assert data.path(rel).is_file(), f"preset {name}: {rel} not found under {data_dir}"

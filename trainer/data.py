@@ -18,6 +18,7 @@ import gzip
 import itertools
 import json
 import os
+import sys
 import tempfile
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
@@ -355,8 +356,9 @@ def _encode_chunk(batch: list[Example], tokenizer: Tokenizer) -> tuple[np.ndarra
 
 
 def _progress(enabled: bool, desc: str) -> Any:
-    """A tqdm bar, or None when disabled (tqdm is imported only then)."""
-    if not enabled:
+    """A tqdm bar, or None when disabled or when stderr is no terminal (a bar redrawn into a log file is one
+    endless line; the caller prints its totals). tqdm is imported only when shown."""
+    if not enabled or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 
