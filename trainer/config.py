@@ -264,11 +264,10 @@ def english() -> RunConfig:
     5,000-review sample of it). The demo's model size and its fine-tuning recipe (mean pooling, dropout 0.1 while
     fine-tuning), so that it fits a CPU budget: ~25 min pretraining and ~18 min for `--compare` on 2 cores.
     Masked-LM pretraining at the same budget transferred worse here (docs/RESULTS.md)."""
-    return RunConfig(
+    base = demo()  # the same model, tokenizer size, pretraining schedule and fine-tuning recipe
+    return dataclasses.replace(
+        base,
         preset="english",
-        model=ModelConfig(vocab_size=8004, d_model=128, n_layers=2, n_heads=2, d_ff=256, max_positions=512,
-                          pooling="mean"),
-        tokenizer=TokenizerConfig(kind="train", vocab_size=8000, max_len=256, train_lines=100_000),
         data=DataConfig(
             pretrain=["imdb/unsup.txt.gz"],
             pretrain_eval_lines=500,
@@ -277,15 +276,7 @@ def english() -> RunConfig:
             max_test_examples=5000,  # per epoch: a seeded sample of the test set; all 25,000 once at the end
             extra_test=["imdb/test.jsonl.gz", "sst2/dev.tsv", "sst2/test.tsv"],
         ),
-        pretrain=PretrainConfig(
-            micro_batch=32,
-            seq_len=128,
-            epochs=1,
-            max_steps=2000,
-            optim=OptimConfig(lr=1e-3, warmup_steps=100, schedule="cosine"),
-        ),
-        finetune=FinetuneConfig(micro_batch=16, epochs=2, dropout=0.1, optim=OptimConfig(lr=1e-4)),
-        engine=EngineConfig(checkpoint_every=500, log_every=25),
+        finetune=dataclasses.replace(base.finetune, epochs=2),  # 25,000 labeled reviews: 2 epochs are 3,126 steps
     )
 
 
