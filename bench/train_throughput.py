@@ -181,7 +181,7 @@ class Loop:
                 inputs = task.make(part)
                 tokens += inputs[0].numel() - int(inputs[1].sum())  # CPU tensors: no device sync
                 positions += inputs[0].numel()
-                inputs = tuple(t.to(info.device, non_blocking=True) for t in inputs)
+                inputs = stage.to_device(inputs, info.device)  # as the trainers do (pinned on CUDA)
                 data_s += time.perf_counter() - td
                 scale = plan.world_size / max(1, n_global)  # gradient of (global sum / n_global), as our loops do
                 if self.kind == "deepspeed":  # pretrain.py / finetune.py's hot loop
