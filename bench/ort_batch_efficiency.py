@@ -22,14 +22,13 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from trainer.config import ModelConfig
+from trainer.model import forward_flops_per_token
+
 
 def model_flops_per_text(arch: dict, t: int) -> float:
-    """Multiply-adds x 2 of one forward pass over t ids: per layer the QKV (d x 3d), output (d x d) and feed-forward
-    (d x ff, ff x d) projections on t rows, plus scores QK^T and the weighted sum of V (t x t x d each). The
-    embedding is a gather (no FLOPs); the classification head (d x classes, one row) is negligible."""
-    d, ff, layers = arch["d_model"], arch["d_ff"], arch["n_layers"]
-    per_layer = 2 * t * d * (3 * d + d + 2 * ff) + 2 * 2 * t * t * d
-    return float(layers * per_layer)
+    """FLOPs of one forward pass over t ids (trainer.model.forward_flops_per_token, the classifier's count)."""
+    return t * forward_flops_per_token(ModelConfig(**arch), "classifier", t)
 
 
 def session(path: Path | str, threads: int) -> ort.InferenceSession:

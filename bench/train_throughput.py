@@ -40,7 +40,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,9 +52,11 @@ import torch.distributed as dist
 
 from trainer import engine as eng
 from trainer import stage
+from trainer.artifact import write_text_atomic
 from trainer.config import ModelConfig, OptimConfig, RunConfig, override, preset
 from trainer.data import bucket_batches, encode_corpus
 from trainer.finetune import ClassifierObjective, load_split
+from trainer.model import forward_flops_per_token
 from trainer.pretrain import Batcher, LMObjective, cut_windows
 from trainer.tokenizer import build_tokenizer
 
@@ -80,10 +81,8 @@ class Task:
 
 
 def model_flops_per_token(m: ModelConfig, task: str, seq_len: int) -> float:
-    """6 x matmul weights (encoder + LM head) + 12 L d T attention (module docstring says what is counted)."""
-    d, f, L = m.d_model, m.d_ff, m.n_layers
-    matmul = L * (3 * d * d + d * d + 2 * d * f) + (d * m.vocab_size if task == "lm" else 0)
-    return float(6 * matmul + 12 * L * d * seq_len)
+    """Training FLOPs per token: forward + backward = 3 x forward (module docstring says what is counted)."""
+    return 3 * forward_flops_per_token(m, task, seq_len)
 
 
 def global_batches(lengths: np.ndarray, plan: eng.BatchPlan, seed: int, need: int) -> list[list[int]]:
@@ -359,19 +358,6 @@ def add_scaling(rows: list[dict[str, Any]], path: str) -> None:
                                         "factor": r["tokens_per_s"] / b["tokens_per_s"]}
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 # ---------------------------------------------------------------------------------------------- entry
 
 
@@ -435,7 +421,7 @@ def run(args: argparse.Namespace) -> None:
     if main:
         print(markdown(rows, meta), end="", flush=True)
         if args.json:
-            write_json_atomic(Path(args.json), {"meta": meta, "rows": rows})
+            write_text_atomic(Path(args.json), json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:

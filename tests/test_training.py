@@ -361,3 +361,17 @@ def test_gpu_bf16_two_ranks_nccl(base: list[str], tmp_path: Path) -> None:
     ds = json.loads((out / "deepspeed_config.json").read_text())
     assert "torch_adam" not in ds["optimizer"]["params"] and ds["bf16"]["enabled"]
     assert all(v.dtype == torch.float32 for v in weights(out).values())
+
+
+def test_a_test_sample_taken_from_an_encoded_extra_set_equals_the_one_loaded_alone(tiny_tokenizer, data_dir) -> None:
+    """finetune encodes a file once when it is both data.test (sampled) and in data.extra_test (whole)."""
+    from trainer.config import override, tiny
+    from trainer.finetune import load_split, sample_split
+
+    cfg = override(tiny(), {"data.root": str(data_dir)})
+    name = "cls-books-fr/test.review.txt"
+    whole = load_split(cfg, name, tiny_tokenizer, 0)
+    alone, sampled = load_split(cfg, name, tiny_tokenizer, 39), sample_split(whole, cfg.seed, 39)
+    assert len(whole.ids) == 2000 and len(sampled.ids) == 39
+    assert sampled.ids == alone.ids and np.array_equal(sampled.labels, alone.labels)
+    assert set(sampled.labels.tolist()) == {0, 1}  # a shuffled sample, not the file's first (sorted) lines

@@ -86,10 +86,19 @@ class Split:
 def load_split(cfg: RunConfig, name: str, tok: Tokenizer, limit: int) -> Split:
     """A labeled file encoded with `tok`; with `limit`, the first N examples after a seeded shuffle."""
     examples = read_labeled(cfg.data.path(name), cfg.data.labels, cfg.data.text_field, cfg.data.label_field)
-    if limit:
-        order = np.random.default_rng([cfg.seed, len(examples)]).permutation(len(examples))[:limit]
-        examples = [examples[i] for i in sorted(order)]
+    examples = [examples[i] for i in _pick(cfg.seed, len(examples), limit)]
     return Split([tok.encode_example(ex) for ex in examples], np.array([ex.label for ex in examples], np.int64))
+
+
+def sample_split(split: Split, seed: int, limit: int) -> Split:
+    """The examples `load_split(..., limit)` would keep, taken from the whole file's already encoded split."""
+    keep = _pick(seed, len(split.ids), limit)
+    return Split([split.ids[i] for i in keep], split.labels[keep])
+
+
+def _pick(seed: int, n: int, limit: int) -> np.ndarray:
+    """Indices (ascending) of the first `limit` of n examples after a seeded shuffle; all of them when limit is 0."""
+    return np.sort(np.random.default_rng([seed, n]).permutation(n)[:limit]) if limit else np.arange(n)
 
 
 def adopt_pretrained(cfg: RunConfig, pre: artifact.Artifact) -> RunConfig:
@@ -139,8 +148,10 @@ def run(args: argparse.Namespace) -> None:
     if cfg.model.max_positions < tok.max_len:
         raise ConfigError(f"tokenizer max_len {tok.max_len} exceeds model.max_positions={cfg.model.max_positions}")
     train = load_split(cfg, cfg.data.train, tok, cfg.data.max_train_examples)
-    test = load_split(cfg, cfg.data.test, tok, cfg.data.max_test_examples)
     extra = {name: load_split(cfg, name, tok, 0) for name in cfg.data.extra_test}
+    # The per-epoch test set is often a sample of one of the extra sets (the english preset): encode that file once.
+    test = sample_split(extra[cfg.data.test], cfg.seed, cfg.data.max_test_examples) if cfg.data.test in extra \
+        else load_split(cfg, cfg.data.test, tok, cfg.data.max_test_examples)
     monitor.write_run_info(run_dir, cfg, ds, {"stage": "finetune", "pretrained": str(args.pretrained or ""),
                                               "train_examples": len(train.ids), "test_examples": len(test.ids)})
     if pre is not None and pre.meta.get("objective") == "mlm" and cfg.model.classifier_causal:

@@ -154,3 +154,13 @@ def parameter_formula(cfg: ModelConfig, task: str) -> dict[str, int]:
     out.update({f"{k} (x{cfg.n_layers})": v * cfg.n_layers for k, v in per_layer.items()})
     out["head"] = d * V + V if task == "lm" else d * cfg.num_classes + cfg.num_classes
     return out
+
+
+def forward_flops_per_token(cfg: ModelConfig, task: str, seq_len: int) -> float:
+    """FLOPs of one forward pass per token at sequence length `seq_len`: 2 x the matmul weights a token goes through
+    (per layer QKV 3d^2, output d^2, feed-forward 2 d ff; the LM head d V) + 4 L d T for the QK^T and AV products.
+    Not counted: embedding lookups, biases, norms, softmax, the classifier head (once per sequence). A training
+    step (forward + backward) is 3x this."""
+    d, f, L = cfg.d_model, cfg.d_ff, cfg.n_layers
+    matmul = L * (3 * d * d + d * d + 2 * d * f) + (d * cfg.vocab_size if task == "lm" else 0)
+    return float(2 * matmul + 4 * L * d * seq_len)
