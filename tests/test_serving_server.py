@@ -148,22 +148,46 @@ def test_sentiment_metadata(server: SentimentServer) -> None:
 
 def test_concurrent_requests_share_onnxruntime_runs(server: SentimentServer, reference: Predictor,
                                                     data_dir: Path) -> None:
+    """16 requests that wait together are answered by fewer onnxruntime runs than requests.
+
+    Both batch workers are held inside a run while the 16 requests queue, so the result does not depend on how
+    fast client threads start: on a busy 2-core CI machine 16 threads once arrived one by one and each ran alone.
+    """
     texts = reviews(data_dir, 16)
-    barrier, results = threading.Barrier(len(texts)), [None] * len(texts)
+    batcher, real_infer = server.batcher, server.batcher.infer
+    workers = server.cfg.batch_workers
+    held, release = threading.Semaphore(0), threading.Event()
+    sizes: list[int] = []  # texts per onnxruntime run once released
+
+    def held_infer(rows):
+        if not release.is_set():
+            held.release()
+            assert release.wait(30), "test never released the batch workers"
+        else:
+            sizes.append(len(rows))
+        return real_infer(rows)
+
     stub = pb_grpc.SentimentServiceStub(grpc.insecure_channel(target(server)))
     stub.Classify(pb.ClassifyRequest(texts=["chauffe"]), timeout=10)  # connection up before the race
-
-    def call(i: int) -> None:
-        barrier.wait()
-        results[i] = stub.Classify(pb.ClassifyRequest(texts=[texts[i]]), timeout=10).results[0]
-
-    runs = server.predictor.runs
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(texts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert server.predictor.runs - runs < len(texts)
+    batcher.infer = held_infer
+    try:
+        blockers = []
+        for _ in range(workers):  # one at a time, so that no worker takes two blockers in one batch
+            blockers.append(stub.Classify.future(pb.ClassifyRequest(texts=["chauffe"]), timeout=60))
+            assert held.acquire(timeout=20), "a batch worker never started its run"
+        futures = [stub.Classify.future(pb.ClassifyRequest(texts=[t]), timeout=60) for t in texts]
+        end = time.monotonic() + 20
+        while batcher.queued < len(texts):
+            assert time.monotonic() < end, f"only {batcher.queued} of {len(texts)} texts queued"
+            time.sleep(0.01)
+        release.set()
+        results = [f.result().results[0] for f in futures]
+        for b in blockers:
+            b.result()
+    finally:
+        release.set()
+        batcher.infer = real_infer
+    assert sum(sizes) == len(texts) and len(sizes) < len(texts), sizes
     for got, ref in zip(results, reference.predict(texts), strict=True):
         np.testing.assert_allclose(got.probabilities, ref.probabilities, atol=1e-5)
 
@@ -426,7 +450,8 @@ def test_client_retries_unavailable_until_the_server_is_up(tiny_bundle: Path) ->
 def test_stop_reports_not_serving_serves_through_the_drain_delay_and_finishes_in_flight(tiny_bundle: Path) -> None:
     """stop() = what SIGTERM does: health NOT_SERVING and KServe not ready at once, requests still served during
     drain_delay_s, then new ones refused while a request held inside onnxruntime still completes."""
-    with running_server(tiny_bundle, device="cpu", drain_delay_s=0.6, batch_workers=1) as s:
+    drain = 2.0  # long enough that a loaded CI machine still sends the in-delay request inside it
+    with running_server(tiny_bundle, device="cpu", drain_delay_s=drain, batch_workers=1) as s:
         ch = grpc.insecure_channel(target(s))
         stub, health = pb_grpc.SentimentServiceStub(ch), health_pb2_grpc.HealthStub(ch)
         kstub = kpb_grpc.GRPCInferenceServiceStub(ch)
@@ -442,14 +467,17 @@ def test_stop_reports_not_serving_serves_through_the_drain_delay_and_finishes_in
         in_flight = stub.Classify.future(pb.ClassifyRequest(texts=["en cours"]), timeout=20)
         assert entered.wait(10)
         stopper = threading.Thread(target=s.stop)
+        stopping = time.monotonic()
         stopper.start()
-        time.sleep(0.1)  # inside the drain delay
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
-            health_pb2.HealthCheckResponse.NOT_SERVING
+        while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != \
+                health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() - stopping < drain / 2, "health still SERVING well into the drain delay"
+            time.sleep(0.01)
         assert not kstub.ServerReady(kpb.ServerReadyRequest(), timeout=5).ready
         s.batcher.infer = real
         late_but_served = stub.Classify.future(pb.ClassifyRequest(texts=["pendant le délai"]), timeout=20)
-        time.sleep(0.8)  # the delay is over: new requests are refused
+        assert time.monotonic() - stopping < drain, "the in-delay request was sent too late to prove anything"
+        time.sleep(max(0.0, stopping + drain + 0.5 - time.monotonic()))  # the delay is over: new ones are refused
         with pytest.raises(grpc.RpcError) as info:
             stub.Classify(pb.ClassifyRequest(texts=["trop tard"]), timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
