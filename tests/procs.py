@@ -9,8 +9,32 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # the virtualenv's bin: python, deepspeed
+
+
+def env() -> dict[str, str]:
+    """The environment of a DeepSpeed launch from a test: our venv first on PATH, CPU accelerator, and no rank
+    variables inherited from whatever runs pytest (they would make a launcher's child think it is one rank)."""
+    e = dict(os.environ)
+    e.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
+    e["DS_ACCELERATOR"] = "cpu"
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        e.pop(k, None)
+    return e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def popen(cmd: Sequence[str], **kw: object) -> subprocess.Popen[str]:

@@ -33,6 +33,10 @@ def test_bad_values_name_the_field_and_value():
         override(preset("tiny"), ["model.n_heads=3"])
     with pytest.raises(ConfigError, match="engine.zero_stage must be 0, 1 or 2, got 3"):
         override(preset("tiny"), ["engine.zero_stage=3"])
+    with pytest.raises(ConfigError, match="engine.keep_checkpoints must be >= 1, got 0"):
+        override(preset("tiny"), ["engine.keep_checkpoints=0"])
+    with pytest.raises(ConfigError, match="engine.checkpoint_every must be >= 0"):
+        override(preset("tiny"), ["engine.checkpoint_every=-5"])
     with pytest.raises(ConfigError, match="model.d_model must be int, got 'wide'"):
         override(preset("tiny"), ["model.d_model=wide"])
     with pytest.raises(ConfigError, match="unknown preset 'huge'"):

@@ -22,7 +22,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +30,11 @@ import procs
 import psutil
 import pytest
 import torch
+from procs import BIN, REPO, env, free_port
 from safetensors.torch import load_file
 
 from trainer import checkpoint as ckpt
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 # 2 ranks x micro 7 x accumulation 2, ZeRO-2, dropout on, warmup + cosine: the resume must replay all of it exactly.
 # Checkpoints at steps 4, 8, 12, 16 (the last one also holds done=True).
 STEPS, EVERY = 16, 4
@@ -45,24 +43,6 @@ ARGS = ["--preset", "tiny", "--set", "pretrain.micro_batch=7", "--set", "engine.
         "--set", "pretrain.optim.warmup_steps=3", "--set", f"pretrain.max_steps={STEPS}",
         "--set", f"engine.checkpoint_every={EVERY}", "--set", "engine.log_every=1",
         "--set", "engine.keep_checkpoints=3"]
-
-
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
-    e["DS_ACCELERATOR"] = "cpu"
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        e.pop(k, None)
-    return e
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(args: list[str]) -> subprocess.Popen[str]:

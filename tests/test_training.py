@@ -21,10 +21,9 @@ import procs
 import psutil
 import pytest
 import torch
+from procs import BIN, REPO, env, free_port
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 TINY = ["--preset", "tiny"]
 # 2 ranks x 7 == 1 rank x 14 (odd sizes: shape bugs show)
 ONE_STEP = ["--set", "pretrain.max_steps=1"]
@@ -33,17 +32,6 @@ RESUME = ["--set", "pretrain.micro_batch=7", "--set", "engine.zero_stage=2", "--
           "--set", "model.dropout=0.1", "--set", "pretrain.optim.schedule=cosine",
           "--set", "pretrain.optim.warmup_steps=3", "--set", "pretrain.max_steps=24",
           "--set", "engine.checkpoint_every=4", "--set", "engine.log_every=1", "--set", "engine.keep_checkpoints=3"]
-
-
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
-    e["DS_ACCELERATOR"] = "cpu"
-    e.pop("RANK", None)
-    e.pop("WORLD_SIZE", None)
-    e.pop("LOCAL_RANK", None)
-    return e
 
 
 def run(cmd: list[str], timeout: int = 300, ok: bool = True) -> subprocess.CompletedProcess[str]:
@@ -63,14 +51,6 @@ def deepspeed(args: list[str], ranks: int = 2, launcher: list[str] | None = None
 
 def trainer(args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
     return run([sys.executable, "-m", "trainer", *args], **kw)  # type: ignore[arg-type]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:

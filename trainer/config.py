@@ -147,6 +147,12 @@ class EngineConfig:
             raise ConfigError(f"engine.precision must be fp32 or bf16, got {self.precision!r}")
         if self.grad_accum < 1:
             raise ConfigError(f"engine.grad_accum must be >= 1, got {self.grad_accum}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"engine.checkpoint_every must be >= 0 (0 = at the end), got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:  # 0 would delete the checkpoint just written, the one --resume needs
+            raise ConfigError(f"engine.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.log_every < 1:
+            raise ConfigError(f"engine.log_every must be >= 1, got {self.log_every}")
 
 
 @dataclass
