@@ -40,6 +40,44 @@ def running_server(bundle: Path, **options: object) -> Iterator[SentimentServer]
         server.stop(grace=2.0)
 
 
+class HeldRuns:
+    """Holds the server's batch workers inside their onnxruntime runs (a gate around the real `Predictor.infer`)
+    until `release()`, so that requests queue behind them deterministically, whatever the machine's load.
+    Installed when made; as a context manager, on exit the real infer is back and every held run goes on."""
+
+    def __init__(self, server: SentimentServer) -> None:
+        self.batcher, self.real = server.batcher, server.batcher.infer
+        self.sizes: list[int] = []  # texts per run, in the order the runs started
+        self._entered = threading.Semaphore(0)
+        self._open = threading.Event()
+        self.batcher.infer = self
+
+    def __enter__(self) -> HeldRuns:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_holding()
+        self.release()
+
+    def __call__(self, rows):  # noqa: ANN001, ANN204
+        self.sizes.append(len(rows))
+        if not self._open.is_set():
+            self._entered.release()
+            assert self._open.wait(30), "the test never released the held runs"
+        return self.real(rows)
+
+    def wait_entered(self, timeout: float = 20.0) -> bool:
+        """True once one more run is held (call once per run expected)."""
+        return self._entered.acquire(timeout=timeout)
+
+    def stop_holding(self) -> None:
+        """Runs that start from now on are neither held nor recorded; the held ones stay held."""
+        self.batcher.infer = self.real
+
+    def release(self) -> None:
+        self._open.set()
+
+
 def target(server: SentimentServer) -> str:
     return f"127.0.0.1:{server.port}"
 

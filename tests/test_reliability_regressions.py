@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from serving_fixtures import running_server, target
+from serving_fixtures import HeldRuns, running_server, target
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
@@ -76,13 +76,7 @@ def test_past_the_limit_and_its_headroom_grpc_still_refuses_at_once(tiny_bundle:
     with running_server(tiny_bundle, device="cpu", max_workers=4) as s, grpc.insecure_channel(target(s)) as channel:
         stub = pb_grpc.SentimentServiceStub(channel)
         stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10)
-        gate, real = threading.Event(), s.batcher.infer
-
-        def held(rows):  # noqa: ANN001, ANN202
-            gate.wait(20)
-            return real(rows)
-
-        s.batcher.infer = held
+        held = HeldRuns(s)
         accepted = [stub.Classify.future(pb.ClassifyRequest(texts=[f"retenu {i}"]), timeout=30) for i in range(12)]
         deadline = time.monotonic() + 10
         while s.batcher.queued + (1 if s.predictor.runs else 0) < 11 and time.monotonic() < deadline:
@@ -91,7 +85,7 @@ def test_past_the_limit_and_its_headroom_grpc_still_refuses_at_once(tiny_bundle:
         with pytest.raises(grpc.RpcError) as info:
             stub.Classify(pb.ClassifyRequest(texts=["de trop"]), timeout=10)
         refused_after = time.monotonic() - start
-        gate.set()
+        held.release()
         assert all(len(f.result().results) == 1 for f in accepted)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "Concurrent RPC limit" in info.value.details() and refused_after < 2

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from serving_fixtures import make_certs, reviews, running_server, target
+from serving_fixtures import HeldRuns, make_certs, reviews, running_server, target
 
 from serving.client import SentimentClient
 from serving.config import ServerConfig
@@ -154,39 +154,23 @@ def test_concurrent_requests_share_onnxruntime_runs(server: SentimentServer, ref
     fast client threads start: on a busy 2-core CI machine 16 threads once arrived one by one and each ran alone.
     """
     texts = reviews(data_dir, 16)
-    batcher, real_infer = server.batcher, server.batcher.infer
     workers = server.cfg.batch_workers
-    held, release = threading.Semaphore(0), threading.Event()
-    sizes: list[int] = []  # texts per onnxruntime run once released
-
-    def held_infer(rows):
-        if not release.is_set():
-            held.release()
-            assert release.wait(30), "test never released the batch workers"
-        else:
-            sizes.append(len(rows))
-        return real_infer(rows)
-
-    stub = pb_grpc.SentimentServiceStub(grpc.insecure_channel(target(server)))
-    stub.Classify(pb.ClassifyRequest(texts=["chauffe"]), timeout=10)  # connection up before the race
-    batcher.infer = held_infer
-    try:
+    with grpc.insecure_channel(target(server)) as channel, HeldRuns(server) as held:
+        stub = pb_grpc.SentimentServiceStub(channel)
         blockers = []
         for _ in range(workers):  # one at a time, so that no worker takes two blockers in one batch
             blockers.append(stub.Classify.future(pb.ClassifyRequest(texts=["chauffe"]), timeout=60))
-            assert held.acquire(timeout=20), "a batch worker never started its run"
+            assert held.wait_entered(), "a batch worker never started its run"
         futures = [stub.Classify.future(pb.ClassifyRequest(texts=[t]), timeout=60) for t in texts]
         end = time.monotonic() + 20
-        while batcher.queued < len(texts):
-            assert time.monotonic() < end, f"only {batcher.queued} of {len(texts)} texts queued"
+        while server.batcher.queued < len(texts):
+            assert time.monotonic() < end, f"only {server.batcher.queued} of {len(texts)} texts queued"
             time.sleep(0.01)
-        release.set()
+        held.release()
         results = [f.result().results[0] for f in futures]
         for b in blockers:
             b.result()
-    finally:
-        release.set()
-        batcher.infer = real_infer
+    sizes = held.sizes[workers:]  # texts per run after the blockers
     assert sum(sizes) == len(texts) and len(sizes) < len(texts), sizes
     for got, ref in zip(results, reference.predict(texts), strict=True):
         np.testing.assert_allclose(got.probabilities, ref.probabilities, atol=1e-5)
@@ -256,24 +240,16 @@ def test_expired_requests_are_dropped_before_compute(tiny_bundle: Path) -> None:
     with running_server(tiny_bundle, device="cpu", batch_workers=1) as s:
         stub = pb_grpc.SentimentServiceStub(grpc.insecure_channel(target(s)))
         stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10)
-        gate, entered, real, seen = threading.Event(), threading.Event(), s.batcher.infer, []
-
-        def held(rows):  # noqa: ANN001, ANN202
-            seen.append(len(rows))
-            entered.set()
-            gate.wait(10)
-            return real(rows)
-
-        s.batcher.infer = held
-        blocker = stub.Classify.future(pb.ClassifyRequest(texts=["devant"]), timeout=20)
-        assert entered.wait(10)
-        with pytest.raises(grpc.RpcError) as info:
-            stub.Classify(pb.ClassifyRequest(texts=["expire", "aussi"]), timeout=0.2)
-        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        gate.set()
-        blocker.result()
-        assert len(stub.Classify(pb.ClassifyRequest(texts=["après"]), timeout=10).results) == 1
-        assert seen == [1, 1]  # the blocker and the last request ran; the 2 expired texts never did
+        with HeldRuns(s) as held:
+            blocker = stub.Classify.future(pb.ClassifyRequest(texts=["devant"]), timeout=20)
+            assert held.wait_entered(10)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Classify(pb.ClassifyRequest(texts=["expire", "aussi"]), timeout=0.2)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            held.release()
+            blocker.result()
+            assert len(stub.Classify(pb.ClassifyRequest(texts=["après"]), timeout=10).results) == 1
+        assert held.sizes == [1, 1]  # the blocker and the last request ran; the 2 expired texts never did
         assert s.metrics.registry.get_sample_value("sentiment_dropped_texts_total", {"reason": "DeadlineExpired"}) == 2
 
 
@@ -295,18 +271,10 @@ def test_overload_refuses_at_once_and_accepted_requests_are_correct(tiny_bundle:
     """The worker is held inside its first run (a gate around the real predictor) while 40 callers arrive:
     the queue (8 texts) fills, the rest get RESOURCE_EXHAUSTED at once, then every accepted caller is right."""
     with running_server(tiny_bundle, device="cpu", max_queue=8, max_texts=2, batch_workers=1) as s:
-        gate, entered = threading.Event(), threading.Event()
-        real = s.batcher.infer
-
-        def held(rows):  # noqa: ANN001, ANN202
-            entered.set()
-            gate.wait(10)
-            return real(rows)
-
-        s.batcher.infer = held
+        held = HeldRuns(s)
         stub = pb_grpc.SentimentServiceStub(grpc.insecure_channel(target(s)))
         first = stub.Classify.future(pb.ClassifyRequest(texts=["premier"]), timeout=20)
-        assert entered.wait(10)
+        assert held.wait_entered(10)
         texts = [f"Avis numéro {i} : plutôt bien." for i in range(40)]
         outcomes: list[tuple[str, object, float]] = [None] * len(texts)
 
@@ -325,7 +293,7 @@ def test_overload_refuses_at_once_and_accepted_requests_are_correct(tiny_bundle:
         while sum(o is not None for o in outcomes) < len(texts) - 8 and time.monotonic() < deadline:
             time.sleep(0.01)  # the refusals arrive while the worker is still held
         refused_while_held = [o for o in outcomes if o is not None and o[0] == "RESOURCE_EXHAUSTED"]
-        gate.set()
+        held.release()
         for t in threads:
             t.join()
         first.result()
@@ -456,16 +424,9 @@ def test_stop_reports_not_serving_serves_through_the_drain_delay_and_finishes_in
         stub, health = pb_grpc.SentimentServiceStub(ch), health_pb2_grpc.HealthStub(ch)
         kstub = kpb_grpc.GRPCInferenceServiceStub(ch)
         stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10)
-        gate, entered, real = threading.Event(), threading.Event(), s.batcher.infer
-
-        def held(rows):  # noqa: ANN001, ANN202
-            entered.set()
-            gate.wait(10)
-            return real(rows)
-
-        s.batcher.infer = held
+        held = HeldRuns(s)
         in_flight = stub.Classify.future(pb.ClassifyRequest(texts=["en cours"]), timeout=20)
-        assert entered.wait(10)
+        assert held.wait_entered(10)
         stopper = threading.Thread(target=s.stop)
         stopping = time.monotonic()
         stopper.start()
@@ -474,14 +435,14 @@ def test_stop_reports_not_serving_serves_through_the_drain_delay_and_finishes_in
             assert time.monotonic() - stopping < drain / 2, "health still SERVING well into the drain delay"
             time.sleep(0.01)
         assert not kstub.ServerReady(kpb.ServerReadyRequest(), timeout=5).ready
-        s.batcher.infer = real
+        held.stop_holding()
         late_but_served = stub.Classify.future(pb.ClassifyRequest(texts=["pendant le délai"]), timeout=20)
         assert time.monotonic() - stopping < drain, "the in-delay request was sent too late to prove anything"
         time.sleep(max(0.0, stopping + drain + 0.5 - time.monotonic()))  # the delay is over: new ones are refused
         with pytest.raises(grpc.RpcError) as info:
             stub.Classify(pb.ClassifyRequest(texts=["trop tard"]), timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        gate.set()
+        held.release()
         assert len(in_flight.result().results) == 1
         assert len(late_but_served.result().results) == 1
         stopper.join(20)
