@@ -34,18 +34,21 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from contract.runtime import OPT_LEVELS
 from trainer import artifact
 from trainer import config as config_mod
-from trainer.export import OPT_LEVELS, accuracy, export_bundle, ort_logits, predict, torch_logits
+from trainer.export import ExportOptions, export_bundle
+from trainer.export.score import accuracy, predict
+from trainer.export.validate import ort_logits, torch_logits
 
-# name -> export_bundle options; every bundle is validated by the exporter as usual.
-VARIANTS: dict[str, dict] = {
-    "fp32": {},
-    "fp32-unfused": {"fuse_attention": False},
-    "int8": {"quantize": "int8"},
-    "int8-unfused": {"quantize": "int8", "fuse_attention": False},
-    "int8-per-channel": {"quantize": "int8", "per_channel": True},
-    "int8-reduce-range": {"quantize": "int8", "reduce_range": True},
+# name -> export options; every bundle is validated by the exporter as usual.
+VARIANTS: dict[str, ExportOptions] = {
+    "fp32": ExportOptions(),
+    "fp32-unfused": ExportOptions(fuse_attention=False),
+    "int8": ExportOptions(precision="int8"),
+    "int8-unfused": ExportOptions(precision="int8", fuse_attention=False),
+    "int8-per-channel": ExportOptions(precision="int8", per_channel=True),
+    "int8-reduce-range": ExportOptions(precision="int8", reduce_range=True),
 }
 # (variant, ORT level) pairs timed; the first fp32/int8 rows are the bundles' defaults.
 TIMED = [("fp32", "basic"), ("fp32", "extended"), ("fp32", "all"), ("fp32-unfused", "basic"),
@@ -90,7 +93,8 @@ def make_artifact(args: argparse.Namespace, cfg: config_mod.RunConfig) -> tuple[
 
 def train_from_scratch(cfg: config_mod.RunConfig, epochs: int, out: Path) -> None:
     """The lab's fine-tuning from scratch (no pretraining), plain PyTorch: enough to make accuracy meaningful."""
-    from trainer.data import bucket_batches, pad_batch, read_labeled
+    from trainer.batching import bucket_batches, pad_batch
+    from trainer.data import read_labeled
     from trainer.model import build
 
     tok = lab_tokenizer(cfg)
@@ -118,20 +122,17 @@ def train_from_scratch(cfg: config_mod.RunConfig, epochs: int, out: Path) -> Non
     artifact.save(out, model.eval(), cfg, "classifier", tok, extra={"bench_training": {"what": what}})
 
 
-def _same_source(bundle: Path, weights_sha256: str, opts: dict) -> bool:
+def _same_source(bundle: Path, weights_sha256: str, opts: ExportOptions) -> bool:
     """--reuse: an intact earlier bundle of these very weights, exported with these options."""
-    from trainer.export import BundleError, verify_bundle
+    from contract.bundle import verify_bundle
+    from contract.errors import BundleError
 
     try:
-        m = verify_bundle(bundle)
+        m = verify_bundle(bundle).manifest
     except BundleError:
         return False
-    q = m["runtime"]["quantization"] or {}
-    return (m["source_artifact"]["weights_sha256"] == weights_sha256
-            and m["precision"] == opts.get("quantize", "fp32")
-            and m["runtime"]["fused_attention"] == opts.get("fuse_attention", True)
-            and q.get("per_channel", False) == opts.get("per_channel", False)
-            and q.get("reduce_range", False) == opts.get("reduce_range", False))
+    return (m.source_artifact.get("weights_sha256") == weights_sha256 and m.precision == opts.precision
+            and m.runtime.fused_attention == opts.fuse_attention and m.runtime.quantization == opts.quantization)
 
 
 def timed_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int) -> dict[str, list[float]]:
@@ -278,7 +279,7 @@ def main() -> int:
         if args.reuse and _same_source(out, art.meta["weights_sha256"], opts):
             bundles[name] = out
         else:
-            bundles[name] = export_bundle(art_dir, out, **opts)
+            bundles[name] = export_bundle(art_dir, out, opts)
         manifest = json.loads((bundles[name] / "manifest.json").read_text())
         export_s[name] = manifest["export_seconds"]
         v = manifest["validation"]

@@ -81,7 +81,7 @@ def main() -> int:
 
     predictor = Predictor(args.bundle, device="cpu", intra_op_threads=args.threads)  # the server's session options
     sess = predictor.session
-    arch = predictor.manifest["source_artifact"]["model"]
+    arch = predictor.manifest.source_artifact["model"]
     vocab = int(arch["vocab_size"])
     peak = matmul_peak(1024, args.threads, args.min_seconds)
     rows = []

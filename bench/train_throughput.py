@@ -53,8 +53,9 @@ import torch.distributed as dist
 from trainer import engine as eng
 from trainer import stage
 from trainer.artifact import write_text_atomic
+from trainer.batching import bucket_batches
 from trainer.config import ModelConfig, OptimConfig, RunConfig, override, preset
-from trainer.data import bucket_batches, encode_corpus
+from trainer.corpus import encode_corpus
 from trainer.finetune import ClassifierObjective, load_split
 from trainer.model import forward_flops_per_token
 from trainer.pretrain import Batcher, LMObjective, cut_windows

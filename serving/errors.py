@@ -7,6 +7,9 @@ needs no gRPC. Any other exception is a bug and becomes INTERNAL with a generic 
 
 from __future__ import annotations
 
+# A bundle the server cannot load (raised by contract/bundle.py, the verifier the exporter shares).
+from contract.errors import BundleError as BundleError
+
 
 class ServingError(Exception):
     """Base class: `code` is the gRPC status code name the client sees; the message is sent as details."""
@@ -54,10 +57,6 @@ class Cancelled(ServingError):
     """The client cancelled the request before its texts were computed (they were dropped, not run)."""
 
     code = "CANCELLED"
-
-
-class BundleError(ValueError):
-    """A model bundle is missing, incomplete, corrupt or tampered with; the message names the file."""
 
 
 class ConfigError(ValueError):

@@ -1,5 +1,6 @@
-"""Session fixtures shared by the test files: the data folder, a tiny tokenizer, a tiny trained classifier artifact
-and the fp32 bundle exported from it by the real exporter (the CI export step: train -> export -> validate).
+"""Session fixtures shared by the test files: the data folder, a tiny tokenizer, a tiny trained classifier artifact,
+the fp32 bundle exported from it by the real exporter (the CI export step: train -> export -> validate) and the
+server's in-process predictor on that bundle.
 
 Each is built once per test session under pytest's tmp folder; together they take about 15 s on 2 cores.
 """
@@ -12,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from procs import REPO
 
 # The tiny classifier's short training run: enough steps that its logits leave zero (validation then compares
 # decided predictions, not coin flips), few enough to stay around 3 s.
@@ -24,7 +24,7 @@ TINY_TRAIN_STEPS = 40
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     """The shared data sets: $TS_DATA, else ../shared/data beside the checkout."""
-    path = Path(os.environ.get("TS_DATA") or REPO_ROOT.parent / "shared" / "data").resolve()
+    path = Path(os.environ.get("TS_DATA") or REPO.parent / "shared" / "data").resolve()
     if not (path / "cls-books-fr").is_dir():
         pytest.skip(f"data sets not found at {path} (set TS_DATA to the folder holding cls-books-fr/)")
     return path
@@ -55,8 +55,9 @@ def tiny_tokenizer(tiny_tokenizer_dir: Path):
 def tiny_classifier_artifact(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, tiny_tokenizer) -> Path:
     """A `tiny` classifier artifact trained for a few Adam steps on cls-books-fr train reviews (plain PyTorch)."""
     from trainer import artifact
+    from trainer.batching import pad_batch
     from trainer.config import override, tiny
-    from trainer.data import pad_batch, read_labeled
+    from trainer.data import read_labeled
     from trainer.model import build
 
     cfg = override(tiny(), {"data.root": str(data_dir)})
@@ -89,3 +90,17 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_classifier_artifa
     from trainer.export import export_bundle
 
     return export_bundle(tiny_classifier_artifact, tmp_path_factory.mktemp("tiny-bundle") / "bundle")
+
+
+@pytest.fixture(scope="session")
+def predictor(tiny_bundle: Path):
+    """serving.predictor.Predictor on `tiny_bundle`, CPU, one onnxruntime thread (thread-safe: shared)."""
+    from serving.predictor import Predictor
+
+    return Predictor(tiny_bundle, device="cpu", intra_op_threads=1)
+
+
+@pytest.fixture(scope="session")
+def reference(predictor):
+    """`predictor` in its role in the server tests: the in-process answers every served answer must equal."""
+    return predictor

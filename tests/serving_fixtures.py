@@ -15,11 +15,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+from procs import REPO as REPO_ROOT
 
 from serving.config import ServerConfig
 from serving.server import SentimentServer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 
 

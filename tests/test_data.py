@@ -1,4 +1,5 @@
-"""trainer/data.py: every reader on a slice of every data set, the errors users hit, the corpus and batching."""
+"""trainer/data.py, corpus.py, batching.py: every reader on a slice of every data set, the errors users hit, the
+corpus and batching."""
 
 from __future__ import annotations
 
@@ -10,17 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import (
-    Corpus,
-    DataError,
-    Example,
-    bucket_batches,
-    encode_corpus,
-    iter_texts,
-    pad_batch,
-    padding_fraction,
-    read_labeled,
-)
+from trainer.batching import bucket_batches, pad_batch, padding_fraction
+from trainer.corpus import Corpus, encode_corpus
+from trainer.data import DataError, Example, iter_texts, read_labeled
 from trainer.tokenizer import Tokenizer
 
 

@@ -13,7 +13,7 @@ import pytest
 from trainer import engine as eng
 from trainer import stage
 from trainer.config import OptimConfig, lab, override, tiny
-from trainer.data import Corpus
+from trainer.corpus import Corpus
 from trainer.pretrain import Batcher, cut_windows
 
 

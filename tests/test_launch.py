@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {"pretrain": REPO / "launch" / "pretrain.sh", "finetune": REPO / "launch" / "finetune.sh"}
 
 

@@ -105,11 +105,6 @@ def server(tiny_bundle: Path, data_dir: Path):
         proc.close()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_bundle: Path) -> Predictor:
-    return Predictor(tiny_bundle, device="cpu", intra_op_threads=1)
-
-
 def texts_status(items: list[str]) -> str:
     """What the contract answers for these texts (limits of the fuzz server)."""
     if not items or len(items) > MAX_TEXTS:

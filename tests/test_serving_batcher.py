@@ -20,11 +20,6 @@ from serving.errors import Cancelled, DeadlineExpired, NotReady, Overloaded
 from serving.predictor import Predictor
 
 
-@pytest.fixture(scope="module")
-def predictor(tiny_bundle: Path) -> Predictor:
-    return Predictor(tiny_bundle, device="cpu", intra_op_threads=1)
-
-
 class Gate:
     """Records batches (row lengths) and can hold the first run until `open()`."""
 

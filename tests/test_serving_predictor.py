@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
+from procs import REPO
 from serving_fixtures import reviews
 
+from contract.runtime import CPU, CUDA, cuda_driver_present
 from serving.errors import BundleError, ConfigError
-from serving.predictor import CPU, CUDA, Predictor, _cuda_driver_present, softmax
-
-
-@pytest.fixture(scope="module")
-def predictor(tiny_bundle: Path) -> Predictor:
-    return Predictor(tiny_bundle, device="cpu", intra_op_threads=1)
+from serving.predictor import Predictor, softmax
 
 
 def test_predictions_equal_a_plain_onnxruntime_session(predictor: Predictor, tiny_bundle: Path,
@@ -69,20 +68,35 @@ def test_softmax_is_stable_on_extreme_logits() -> None:
     np.testing.assert_allclose(p[1], [1 / (1 + np.exp(-1)), 1 - 1 / (1 + np.exp(-1))], atol=1e-6)
 
 
-def test_provider_is_the_one_onnxruntime_really_uses(predictor: Predictor, tiny_bundle: Path) -> None:
-    assert predictor.provider == predictor.session.get_providers()[0] == CPU
-    auto = Predictor(tiny_bundle, device="auto", intra_op_threads=1)
-    assert auto.provider == auto.session.get_providers()[0]
-    if not _cuda_driver_present():
-        assert auto.provider == CPU
-        # onnxruntime-gpu lists CUDA here yet falls back silently: asking for it must fail loudly.
-        with pytest.raises(ConfigError, match="cuda"):
-            Predictor(tiny_bundle, device="cuda")
+AUTO = """
+import sys
+from serving.predictor import Predictor
+print(Predictor(sys.argv[1], device="auto", intra_op_threads=1).provider)
+"""
+
+
+def test_auto_asks_for_cuda_only_on_a_machine_with_a_gpu(tiny_bundle: Path) -> None:
+    """onnxruntime-gpu lists CUDA on every machine; asked for it without a GPU, it prints "Failed to create
+    CUDAExecutionProvider" and falls back. 'auto' must not ask there, and must get CUDA where a GPU is."""
+    gpu = Path("/dev/nvidiactl").exists()  # the NVIDIA driver's control device: a fact about the machine
+    run = subprocess.run([sys.executable, "-c", AUTO, str(tiny_bundle)], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == [CUDA if gpu else CPU]
+    if not gpu:
+        assert "CUDAExecutionProvider" not in run.stderr, run.stderr[-2000:]
+
+
+def test_cuda_asked_where_it_cannot_run_is_an_error_not_a_silent_cpu(tiny_bundle: Path) -> None:
+    if cuda_driver_present():
+        pytest.skip("CUDA runs here")
+    with pytest.raises(ConfigError, match="device='cuda' but onnxruntime runs on CPUExecutionProvider"):
+        Predictor(tiny_bundle, device="cuda")
 
 
 @pytest.mark.gpu
 def test_cuda_provider_gives_the_cpu_answers(predictor: Predictor, tiny_bundle: Path) -> None:
-    if not _cuda_driver_present() or CUDA not in ort.get_available_providers():
+    if not cuda_driver_present():
         pytest.skip("no CUDA GPU")
     gpu = Predictor(tiny_bundle, device="cuda")
     assert gpu.provider == CUDA
@@ -125,7 +139,8 @@ BAD_BUNDLES: dict[str, tuple[Callable[[Path], None], str]] = {
     "unlisted model": (_edit_manifest(lambda m: m["files"].pop("model.onnx")), "lacks 'model.onnx'"),
     "path escapes": (_edit_manifest(lambda m: m["files"].update({"../x": "0" * 64})), "inside the bundle"),
     "wrong task": (_edit_manifest(lambda m: m.update(task="translation")), "'task'"),
-    "labels vs logits": (_edit_manifest(lambda m: m.update(labels=["a", "b", "c"])), "logits shape"),
+    "labels vs logits": (_edit_manifest(lambda m: m.update(labels=["a", "b", "c"], label_values=["0", "1", "2"])),
+                         "logits has 2 classes but manifest.json lists 3 labels"),
 }
 
 

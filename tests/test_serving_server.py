@@ -49,12 +49,6 @@ def channel(server: SentimentServer):
         yield ch
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_bundle: Path) -> Predictor:
-    """The in-process predictor the served answers must equal."""
-    return Predictor(tiny_bundle, device="cpu", intra_op_threads=1)
-
-
 def infer_request(texts: list[str], model: str = "sentiment", raw: bool = True, **tensor) -> kpb.ModelInferRequest:
     req = kpb.ModelInferRequest(model_name=model, id="req-1")
     t = req.inputs.add(name="TEXT", datatype="BYTES", shape=[len(texts)])

@@ -39,12 +39,6 @@ def lab_ids(books: Path) -> list[list[int]]:
     return [[0, *(vocab.get(p, 3) for p in line.split(" ")), 2] for line in _head(books / "train.review.spm", N_LINES)]
 
 
-@pytest.fixture(scope="module")
-def tiny_trained(books: Path) -> Tokenizer:
-    tc = tiny().tokenizer
-    return Tokenizer.train([books / "train.review.txt"], tc.vocab_size, tc.max_len, tc.train_lines, seed=0)
-
-
 # ---------------------------------------------------------------------------------------------- the lab's ids
 
 
@@ -94,7 +88,7 @@ def test_unknown_characters_and_pieces_become_oov(lab: Tokenizer, books: Path) -
     assert foreign.piece_to_id("☃") == 50_001
 
 
-def test_encode_example_picks_pieces_or_text(lab: Tokenizer, tiny_trained: Tokenizer, books: Path) -> None:
+def test_encode_example_picks_pieces_or_text(lab: Tokenizer, tiny_tokenizer: Tokenizer, books: Path) -> None:
     from trainer.data import iter_texts
 
     spm_ex = next(iter_texts(books / "train.review.spm"))
@@ -102,14 +96,14 @@ def test_encode_example_picks_pieces_or_text(lab: Tokenizer, tiny_trained: Token
     assert lab.encode_example(spm_ex) == lab.encode_example(txt_ex)
     # A trained tokenizer cannot use the lab's pieces: it re-encodes their detokenized text (== the .txt line).
     assert detokenize(spm_ex.pieces or []) == txt_ex.text
-    assert tiny_trained.encode_example(spm_ex) == tiny_trained.encode(txt_ex.text or "")
+    assert tiny_tokenizer.encode_example(spm_ex) == tiny_tokenizer.encode(txt_ex.text or "")
 
 
 # ---------------------------------------------------------------------------------------------- training, folders
 
 
-def test_train_tiny_is_deterministic_and_round_trips(tiny_trained: Tokenizer, books: Path, tmp_path: Path) -> None:
-    tok = tiny_trained
+def test_train_tiny_is_deterministic_and_round_trips(tiny_tokenizer: Tokenizer, books: Path, tmp_path: Path) -> None:
+    tok = tiny_tokenizer
     assert (tok.vocab_size, tok.max_len, tok.kind) == (99, 48, "train")
     assert len(tok.pieces) == 95 and not any(p in ("<unk>", "<s>", "</s>") for p in tok.pieces)
     texts = _head(books / "test.review.txt", 50)
@@ -147,8 +141,8 @@ def test_lab_round_trips_through_its_folder(lab: Tokenizer, lab_ids: list[list[i
     assert loaded.encode_pieces(loaded.pieces[:3]) == [0, 4, 5, 6, 2]
 
 
-def test_load_errors_name_the_problem(tiny_trained: Tokenizer, tmp_path: Path) -> None:
-    good = tiny_trained.save(tmp_path / "good")
+def test_load_errors_name_the_problem(tiny_tokenizer: Tokenizer, tmp_path: Path) -> None:
+    good = tiny_tokenizer.save(tmp_path / "good")
     with pytest.raises(TokenizerError, match="tokenizer folder not found"):
         Tokenizer.load(tmp_path / "nowhere")
 

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import procs
+from procs import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 KEYS = {"task", "loop", "processes", "threads_per_process", "device", "precision", "micro_batch", "global_batch",
         "seq_len", "tokens_per_s", "tokens_per_s_per_process", "step_ms", "data_wait_fraction", "pad_fraction",
         "flops_per_token", "achieved_flops", "peak_flops", "utilisation", "tokens_per_s_windows",

@@ -30,9 +30,10 @@ from trainer import artifact, monitor, stage
 from trainer import checkpoint as ckpt
 from trainer import engine as eng
 from trainer.artifact import ArtifactError, write_text_atomic
+from trainer.batching import bucket_batches, pad_batch
 from trainer.cli import add_config_args, config_from_args
 from trainer.config import ConfigError, RunConfig
-from trainer.data import bucket_batches, pad_batch, read_labeled
+from trainer.data import read_labeled
 from trainer.model import Classifier, load_encoder
 from trainer.tokenizer import Tokenizer
 

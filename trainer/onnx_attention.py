@@ -1,12 +1,12 @@
 """Export the encoder's self-attention as onnxruntime's fused `com.microsoft.Attention` node.
 
 The dynamo exporter decomposes nn.MultiheadAttention into about 50 nodes per layer (seven Transposes of the full
-activations among them), and onnxruntime's transformer optimizer does not recognise that pattern (STACK.md). At
-export time only, each layer's `self_attn` is swapped for `FusedSelfAttention`: the same parameters and the same
-maths in PyTorch (a custom op whose eager kernel is scaled_dot_product_attention), which the exporter translates to
-one Attention node (QKV projection, key padding mask, optional causal mask, softmax, weighted sum of values).
-Dynamic int8 quantisation turns it into QAttention. trainer/model.py is untouched, and export validation compares
-the fused graph with the plain model, not with the swapped one.
+activations among them), and `onnxruntime.transformers.optimizer` does not fuse that pattern (docs/BENCHMARKS.md,
+Export, "What was tried"). At export time only, each layer's `self_attn` is swapped for `FusedSelfAttention`: the
+same parameters and the same maths in PyTorch (a custom op whose eager kernel is scaled_dot_product_attention),
+which the exporter translates to one Attention node (QKV projection, key padding mask, optional causal mask, softmax,
+weighted sum of values). Dynamic int8 quantisation turns it into QAttention. trainer/model.py is untouched, and
+export validation compares the fused graph with the plain model, not with the swapped one.
 
 Attention (com.microsoft, opset 1): input (B, T, d), weights (d, 3d), bias (3d), mask_index (B, T) int32 with
 1 = attend; `unidirectional=1` adds the causal mask; masked scores get -10000 before the softmax (PyTorch uses the
@@ -62,7 +62,7 @@ def _(x: Tensor, in_proj_weight: Tensor, in_proj_bias: Tensor, key_mask: Tensor,
     return torch.empty_like(x)
 
 
-def self_attention_onnx(x, in_proj_weight, in_proj_bias, key_mask, num_heads: int, causal: bool):  # noqa: ANN001
+def self_attention_onnx(x, in_proj_weight, in_proj_bias, key_mask, num_heads: int, causal: bool):
     """The custom op as one Attention node; the weight transpose is folded into the initializer at export."""
     return _Attention(x, op.Transpose(in_proj_weight, perm=[1, 0]), in_proj_bias, key_mask,
                       num_heads=num_heads, unidirectional=int(causal))

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from trainer import artifact, monitor, stage
 from trainer import checkpoint as ckpt
 from trainer import engine as eng
+from trainer.batching import bucket_batches, pad_batch
 from trainer.cli import add_config_args, config_from_args
 from trainer.config import ConfigError, ModelConfig, RunConfig
-from trainer.data import Corpus, bucket_batches, encode_corpus, pad_batch
+from trainer.corpus import Corpus, encode_corpus
 from trainer.model import LanguageModel
 from trainer.tokenizer import Tokenizer
 

@@ -1,47 +1,55 @@
 """Sentencepiece pieces -> the project's token ids, for the lab's model and for models trained on a user's corpus.
 
-Ids (COMMON.md): <sos>=0 <pad>=1 <eos>=2 <oov>=3, then the piece on line i (0-based) of vocab.txt has id i + 4.
-A sequence is [<sos>] + piece ids + [<eos>], cut to max_len ids in total (pieces cut to max_len - 2, <eos> kept).
-Pieces that are not in vocab.txt (sentencepiece's <unk> surface strings included) map to <oov>.
+The ids, the sequence layout and the tokenizer folder are the contract's (contract/tokens.py, which the server
+runs too): <sos>=0 <pad>=1 <eos>=2 <oov>=3, the piece on line i (0-based) of vocab.txt has id i + 4, a sequence is
+[<sos>] + piece ids + [<eos>] cut to max_len ids. This module adds where a vocabulary comes from, decoding, and the
+lab's pre-tokenized pieces.
 
 Two sources, one encode API:
 - `Tokenizer.from_lab(model, dict.txt, max_len)`: the lab's sentencepiece.french.model and its fairseq dict.txt
-  ("piece count" lines), so the lab's ids are reproduced exactly (LAB.md "Tokens and data").
+  ("piece count" lines; line i is id i + 4), so the lab's ids are reproduced exactly (cls-books-fr in the data
+  sets holds both files and the lab's pre-tokenized .spm reviews).
 - `Tokenizer.train(corpus, vocab_size, ...)`: a new BPE sentencepiece model learned in-process (nothing written to
   the working directory) on a user's raw text; vocab.txt holds exactly `vocab_size` pieces, so the model needs
   `vocab_size + 4` ids.
 
 Saved as the `tokenizer/` folder (spm.model, vocab.txt, tokenizer.json) that travels with every artifact and bundle.
-This module needs sentencepiece and numpy only (no torch), like the server's reimplementation of the same contract.
+This module needs sentencepiece and numpy only (no torch).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import itertools
-import json
 import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import sentencepiece as spm
 
+from contract.errors import TokenizerError
+from contract.tokens import (
+    EOS,
+    N_SPECIALS,
+    OOV,
+    PAD,
+    SOS,
+    SPECIAL_PIECES,
+    TOKENIZER_FILES,
+    Encoder,
+    Kind,
+    TokenizerMeta,
+    read_tokenizer_files,
+    text_lines,
+)
 from trainer.config import ConfigError, RunConfig
 from trainer.data import Example, detokenize, iter_texts
 
 __all__ = ["Tokenizer", "TokenizerError", "build_tokenizer", "detokenize"]
-
-FORMAT = 1  # tokenizer.json "format"
-SPECIALS = {"sos": 0, "pad": 1, "eos": 2, "oov": 3}
-SPECIAL_PIECES = ["<sos>", "<pad>", "<eos>", "<oov>"]  # shown by id_to_piece for ids 0..3
-N_SPECIALS = 4
-FILES = ("spm.model", "vocab.txt", "tokenizer.json")
 
 # Sentencepiece training. BPE like the lab's own model (its trainer_spec says model_type BPE); its result does not
 # depend on the thread count, and a fixed count keeps the model bytes (which record it) identical across machines.
@@ -50,63 +58,28 @@ CHARACTER_COVERAGE = 0.9995  # rarer characters become <oov> instead of taking v
 MAX_SENTENCE_BYTES = 1 << 16  # spm silently skips longer lines; the longest IMDB review is ~14k bytes
 
 
-class TokenizerError(ValueError):
-    """A tokenizer folder, model or vocabulary is missing or inconsistent; the message names file and value."""
-
-
-def _threads() -> int:
-    """Threads for sentencepiece batch encoding (output does not depend on it)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        n = os.cpu_count() or 1
-    return max(1, min(n, 8))
-
-
 class Tokenizer:
     """Text or pre-tokenized pieces -> [<sos>] + ids + [<eos>], cut to `max_len`."""
 
-    SOS = 0
-    PAD = 1
-    EOS = 2
-    OOV = 3
+    SOS = SOS
+    PAD = PAD
+    EOS = EOS
+    OOV = OOV
 
-    def __init__(self, model_proto: bytes, pieces: list[str], kind: Literal["lab", "train"], max_len: int) -> None:
+    def __init__(self, model_proto: bytes, pieces: list[str], kind: Kind, max_len: int) -> None:
         """`pieces[i]` gets id i + 4. Prefer `from_lab`, `train` or `load`."""
         if kind not in ("lab", "train"):
             raise TokenizerError(f"tokenizer kind must be 'lab' or 'train', got {kind!r}")
-        if max_len < 3:
-            raise TokenizerError(f"max_len must be >= 3 (<sos>, one piece, <eos>), got {max_len}")
-        if not pieces:
-            raise TokenizerError("the vocabulary is empty")
-        self._sp = spm.SentencePieceProcessor()
-        try:
-            self._sp.LoadFromSerializedProto(model_proto)
-        except RuntimeError as e:  # sentencepiece raises RuntimeError/OSError on a corrupt proto
-            raise TokenizerError(f"not a sentencepiece model: {e}") from None
+        self._encoder = Encoder(model_proto, pieces, max_len)  # checks max_len, the proto and the pieces
+        self._sp = self._encoder.processor
         self._model_proto = bytes(model_proto)
-        self.pieces = list(pieces)
-        self.kind: Literal["lab", "train"] = kind
-        self.max_len = int(max_len)
-        self.vocab_size = len(self.pieces) + N_SPECIALS
-        # piece -> id; a dict lookup per piece is the contract's definition (and the .spm route).
-        self._piece_to_id: dict[str, int] = {}
-        for i, p in enumerate(self.pieces):
-            if p in self._piece_to_id:
-                raise TokenizerError(f"vocabulary line {i + 1}: piece {p!r} repeats line {self._piece_to_id[p] - 3}")
-            self._piece_to_id[p] = i + N_SPECIALS
-        # Fast path for text: spm id -> our id in one numpy gather. The contract maps the *surface* piece, and spm's
-        # <unk> covers characters the model lacks, so no model piece can equal an <unk>'s surface: <unk> -> <oov>.
-        # Only a vocabulary with pieces the model does not have (a foreign dict) needs the surface lookup, so there
-        # <unk> maps to -1 and those positions are resolved one by one in `piece_ids`.
-        n_spm = self._sp.get_piece_size()
-        unk = self._sp.unk_id()
-        foreign = any(self._sp.piece_to_id(p) == unk for p in self.pieces)
-        self._spm_to_id = np.full(n_spm, -1 if foreign else self.OOV, dtype=np.int64)
-        for s in range(n_spm):
-            if not (self._sp.is_unknown(s) or self._sp.is_control(s)):
-                self._spm_to_id[s] = self._piece_to_id.get(self._sp.id_to_piece(s), self.OOV)
+        self.pieces = self._encoder.pieces
+        self.kind: Kind = kind
+        self.max_len = self._encoder.max_len
+        self.vocab_size = self._encoder.vocab_size
+        self._piece_to_id = self._encoder.piece_to_id
         # Decoding: our id -> spm id (specials and pieces the model lacks -> spm's <unk>, printed " ⁇ ").
+        unk = self._sp.unk_id()
         self._id_to_spm = np.full(self.vocab_size, unk, dtype=np.int64)
         for i, p in enumerate(self.pieces):
             s = self._sp.piece_to_id(p)
@@ -130,22 +103,8 @@ class Tokenizer:
 
     def piece_ids(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Piece ids of many texts, no specials and no cut: (flat ids int64 (N,), lengths int64 (len(texts),)).
-
-        The building block of `encode_batch` and of `data.encode_corpus`: one threaded sentencepiece call, then a
-        numpy gather from spm ids to ours."""
-        spm_ids = self._sp.encode(list(texts), num_threads=_threads())  # list of lists of spm ids
-        lengths = np.fromiter((len(x) for x in spm_ids), dtype=np.int64, count=len(spm_ids))
-        flat = np.fromiter(itertools.chain.from_iterable(spm_ids), dtype=np.int64, count=int(lengths.sum()))
-        ids = self._spm_to_id[flat]
-        holes = np.flatnonzero(ids < 0)  # <unk> with a foreign vocabulary: look the surface piece up in vocab.txt
-        if holes.size:
-            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-            docs = np.searchsorted(starts, holes, side="right") - 1
-            for d in np.unique(docs):
-                surface = self._sp.encode(texts[d], out_type=str)
-                for h in holes[docs == d]:
-                    ids[h] = self._piece_to_id.get(surface[h - starts[d]], self.OOV)
-        return ids, lengths
+        The building block of `encode_batch` and of `corpus.encode_corpus` (one threaded sentencepiece call)."""
+        return self._encoder.piece_ids(texts)
 
     def encode(self, text: str, max_len: int | None = None) -> list[int]:
         """Raw text -> [<sos>] + ids + [<eos>], at most `max_len` ids (default: the tokenizer's)."""
@@ -214,7 +173,7 @@ class Tokenizer:
         model_path, dict_path = Path(model_path), Path(dict_path)
         proto = _read_bytes(model_path, "sentencepiece model")
         pieces = []
-        for lineno, line in _text_lines(dict_path, "fairseq dictionary"):
+        for lineno, line in text_lines(_read_bytes(dict_path, "fairseq dictionary"), dict_path):
             if line.endswith(" #fairseq:overwrite"):  # fairseq's only flag; the lab's dict has none
                 line = line[: -len(" #fairseq:overwrite")]
             piece, sep, count = line.rpartition(" ")
@@ -288,10 +247,9 @@ class Tokenizer:
         try:
             (tmp / "spm.model").write_bytes(self._model_proto)
             (tmp / "vocab.txt").write_text("".join(p + "\n" for p in self.pieces), encoding="utf-8")
-            meta = {"format": FORMAT, "kind": self.kind, "max_len": self.max_len, "vocab_size": self.vocab_size,
-                    "specials": dict(SPECIALS)}
-            (tmp / "tokenizer.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-            for name in FILES:
+            meta = TokenizerMeta(self.kind, self.max_len, self.vocab_size)
+            (tmp / "tokenizer.json").write_text(meta.to_json(), encoding="utf-8")
+            for name in TOKENIZER_FILES:
                 with open(tmp / name, "rb") as f:
                     os.fsync(f.fileno())
             if folder.exists():  # a directory cannot be replaced in one rename: move the old one aside first
@@ -312,33 +270,19 @@ class Tokenizer:
         folder = Path(folder)
         if not folder.is_dir():
             raise TokenizerError(f"tokenizer folder not found: {folder}")
-        missing = [n for n in FILES if not (folder / n).is_file()]
+        missing = [n for n in TOKENIZER_FILES if not (folder / n).is_file()]
         if missing:
             raise TokenizerError(
-                f"{folder}: missing {', '.join(missing)} (a tokenizer folder holds {', '.join(FILES)})"
+                f"{folder}: missing {', '.join(missing)} (a tokenizer folder holds {', '.join(TOKENIZER_FILES)})"
             )
-        meta_path = folder / "tokenizer.json"
+        return cls.from_files({n: (folder / n).read_bytes() for n in TOKENIZER_FILES}, folder)
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, bytes], folder: Path) -> Tokenizer:
+        """The tokenizer of a folder's three files' bytes (a verified bundle's, for one); `folder` names them."""
+        tf = read_tokenizer_files(files, folder)
         try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise TokenizerError(f"{meta_path}: invalid JSON: {e}") from None
-        if not isinstance(meta, dict):
-            raise TokenizerError(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
-        for key, want in (("format", int), ("kind", str), ("max_len", int), ("vocab_size", int), ("specials", dict)):
-            if not isinstance(meta.get(key), want):
-                raise TokenizerError(f"{meta_path}: field {key!r} must be {want.__name__}, got {meta.get(key)!r}")
-        if meta["format"] != FORMAT:
-            raise TokenizerError(f"{meta_path}: format {meta['format']} is not supported (this code reads {FORMAT})")
-        if meta["specials"] != SPECIALS:
-            raise TokenizerError(f"{meta_path}: specials {meta['specials']} differ from {SPECIALS}")
-        pieces = [line for _, line in _text_lines(folder / "vocab.txt", "vocabulary", keep_blank=True)]
-        if len(pieces) + N_SPECIALS != meta["vocab_size"]:
-            raise TokenizerError(
-                f"{folder}: vocab.txt has {len(pieces)} pieces (+{N_SPECIALS} specials = "
-                f"{len(pieces) + N_SPECIALS} ids) but tokenizer.json says vocab_size {meta['vocab_size']}"
-            )
-        try:
-            return cls((folder / "spm.model").read_bytes(), pieces, meta["kind"], meta["max_len"])
+            return cls(tf.model_proto, tf.pieces, tf.meta.kind, tf.meta.max_len)
         except TokenizerError as e:
             raise TokenizerError(f"{folder}: {e}") from None
 
@@ -353,24 +297,6 @@ def _read_bytes(path: Path, what: str) -> bytes:
         raise TokenizerError(f"{what} not found: {path}") from None
     except IsADirectoryError:
         raise TokenizerError(f"{what} {path} is a directory, expected a file") from None
-
-
-def _text_lines(path: Path, what: str, keep_blank: bool = False) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a UTF-8 file, split on "\\n" only (str.splitlines would also split on \\x1c,
-    U+2028, ... which can be inside pieces)."""
-    raw = _read_bytes(path, what)
-    lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    for n, b in enumerate(lines, 1):
-        try:
-            line = b.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TokenizerError(
-                f"{path}:{n}: not valid UTF-8 (byte 0x{b[e.start]:02x} at column {e.start + 1})"
-            ) from None
-        if line or keep_blank:
-            yield n, line
 
 
 def _iter_source(source: Iterable[str] | Sequence[os.PathLike] | os.PathLike) -> Iterator[str]:

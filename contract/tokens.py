@@ -1,0 +1,207 @@
+"""Token ids, the tokenizer folder and the encoder: the one definition the trainer and the server run.
+
+Ids: <sos>=0 <pad>=1 <eos>=2 <oov>=3, then the piece on line i (0-based) of vocab.txt has id i + 4. A sequence is
+[<sos>] + piece ids + [<eos>], cut to max_len ids in total (pieces cut to max_len - 2, <eos> kept). Pieces come from
+the folder's sentencepiece model; a piece that is not in vocab.txt (sentencepiece's <unk> surface strings included)
+is <oov>.
+
+A tokenizer folder holds spm.model (the sentencepiece model proto), vocab.txt (one piece a line, "\\n"-separated,
+UTF-8) and tokenizer.json (format, kind, max_len, vocab_size = pieces + 4, specials).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import sentencepiece as spm
+
+from contract.errors import TokenizerError
+
+SOS, PAD, EOS, OOV = 0, 1, 2, 3
+SPECIALS = {"sos": SOS, "pad": PAD, "eos": EOS, "oov": OOV}
+SPECIAL_PIECES = ("<sos>", "<pad>", "<eos>", "<oov>")  # how ids 0..3 are shown
+N_SPECIALS = 4
+
+TOKENIZER_FORMAT = 1  # tokenizer.json "format"
+TOKENIZER_FILES = ("spm.model", "vocab.txt", "tokenizer.json")
+Kind = Literal["lab", "train"]  # the lab's model + dict.txt, or a model trained on the user's corpus
+
+
+def piece_id(line: int) -> int:
+    """The id of the piece on 0-based line `line` of vocab.txt."""
+    return line + N_SPECIALS
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One encoded text."""
+
+    ids: np.ndarray  # (n,) int64, <sos> ... <eos>, 3 <= n <= max_len (2 for a text with no pieces)
+    truncated: bool  # True when pieces were cut to fit max_len
+
+    @property
+    def token_count(self) -> int:
+        return int(self.ids.shape[0])
+
+
+def text_lines(raw: bytes, path: Path | str, keep_blank: bool = False) -> Iterator[tuple[int, str]]:
+    """(line number from 1, line) of UTF-8 bytes, split on "\\n" only: str.splitlines would also split on \\x1c,
+    U+2028, ... which can be inside pieces. A line that is not UTF-8 is an error naming it."""
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    for n, b in enumerate(lines, 1):
+        try:
+            line = b.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(
+                f"{path}:{n}: not valid UTF-8 (byte 0x{b[e.start]:02x} at column {e.start + 1})"
+            ) from None
+        if line or keep_blank:
+            yield n, line
+
+
+@dataclass(frozen=True)
+class TokenizerMeta:
+    """tokenizer.json."""
+
+    kind: Kind
+    max_len: int  # the cut a user of the folder gets by default
+    vocab_size: int  # pieces in vocab.txt + N_SPECIALS
+
+    def to_json(self) -> str:
+        meta = {"format": TOKENIZER_FORMAT, "kind": self.kind, "max_len": self.max_len,
+                "vocab_size": self.vocab_size, "specials": dict(SPECIALS)}
+        return json.dumps(meta, indent=2) + "\n"
+
+    @classmethod
+    def parse(cls, raw: bytes, path: Path) -> TokenizerMeta:
+        try:
+            meta = json.loads(raw.decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise TokenizerError(f"{path}: invalid JSON: {e}") from None
+        if not isinstance(meta, dict):
+            raise TokenizerError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+        for key, want in (("format", int), ("kind", str), ("max_len", int), ("vocab_size", int), ("specials", dict)):
+            if not isinstance(meta.get(key), want) or isinstance(meta.get(key), bool):
+                raise TokenizerError(f"{path}: field {key!r} must be {want.__name__}, got {meta.get(key)!r}")
+        if meta["format"] != TOKENIZER_FORMAT:
+            raise TokenizerError(f"{path}: format {meta['format']} is not supported (this code reads "
+                                 f"{TOKENIZER_FORMAT})")
+        if meta["specials"] != SPECIALS:
+            raise TokenizerError(f"{path}: specials {meta['specials']} differ from {SPECIALS}")
+        if meta["kind"] not in ("lab", "train"):
+            raise TokenizerError(f"{path}: tokenizer kind must be 'lab' or 'train', got {meta['kind']!r}")
+        if meta["max_len"] < 3:
+            raise TokenizerError(f"{path}: max_len must be >= 3 (<sos>, one piece, <eos>), got {meta['max_len']}")
+        return cls(meta["kind"], meta["max_len"], meta["vocab_size"])
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """A tokenizer folder's contents, checked against each other."""
+
+    meta: TokenizerMeta
+    pieces: list[str]  # vocab.txt: pieces[i] has id piece_id(i)
+    model_proto: bytes  # spm.model
+
+
+def read_tokenizer_files(files: Mapping[str, bytes], folder: Path) -> TokenizerFiles:
+    """Check the three files' bytes against tokenizer.json (a bundle passes the bytes whose checksums it verified,
+    so nothing changes between the check and the use); `folder` names them in errors."""
+    meta = TokenizerMeta.parse(files["tokenizer.json"], folder / "tokenizer.json")
+    vocab = files["vocab.txt"]
+    # Count before decoding: a vocabulary far larger than its tokenizer.json says is refused without building it.
+    n_lines = vocab.count(b"\n") + (not vocab.endswith(b"\n") and bool(vocab))
+    if n_lines + N_SPECIALS != meta.vocab_size:
+        raise TokenizerError(f"{folder}: vocab.txt has {n_lines} pieces (+{N_SPECIALS} specials = "
+                             f"{n_lines + N_SPECIALS} ids) but tokenizer.json says vocab_size {meta.vocab_size}")
+    pieces = [line for _, line in text_lines(vocab, folder / "vocab.txt", keep_blank=True)]
+    return TokenizerFiles(meta, pieces, files["spm.model"])
+
+
+def _threads() -> int:
+    """Threads for sentencepiece batch encoding (its output does not depend on it)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+class Encoder:
+    """Text -> [<sos>] + piece ids + [<eos>], cut to `max_len`, for one sentencepiece model and one vocabulary."""
+
+    def __init__(self, model_proto: bytes, pieces: Sequence[str], max_len: int) -> None:
+        """`pieces[i]` gets id piece_id(i)."""
+        if max_len < 3:
+            raise TokenizerError(f"max_len must be >= 3 (<sos>, one piece, <eos>), got {max_len}")
+        if not pieces:
+            raise TokenizerError("the vocabulary is empty")
+        self.processor = spm.SentencePieceProcessor()
+        try:
+            self.processor.LoadFromSerializedProto(model_proto)
+        except (RuntimeError, OSError) as e:  # sentencepiece's errors on a corrupt proto
+            raise TokenizerError(f"not a sentencepiece model: {e}") from None
+        self.pieces = list(pieces)
+        self.max_len = int(max_len)
+        self.vocab_size = len(self.pieces) + N_SPECIALS
+        self.piece_to_id: dict[str, int] = {}  # the rule itself; the table below is its fast form
+        for line, p in enumerate(self.pieces):
+            if p in self.piece_to_id:
+                raise TokenizerError(f"vocabulary line {line + 1}: piece {p!r} repeats line "
+                                     f"{self.piece_to_id[p] - N_SPECIALS + 1}")
+            self.piece_to_id[p] = piece_id(line)
+        # Text goes spm id -> our id in one numpy gather. The rule maps the *surface* piece, and spm's <unk> covers
+        # characters the model lacks, so no model piece can equal an <unk>'s surface: <unk> -> <oov>. Only a
+        # vocabulary with pieces the model does not have (a foreign dict) needs the surface lookup, so there <unk>
+        # maps to -1 and those positions are resolved one by one in `piece_ids`.
+        sp = self.processor
+        unk = sp.unk_id()
+        foreign = any(sp.piece_to_id(p) == unk for p in self.pieces)
+        self.spm_to_id = np.full(sp.get_piece_size(), -1 if foreign else OOV, dtype=np.int64)  # (n_spm,)
+        for s in range(sp.get_piece_size()):
+            if not (sp.is_unknown(s) or sp.is_control(s)):
+                self.spm_to_id[s] = self.piece_to_id.get(sp.id_to_piece(s), OOV)
+
+    def __repr__(self) -> str:
+        return f"Encoder(vocab_size={self.vocab_size}, max_len={self.max_len})"
+
+    @classmethod
+    def from_files(cls, files: TokenizerFiles, max_len: int | None = None) -> Encoder:
+        """max_len: the cut (default: tokenizer.json's)."""
+        return cls(files.model_proto, files.pieces, files.meta.max_len if max_len is None else max_len)
+
+    def piece_ids(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Piece ids of many texts, no specials and no cut: (flat ids int64 (N,), lengths int64 (len(texts),)).
+        One threaded sentencepiece call, then the gather."""
+        if len(texts) == 1:  # the server's case: a thread pool per call would cost more than the text
+            spm_ids = [self.processor.encode(texts[0])]
+        else:
+            spm_ids = self.processor.encode(list(texts), num_threads=_threads())  # list of lists of spm ids
+        lengths = np.fromiter((len(x) for x in spm_ids), dtype=np.int64, count=len(spm_ids))
+        flat = np.fromiter(itertools.chain.from_iterable(spm_ids), dtype=np.int64, count=int(lengths.sum()))
+        ids = self.spm_to_id[flat]
+        holes = np.flatnonzero(ids < 0)  # <unk> with a foreign vocabulary: look the surface piece up in vocab.txt
+        if holes.size:
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            docs = np.searchsorted(starts, holes, side="right") - 1
+            for d in np.unique(docs):
+                surface = self.processor.encode(texts[d], out_type=str)
+                for h in holes[docs == d]:
+                    ids[h] = self.piece_to_id.get(surface[h - starts[d]], OOV)
+        return ids, lengths
+
+    def encode(self, text: str) -> Encoded:
+        """One text -> [<sos>] + ids + [<eos>], at most `max_len` ids."""
+        ids, _ = self.piece_ids([text])
+        keep = self.max_len - 2
+        out = np.concatenate([[SOS], ids[:keep], [EOS]]).astype(np.int64)
+        return Encoded(out, truncated=len(ids) > keep)

@@ -1,0 +1,147 @@
+"""contract/tokens.py, the encoder the server runs (the trainer's Tokenizer wraps the same one), on real reviews:
+sequences decode back to their text, ids follow vocab.txt's lines, the cut is exact, unknown pieces are <oov>, and
+the lab's vocabulary gives the lab's ids. Then the tokenizer folder's refusals."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from serving_fixtures import reviews
+
+from contract.errors import TokenizerError
+from contract.tokens import EOS, OOV, SOS, TOKENIZER_FILES, Encoder, read_tokenizer_files
+from trainer.tokenizer import Tokenizer
+
+
+def encoder_of(folder: Path, max_len: int | None = None) -> Encoder:
+    """The server's route: the folder's bytes, checked, then the encoder."""
+    return Encoder.from_files(read_tokenizer_files({n: (folder / n).read_bytes() for n in TOKENIZER_FILES}, folder),
+                              max_len)
+
+
+@pytest.fixture(scope="module")
+def texts(data_dir: Path) -> list[str]:
+    """300 test reviews, and 100 short cuts of them (at max_len 48 every full review of the tiny tokenizer is cut)."""
+    full = reviews(data_dir, 300)
+    return full + [t[:20] for t in full[:100]]
+
+
+def test_real_reviews_decode_back_to_their_text(tiny_tokenizer_dir: Path, tiny_tokenizer: Tokenizer,
+                                                texts: list[str]) -> None:
+    """The trainer's decode (our id -> sentencepiece id, written apart from the encoder) gives back what
+    sentencepiece itself reads in each text, so every id names the right piece."""
+    enc = encoder_of(tiny_tokenizer_dir)
+    sp = enc.processor
+    checked = 0
+    for text in texts:
+        e = enc.encode(text)
+        ids = e.ids.tolist()
+        assert ids[0] == SOS and ids[-1] == EOS and e.token_count == len(ids) <= 48
+        n_pieces = len(sp.encode(text))
+        assert e.truncated == (n_pieces > 46) and len(ids) == min(n_pieces, 46) + 2
+        if OOV not in ids:
+            assert tiny_tokenizer.decode(ids) == sp.decode(sp.encode(text)[:46]), text[:80]
+            checked += 1
+    assert checked > 100  # most texts have no <oov> at 95 pieces: the check above ran on them
+
+
+def test_ids_follow_the_lines_of_vocab_txt(tiny_tokenizer_dir: Path, tmp_path: Path, texts: list[str]) -> None:
+    """Reversing vocab.txt reverses the piece ids (line i of n -> id n - 1 - i + 4) and nothing else: the ids come
+    from the vocabulary file, not from the sentencepiece model's own numbering."""
+    rev = Path(shutil.copytree(tiny_tokenizer_dir, tmp_path / "reversed"))
+    lines = (rev / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    (rev / "vocab.txt").write_text("".join(p + "\n" for p in reversed(lines)), encoding="utf-8")
+    enc, enc_rev = encoder_of(tiny_tokenizer_dir), encoder_of(rev)
+    n = len(lines)
+    for text in texts[:100]:
+        ids, ids_rev = enc.encode(text).ids, enc_rev.encode(text).ids
+        pieces = ids >= 4
+        assert (ids_rev[~pieces] == ids[~pieces]).all()
+        assert (ids_rev[pieces] == n - 1 - (ids[pieces] - 4) + 4).all()
+
+
+def test_the_cut_is_exact_at_max_len(tiny_tokenizer_dir: Path, texts: list[str]) -> None:
+    enc = encoder_of(tiny_tokenizer_dir, max_len=10_000)
+    for text in texts[:50]:
+        whole = enc.encode(text)
+        n = whole.token_count - 2  # pieces
+        fits = encoder_of(tiny_tokenizer_dir, max_len=n + 2).encode(text)
+        assert not fits.truncated and fits.ids.tolist() == whole.ids.tolist()
+        if n >= 2:
+            cut = encoder_of(tiny_tokenizer_dir, max_len=n + 1).encode(text)
+            assert cut.truncated and cut.ids.tolist() == [*whole.ids[:n].tolist(), EOS]
+
+
+def test_pieces_missing_from_the_vocabulary_are_oov(tiny_tokenizer_dir: Path, tmp_path: Path,
+                                                    texts: list[str]) -> None:
+    """Dropping the last half of vocab.txt's lines turns exactly those pieces into <oov>; the others keep their
+    ids (their lines did not move). A character the model lacks is <oov> too."""
+    half = Path(shutil.copytree(tiny_tokenizer_dir, tmp_path / "half"))
+    lines = (half / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    keep = len(lines) // 2
+    (half / "vocab.txt").write_text("".join(p + "\n" for p in lines[:keep]), encoding="utf-8")
+    meta = json.loads((half / "tokenizer.json").read_text())
+    (half / "tokenizer.json").write_text(json.dumps({**meta, "vocab_size": keep + 4}))
+    enc, enc_half = encoder_of(tiny_tokenizer_dir), encoder_of(half)
+    changed = 0
+    for text in texts[:100]:
+        ids, ids_half = enc.encode(text).ids, enc_half.encode(text).ids
+        dropped = ids >= keep + 4
+        assert (ids_half[dropped] == OOV).all() and (ids_half[~dropped] == ids[~dropped]).all()
+        changed += int(dropped.sum())
+    assert changed > 0
+    assert OOV in enc.encode("un livre ☃ superbe").ids.tolist()
+
+
+def test_the_lab_vocabulary_gives_the_labs_ids(data_dir: Path, tmp_path: Path) -> None:
+    """The lab's model + dict.txt (a vocabulary foreign to the model: some pieces are surface strings the model
+    lacks): the server's encoder gives, text by text, the ids of the lab's own pre-tokenized .spm file looked up in
+    dict.txt (line i -> id i + 4)."""
+    books = data_dir / "cls-books-fr"
+    folder = Tokenizer.from_lab(books / "sentencepiece.french.model", books / "dict.txt", 10_000).save(
+        tmp_path / "tokenizer")
+    enc = encoder_of(folder)
+    dict_ids = {line.rsplit(" ", 1)[0]: i + 4
+                for i, line in enumerate((books / "dict.txt").read_text(encoding="utf-8").split("\n")[:-1])}
+    with open(books / "valid.review.txt", encoding="utf-8", newline="\n") as f_txt, \
+            open(books / "valid.review.spm", encoding="utf-8", newline="\n") as f_spm:
+        pairs = list(itertools.islice(zip(f_txt, f_spm, strict=True), 200))
+    for text, pieces in pairs:
+        want = [SOS, *(dict_ids.get(p, OOV) for p in pieces.rstrip("\n").split(" ") if p), EOS]
+        assert enc.encode(text.rstrip("\n")).ids.tolist() == want, text[:80]
+
+
+def test_tokenizer_folder_refusals_name_the_file(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    def folder(name: str, **files: bytes) -> Path:
+        f = Path(shutil.copytree(tiny_tokenizer_dir, tmp_path / name))
+        for n, data in files.items():
+            (f / n.replace("_", ".")).write_bytes(data)
+        return f
+
+    vocab = (tiny_tokenizer_dir / "vocab.txt").read_bytes()
+    cases = {
+        "size": (folder("size", vocab_txt=vocab + b"extra\n"), r"vocab\.txt has 96 pieces .* vocab_size 99"),
+        "dup": (folder("dup", vocab_txt=vocab.replace(vocab.split(b"\n")[2], vocab.split(b"\n")[0], 1)),
+                "vocabulary line 3: piece .* repeats line 1"),
+        "utf8": (folder("utf8", vocab_txt=b"\xff\n" + vocab.split(b"\n", 1)[1]), r"vocab\.txt:1: not valid UTF-8"),
+        "model": (folder("model", spm_model=b"not a model"), "not a sentencepiece model"),
+        "json": (folder("json", tokenizer_json=b'{"format": 1,'), r"tokenizer\.json: invalid JSON"),
+        "deep": (folder("deep", tokenizer_json=b"[" * 100_000 + b"]" * 100_000), r"tokenizer\.json: invalid JSON"),
+        "specials": (folder("specials", tokenizer_json=(tiny_tokenizer_dir / "tokenizer.json").read_bytes()
+                            .replace(b'"pad": 1', b'"pad": 5')), "specials .* differ"),
+    }
+    for f, message in cases.values():
+        with pytest.raises(TokenizerError, match=message):
+            encoder_of(f)
+        with pytest.raises(TokenizerError, match=message):  # the trainer reads folders through the same checks
+            Tokenizer.load(f)
+
+
+def test_encoded_ids_are_int64_arrays(tiny_tokenizer_dir: Path) -> None:
+    e = encoder_of(tiny_tokenizer_dir).encode("")
+    assert e.ids.dtype == np.int64 and e.ids.tolist() == [SOS, EOS] and not e.truncated

@@ -1,0 +1,43 @@
+"""`export --check`: verify a bundle (contract.bundle.verify_bundle, the server's own check), open it the way the
+server does, and score it on a labelled file against the PyTorch model it came from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from contract.bundle import check_session, verify_bundle
+from contract.manifest import TOKENIZER_DIR
+from contract.tokens import PAD, TOKENIZER_FILES
+from trainer import artifact as artifact_mod
+from trainer.export.errors import ExportError
+from trainer.export.graph import open_session
+from trainer.export.score import encode_file, score_data
+from trainer.tokenizer import Tokenizer
+
+
+def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | Path | None = None,
+                 batch_size: int = 32, limit: int = 0, prefer_gpu: bool = True) -> dict[str, Any]:
+    """Accuracy of a bundle on a labelled file, in an onnxruntime session opened the way the server opens it,
+    and its agreement with the PyTorch model of `artifact_dir` (default: the manifest's source, if present)."""
+    b = verify_bundle(bundle)
+    m = b.manifest
+    source = artifact_dir or m.source_artifact.get("path")
+    model = None
+    if source is not None and Path(source).is_dir():
+        art = artifact_mod.load(source)
+        if art.task != "classifier":
+            raise ExportError(f"{art.path}: task {art.task!r}; --artifact must be a classifier artifact")
+        model = art.model()
+    elif artifact_dir is not None:
+        raise ExportError(f"--artifact {artifact_dir}: not a folder")
+    session = open_session(b.model_bytes, m.runtime.graph_optimization_level, prefer_gpu=prefer_gpu)
+    check_session(session, b)
+    tok = Tokenizer.from_files({n: b.files[f"{TOKENIZER_DIR}/{n}"] for n in TOKENIZER_FILES}, b.folder / TOKENIZER_DIR)
+    # The labelled file holds the data's raw label values; the bundle answers with names in the same order.
+    seqs, labels = encode_file(tok, Path(data_file), m.label_values, m.max_len, limit)
+    report = score_data(session, model, seqs, labels, PAD, batch_size)
+    report.update({"bundle": str(b.folder), "precision": m.precision, "file": str(data_file),
+                   "provider": session.get_providers()[0],
+                   "artifact": str(source) if model is not None else None})
+    return report

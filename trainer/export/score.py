@@ -1,0 +1,88 @@
+"""Accuracy on a labelled file: the bundle's, PyTorch's, and how often they agree (`export --data`, `--check`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from torch import nn
+
+from trainer.data import read_labeled
+from trainer.export.errors import ExportValidationError
+from trainer.export.graph import open_session
+from trainer.export.precision import TOLERANCES
+from trainer.export.validate import ort_logits, torch_logits
+from trainer.tokenizer import Tokenizer
+
+
+def encode_file(tok: Tokenizer, data_file: Path, label_values: list[str], max_len: int,
+                limit: int = 0) -> tuple[list[list[int]], np.ndarray]:
+    """Ids (cut to max_len, <eos> kept) and label indices of a labelled file, read with the project's readers."""
+    examples = read_labeled(data_file, label_values)
+    if limit:
+        examples = examples[:limit]
+    seqs = [tok.encode_example(ex, max_len) for ex in examples]
+    labels = np.array([ex.label for ex in examples], dtype=np.int64)
+    return seqs, labels
+
+
+def predict(run: Callable[[np.ndarray, np.ndarray], np.ndarray], seqs: list[list[int]], pad_id: int,
+            batch_size: int = 32) -> np.ndarray:
+    """(N, C) logits of id sequences in their order; `run(ids, mask)` is ORT or PyTorch. Batches are sorted by
+    length so that they pad little."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: np.ndarray | None = None
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        width = max(len(seqs[i]) for i in idx)
+        ids = np.full((len(idx), width), pad_id, dtype=np.int64)
+        mask = np.zeros((len(idx), width), dtype=np.int64)
+        for row, i in enumerate(idx):
+            ids[row, :len(seqs[i])] = seqs[i]
+            mask[row, :len(seqs[i])] = 1
+        logits = run(ids, mask)
+        if out is None:
+            out = np.zeros((len(seqs), logits.shape[1]), dtype=np.float32)
+        out[idx] = logits
+    assert out is not None, "no sequences"
+    return out
+
+
+def score_data(session: ort.InferenceSession, model: nn.Module | None, seqs: list[list[int]], labels: np.ndarray,
+               pad_id: int, batch_size: int = 32) -> dict[str, Any]:
+    """Accuracy of the bundle (and of PyTorch fp32 when `model` is given) and their label agreement."""
+    got = predict(lambda i, m: ort_logits(session, i, m), seqs, pad_id, batch_size)
+    out: dict[str, Any] = {"examples": len(seqs), "bundle_accuracy": accuracy(got, labels)}
+    if model is not None:
+        ref = predict(lambda i, m: torch_logits(model, i, m), seqs, pad_id, batch_size)
+        out["torch_accuracy"] = accuracy(ref, labels)
+        out["accuracy_change_points"] = round(out["bundle_accuracy"] - out["torch_accuracy"], 3)
+        out["label_agreement"] = float((got.argmax(1) == ref.argmax(1)).mean())
+        out["max_abs_diff"] = float(np.abs(got - ref).max())
+    return out
+
+
+def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
+    """Percent of rows whose argmax is the label, rounded to 3 decimals."""
+    return round(100.0 * float((logits.argmax(1) == labels).mean()), 3)
+
+
+def data_check(model: nn.Module, path: Path, precision: str, level: str, tok: Tokenizer, data_file: Path,
+                label_values: list[str], max_len: int, pad_id: int, limit: int) -> dict[str, Any]:
+    """Accuracy change on a labelled file, held to the precision's tolerance."""
+    tol = TOLERANCES[precision]
+    seqs, labels = encode_file(tok, data_file, label_values, max_len, limit)
+    session = open_session(path, level, prefer_gpu=False)
+    report = score_data(session, model, seqs, labels, pad_id)
+    report["file"] = str(data_file)
+    drop = -report["accuracy_change_points"]
+    if report["label_agreement"] < tol.min_data_agreement or drop > tol.max_accuracy_drop:
+        raise ExportValidationError(
+            f"{precision} bundle on {data_file} ({report['examples']} examples): label agreement with PyTorch "
+            f"{report['label_agreement']:.2%} (required >= {tol.min_data_agreement:.1%}), accuracy "
+            f"{report['bundle_accuracy']:.2f} vs {report['torch_accuracy']:.2f} (drop allowed "
+            f"<= {tol.max_accuracy_drop} points)")
+    return report
