@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from procs import REPO
 
 from contract.bundle import verify_bundle
 from contract.errors import BundleError
@@ -26,7 +27,7 @@ from contract.runtime import CPU, cuda_driver_present
 from trainer import artifact
 from trainer.__main__ import main as cli
 from trainer.export import ExportError, ExportOptions, ExportValidationError, check_bundle, export_bundle
-from trainer.export.graph import check_graph, open_session
+from trainer.export.graph import STACK_TRACE, check_graph, open_session
 from trainer.export.precision import TOLERANCES, Tolerance
 from trainer.export.validate import compare, make_batch, ort_logits, torch_logits, validate
 
@@ -107,6 +108,16 @@ def test_manifest_describes_the_bundle(tiny_bundle, tiny_classifier_artifact):
     b = verify_bundle(tiny_bundle)
     assert b.manifest.to_json() == (tiny_bundle / "manifest.json").read_text(encoding="utf-8")
     assert b.manifest.label_names == m["labels"] and b.manifest.label_values == src["labels"] == ["0", "1"]
+
+
+def test_model_bytes_hold_no_path_of_the_machine_that_exported_them(tiny_bundle):
+    """The dynamo exporter writes each node's Python stack (absolute paths of the checkout and the virtualenv): the
+    exporter drops it, so the same artifact gives the same bundle bytes from any folder, and leaks none."""
+    data = (tiny_bundle / "model.onnx").read_bytes()
+    assert str(REPO).encode() not in data and sys.prefix.encode() not in data
+    graph = onnx.load_model_from_string(data).graph
+    assert all(p.key != STACK_TRACE for n in graph.node for p in n.metadata_props)
+    assert any(p.key == "namespace" for p in graph.node[0].metadata_props)  # the rest of the metadata stays
 
 
 def test_graph_check_catches_renamed_axes_and_checker_errors(tiny_bundle):

@@ -25,6 +25,8 @@ from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
 from contract.tokens import N_SPECIALS
 from trainer.export.errors import ExportError
 
+STACK_TRACE = "pkg.torch.onnx.stack_trace"  # node metadata written by torch.onnx.export(dynamo=True)
+
 
 class ExportWrapper(nn.Module):
     """The served signature around the plain model: an int64 attention mask (1 = real) instead of a bool
@@ -82,7 +84,20 @@ def export_onnx(model: nn.Module, path: Path, max_len: int, opset: int | None = 
             custom_translation_table=TRANSLATION_TABLE if fuse_attention else None,
             verbose=False,
         )
-    return onnx.load(str(path))
+    graph = onnx.load(str(path))
+    _drop_stack_traces(graph)
+    onnx.save(graph, str(path))
+    return graph
+
+
+def _drop_stack_traces(model: onnx.ModelProto) -> None:
+    """The dynamo exporter records, on every node, the Python stack that made it: absolute paths of this checkout
+    and its virtualenv, and line numbers. A bundle would then differ with the folder it was exported from and leak
+    it; the graph, its names and the exporter's other node metadata stay."""
+    for node in model.graph.node:
+        keep = [p for p in node.metadata_props if p.key != STACK_TRACE]
+        del node.metadata_props[:]
+        node.metadata_props.extend(keep)
 
 
 def check_graph(model: onnx.ModelProto, num_classes: int, where: str) -> None:
