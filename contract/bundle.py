@@ -1,9 +1,14 @@
 """The one bundle verifier: `trainer export --check` and the server's Predictor both call `verify_bundle`.
 
-It reads manifest.json and every file it lists once, checks each file's sha256, the tokenizer files against each
-other, and model.onnx's signature against the declared one (contract/graph.py) and the manifest. What it returns
-are those verified bytes, so nothing can change between the check and the load. Every problem is a BundleError
-naming the file. `check_session` then runs the graph once, as onnxruntime will serve it.
+A bundle comes from outside, so nothing in it is trusted until checked, cheapest first:
+  - manifest.json and every file it lists are regular files inside the folder, read without following a link
+    (contract/files.py), each under its size cap (MAX_BYTES);
+  - manifest.json is strict JSON, describes a bundle (contract/manifest.py) and matches its own digest;
+  - each file matches its sha256 in the manifest, and the tokenizer files agree with each other;
+  - model.onnx has the declared signature (contract/graph.py), one logit per label, a token embedding with one row
+    per id of the tokenizer and a positional table of at least max_len rows.
+What it returns are the verified bytes, so nothing changes between the check and the load. Every problem is a
+BundleError naming the file and the reason, on one line. `check_session` then runs the graph once at its limits.
 """
 
 from __future__ import annotations
@@ -16,10 +21,22 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from contract.errors import BundleError, TokenizerError
-from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS, as_dicts, expected_io, io_spec
-from contract.manifest import MANIFEST_FILE, MODEL_FILE, TOKENIZER_DIR, Manifest, read_manifest
-from contract.tokens import EOS, N_SPECIALS, SOS, TOKENIZER_FILES, TokenizerFiles, read_tokenizer_files
+from contract.errors import BundleError, TokenizerError, one_line
+from contract.files import Folder
+from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS, as_dicts, expected_io, io_spec, tables
+from contract.manifest import BUNDLE_FILES, MANIFEST_FILE, MODEL_FILE, TOKENIZER_DIR, Manifest, read_manifest
+from contract.tokens import EOS, PAD, SOS, TOKENIZER_FILES, TokenizerFiles, read_tokenizer_files
+
+# Size caps: far above what this project writes (the lab-size model is 48 MB, its vocabulary 0.5 MB), far below
+# what would exhaust a server. model.onnx: protobuf cannot parse a message of 2 GiB or more anyway.
+MAX_BYTES = {
+    MANIFEST_FILE: 1 << 20,
+    MODEL_FILE: (2 << 30) - 1,
+    f"{TOKENIZER_DIR}/spm.model": 64 << 20,
+    f"{TOKENIZER_DIR}/tokenizer.json": 64 << 10,
+    f"{TOKENIZER_DIR}/vocab.txt": 64 << 20,
+}
+assert set(MAX_BYTES) == {MANIFEST_FILE, *BUNDLE_FILES}
 
 
 @dataclass(frozen=True)
@@ -28,7 +45,6 @@ class Bundle:
 
     folder: Path
     manifest: Manifest
-    manifest_sha256: str  # sha256 of manifest.json's bytes, which hold every file's sha256
     files: dict[str, bytes]  # bundle-relative path -> contents
     tokenizer: TokenizerFiles
 
@@ -36,47 +52,44 @@ class Bundle:
     def model_bytes(self) -> bytes:
         return self.files[MODEL_FILE]
 
+    @property
+    def bundle_sha256(self) -> str:
+        """The manifest's own digest, which covers every file: the bundle's identity."""
+        return self.manifest.bundle_sha256
+
 
 def verify_bundle(folder: str | Path) -> Bundle:
     """Read and check a bundle folder; BundleError names the first problem's file."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise BundleError(f"{folder}: bundle folder not found")
     manifest_path = folder / MANIFEST_FILE
-    try:
-        raw = manifest_path.read_bytes()
-    except OSError as e:
-        raise BundleError(f"{manifest_path}: cannot read the bundle manifest ({e.strerror}; not a bundle, or an "
-                          "interrupted export)") from None
-    manifest = read_manifest(raw, manifest_path)
-    files = {}
-    for rel, expected in manifest.files.items():
-        path = folder / rel
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise BundleError(f"{path}: listed in {MANIFEST_FILE} but cannot be read ({e.strerror})") from None
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != expected:
-            raise BundleError(f"{path}: checksum mismatch: {MANIFEST_FILE} says sha256 {expected}, the file has "
-                              f"{actual} (corrupt or modified bundle; export it again)")
-        files[rel] = data
+    with Folder(folder) as f:
+        manifest = read_manifest(f.read(MANIFEST_FILE, MAX_BYTES[MANIFEST_FILE]), manifest_path)
+        files = {}
+        for rel, expected in manifest.files.items():
+            data = f.read(rel, MAX_BYTES[rel], listed_in=MANIFEST_FILE)
+            actual = hashlib.sha256(data).hexdigest()
+            if actual != expected:
+                raise BundleError(f"{folder / rel}: checksum mismatch: {MANIFEST_FILE} says sha256 {expected}, the "
+                                  f"file has {actual} (corrupt or modified bundle; export it again)")
+            files[rel] = data
     tokenizer_dir = folder / TOKENIZER_DIR
     try:
         tokenizer = read_tokenizer_files({n: files[f"{TOKENIZER_DIR}/{n}"] for n in TOKENIZER_FILES}, tokenizer_dir)
     except TokenizerError as e:
         raise BundleError(str(e)) from None
-    _check_graph(files[MODEL_FILE], manifest, folder / MODEL_FILE, manifest_path)
-    return Bundle(folder, manifest, hashlib.sha256(raw).hexdigest(), files, tokenizer)
+    _check_graph(files[MODEL_FILE], manifest, tokenizer, folder / MODEL_FILE, manifest_path)
+    return Bundle(folder, manifest, files, tokenizer)
 
 
-def _check_graph(model: bytes, manifest: Manifest, model_path: Path, manifest_path: Path) -> None:
-    """model.onnx has the declared signature for len(labels) classes, and the manifest describes it as it is."""
+def _check_graph(model: bytes, manifest: Manifest, tokenizer: TokenizerFiles, model_path: Path,
+                 manifest_path: Path) -> None:
+    """model.onnx has the declared signature, one logit per label, an embedding row per id and a position per
+    token up to max_len; the manifest describes it as it is."""
     try:
         graph = onnx.load_model_from_string(model)
         got_in, got_out = io_spec(graph.graph.input), io_spec(graph.graph.output)
     except Exception as e:  # protobuf's DecodeError, onnx's errors on unknown types
-        raise BundleError(f"{model_path}: not a readable ONNX model ({type(e).__name__}: {e})") from None
+        raise BundleError(f"{model_path}: not a readable ONNX model ({type(e).__name__}: {one_line(e)})") from None
     if manifest.inputs != got_in or manifest.outputs != got_out:
         raise BundleError(f"{manifest_path}: inputs {as_dicts(manifest.inputs)} / outputs "
                           f"{as_dicts(manifest.outputs)} do not match {MODEL_FILE}'s {as_dicts(got_in)} / "
@@ -89,17 +102,38 @@ def _check_graph(model: bytes, manifest: Manifest, model_path: Path, manifest_pa
     if classes != len(manifest.label_names):
         raise BundleError(f"{model_path}: logits has {classes} classes but {MANIFEST_FILE} lists "
                           f"{len(manifest.label_names)} labels {manifest.label_names}")
+    t = tables(graph)
+    vocab = tokenizer.meta.vocab_size
+    if t.embedding_rows is None or t.position_rows is None:
+        raise BundleError(f"{model_path}: no token embedding (a Gather of input_ids from a 2-D initializer) or no "
+                          "positional table (a Slice of one as wide): not a graph this project exports")
+    if t.embedding_rows != vocab:
+        raise BundleError(f"{model_path}: its token embedding has {t.embedding_rows} rows but "
+                          f"{TOKENIZER_DIR}/tokenizer.json gives {vocab} ids (a tokenizer of another model)")
+    if manifest.max_len > t.position_rows:
+        raise BundleError(f"{manifest_path}: max_len {manifest.max_len} exceeds the {t.position_rows} positions "
+                          f"of {MODEL_FILE}'s positional table")
 
 
 def check_session(session: ort.InferenceSession, bundle: Bundle) -> None:
-    """One run of the graph as it will be served: (1, 3) ids -> (1, classes) logits."""
-    ids = np.array([[SOS, N_SPECIALS, EOS]], dtype=np.int64)  # (1, 3)
+    """The warm-up, before a server says SERVING: one run at the bundle's limits, as it will be served. Rows:
+    max_len ids with the highest id of the vocabulary, and a short one padded to that width; C logits each, finite.
+    The static checks above make this pass; a graph that still fails here fails before any client sees it."""
+    m = bundle.manifest
+    top = bundle.tokenizer.meta.vocab_size - 1
+    ids = np.full((2, m.max_len), PAD, dtype=np.int64)  # (2, max_len)
+    ids[0, :] = top
+    ids[0, 0], ids[0, -1] = SOS, EOS
+    ids[1, :3] = [SOS, top, EOS]
+    mask = (np.arange(m.max_len)[None, :] < np.array([[m.max_len], [3]])).astype(np.int64)  # (2, max_len)
     path = bundle.folder / MODEL_FILE
+    where = f"the warm-up at max_len {m.max_len} with id {top}"
     try:
-        (logits,) = session.run([LOGITS], {INPUT_IDS: ids, ATTENTION_MASK: np.ones_like(ids)})
-    except Exception as e:  # onnxruntime's Fail, InvalidArgument, ...
-        raise BundleError(f"{path}: onnxruntime cannot run it on a (1, 3) batch ({e})") from None
-    n = len(bundle.manifest.label_names)
-    if logits.shape != (1, n):
-        raise BundleError(f"{path}: logits shape {logits.shape} for 1 text, expected (1, {n}) for labels "
-                          f"{bundle.manifest.label_names}")
+        (logits,) = session.run([LOGITS], {INPUT_IDS: ids, ATTENTION_MASK: mask})
+    except Exception as e:  # onnxruntime's Fail, InvalidArgument, RuntimeException...
+        raise BundleError(f"{path}: onnxruntime failed {where} ({one_line(e)})") from None
+    n = len(m.label_names)
+    if logits.shape != (2, n) or not np.isfinite(logits).all():
+        raise BundleError(f"{path}: {where} gave logits of shape {logits.shape} (finite: "
+                          f"{bool(np.isfinite(logits).all())}), expected (2, {n}) finite, for labels "
+                          f"{m.label_names}")

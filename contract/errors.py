@@ -9,3 +9,9 @@ class TokenizerError(ValueError):
 
 class BundleError(ValueError):
     """A bundle folder is missing, incomplete, corrupt or tampered with; the message names the file."""
+
+
+def one_line(error: BaseException | str, limit: int = 400) -> str:
+    """Another library's error text, on one line and cut to `limit` characters: a refusal is one line."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

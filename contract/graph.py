@@ -50,3 +50,28 @@ def io_spec(values: Sequence[onnx.ValueInfoProto]) -> list[TensorSpec]:
 
 def as_dicts(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
     return [s.to_dict() for s in specs]
+
+
+@dataclass(frozen=True)
+class Tables:
+    """The graph's own limits, read from its weights (its initializers), which onnxruntime will index."""
+
+    embedding_rows: int | None  # ids it can read: rows of the token embedding that input_ids index
+    position_rows: int | None  # longest sequence it can read: rows of the positional table cut to the length
+
+
+def tables(model: onnx.ModelProto) -> Tables:
+    """The token embedding: the 2-D initializer that a Gather on axis 0 indexes with input_ids. The positional
+    table: the 2-D initializer of the embedding's width that a Slice cuts to the sequence (the exporter's form of
+    `positions[:T]` in trainer/model.py). None where the graph has no such table, or two that disagree."""
+    dims = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    embeddings = {dims[n.input[0]] for n in model.graph.node
+                  if n.op_type == "Gather" and len(n.input) == 2 and n.input[1] == INPUT_IDS
+                  and len(dims.get(n.input[0], ())) == 2 and all(a.name != "axis" or a.i == 0 for a in n.attribute)}
+    if len(embeddings) != 1:
+        return Tables(None, None)
+    ((rows, width),) = embeddings
+    positions = {dims[n.input[0]][0] for n in model.graph.node
+                 if n.op_type == "Slice" and n.input and len(dims.get(n.input[0], ())) == 2
+                 and dims[n.input[0]][1] == width}
+    return Tables(rows, positions.pop() if len(positions) == 1 else None)

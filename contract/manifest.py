@@ -4,7 +4,9 @@ by the verifier (contract/bundle.py).
 A bundle folder:
   model.onnx      one file (no external data), signature in contract/graph.py
   tokenizer/      spm.model, vocab.txt, tokenizer.json (contract/tokens.py)
-  manifest.json   this object, with the sha256 of each file above
+  manifest.json   this object, with the sha256 of each file above, and its own digest: bundle_sha256, the sha256
+                  of the canonical JSON of everything else in it (keys sorted, no spaces, ASCII), so of every file
+                  too. The server reports it (GetModelMetadata bundle_sha256); an edited manifest no longer matches.
 
 Two kinds of label travel from the training data to the client, and their names say which:
   label_values  the raw values of the data's label column, in logit order ("0", "1"); artifact.json calls them
@@ -14,8 +16,10 @@ Two kinds of label travel from the training data to the client, and their names 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -33,7 +37,16 @@ TOKENIZER_DIR = "tokenizer"
 # Every file of a bundle, in the order the manifest lists them.
 BUNDLE_FILES = (MODEL_FILE, *(f"{TOKENIZER_DIR}/{name}" for name in sorted(TOKENIZER_FILES)))
 PRECISIONS = ("fp32", "int8", "fp16")
+DIGEST_KEY = "bundle_sha256"
+MAX_JSON_DEPTH = 16  # the manifest nests 5 levels deep; more is not a manifest
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def manifest_digest(obj: Mapping[str, Any]) -> str:
+    """sha256 (hex) of a manifest without its own digest, as canonical JSON: keys sorted, no spaces, ASCII."""
+    body = {k: v for k, v in obj.items() if k != DIGEST_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -69,9 +82,11 @@ class Manifest:
     validation: dict[str, Any] = field(default_factory=dict)  # the exporter's report, tolerances included
     created: str = ""
     export_seconds: float = 0.0
+    bundle_sha256: str = ""  # as read; `to_dict` computes it afresh
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The manifest as written, its digest last."""
+        body = {
             "format": FORMAT,
             "task": TASK,
             "labels": self.label_names,
@@ -91,6 +106,7 @@ class Manifest:
             "created": self.created,
             "export_seconds": self.export_seconds,
         }
+        return {**body, DIGEST_KEY: manifest_digest(body)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -118,6 +134,13 @@ class Manifest:
             raise BundleError(f"{path}: field 'special_ids' must be {SPECIALS}, got {m.get('special_ids')!r}")
         if m.get("precision") not in PRECISIONS:
             raise BundleError(f"{path}: field 'precision' must be one of {PRECISIONS}, got {m.get('precision')!r}")
+        digest = m.get(DIGEST_KEY)
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise BundleError(f"{path}: field {DIGEST_KEY!r} must be the manifest's own sha256 (64 hex digits), got "
+                              f"{digest!r} (a bundle exported before manifests carried it: export it again)")
+        if manifest_digest(m) != digest:
+            raise BundleError(f"{path}: {DIGEST_KEY} does not match the manifest's content: manifest.json was edited "
+                              "after export (export the bundle again)")
         return cls(
             label_names=list(names),
             label_values=list(values),
@@ -135,6 +158,7 @@ class Manifest:
             validation=m.get("validation") or {},
             created=str(m.get("created", "")),
             export_seconds=m.get("export_seconds", 0.0),
+            bundle_sha256=digest,
         )
 
 
@@ -180,9 +204,34 @@ def _runtime(value: Any, path: Path) -> Runtime:
 
 
 def read_manifest(raw: bytes, path: Path) -> Manifest:
-    """Parse manifest.json's bytes."""
+    """Parse manifest.json's bytes strictly (UTF-8, no key twice in an object, no NaN or Infinity, at most
+    MAX_JSON_DEPTH levels), then check it."""
+    return Manifest.from_dict(strict_json(raw, path), path)
+
+
+def strict_json(raw: bytes, path: Path) -> Any:
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in items:
+            if key in obj:
+                raise BundleError(f"{path}: key {key!r} appears twice in one object")
+            obj[key] = value
+        return obj
+
+    def constant(name: str) -> Any:
+        raise BundleError(f"{path}: {name} is not a JSON number")
+
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
+    except RecursionError:
+        raise BundleError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BundleError(f"{path}: not valid JSON ({e})") from None
-    return Manifest.from_dict(obj, path)
+    stack = [(obj, 1)]
+    while stack:  # iterative: the depth is what is being checked
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise BundleError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return obj

@@ -1,8 +1,9 @@
 """A model bundle loaded into onnxruntime: texts -> labels, probabilities, token counts. No gRPC, no torch.
 
 The bundle (model.onnx, tokenizer/, manifest.json: contract/manifest.py) is checked by contract.bundle.verify_bundle,
-and the bytes it verified are what gets loaded (no window between check and load). A missing, corrupt or tampered
-file is a `BundleError` naming it.
+the bytes it verified are what gets loaded (no window between check and load), and the graph runs once at max_len
+before the constructor returns. A missing, corrupt, tampered or inconsistent bundle is a `BundleError` naming the
+file, on one line.
 
 Shapes: n texts, T = the longest sequence of a batch (<= max_len), C classes.
 """
@@ -21,6 +22,7 @@ import onnxruntime as ort
 
 from contract import runtime
 from contract.bundle import check_session, verify_bundle
+from contract.errors import one_line
 from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS
 from contract.runtime import CUDA, OPT_LEVELS, Device
 from contract.tokens import PAD, Encoded, Encoder
@@ -72,7 +74,7 @@ class Predictor:
         b = verify_bundle(bundle)
         self.bundle_dir = b.folder
         self.manifest = b.manifest
-        self.bundle_sha256 = b.manifest_sha256
+        self.bundle_sha256 = b.bundle_sha256  # the manifest's own digest, over every file: GetModelMetadata says it
         self.labels: list[str] = list(b.manifest.label_names)  # what clients get: the manifest's "labels"
         self.max_len: int = b.manifest.max_len
         self.precision: str = b.manifest.precision
@@ -83,13 +85,13 @@ class Predictor:
             # From the verified bytes: the file on disk could change after the checksum check.
             self.session = ort.InferenceSession(b.model_bytes, options, providers=providers)
         except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/... types
-            raise BundleError(f"{b.folder / 'model.onnx'}: onnxruntime cannot load it ({e})") from None
+            raise BundleError(f"{b.folder / 'model.onnx'}: onnxruntime cannot load it ({one_line(e)})") from None
         # The provider actually in use: get_available_providers() and a silent CPU fallback both lie.
         self.provider: str = self.session.get_providers()[0]
         if device == "cuda" and self.provider != CUDA:
             raise ConfigError(f"device='cuda' but onnxruntime runs on {self.provider}: CUDA cannot load here "
                               "(see the onnxruntime log above)")
-        check_session(self.session, b)  # also the warm-up: the first request pays no first-run cost
+        check_session(self.session, b)  # the warm-up at max_len, before the server says SERVING
         self._lock = threading.Lock()
         self._runs = 0
         log.info("loaded bundle %s (sha256 %s, %s, max_len %d, labels %s, graph optimization %s) on %s",

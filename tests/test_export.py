@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from bundles import edit_manifest
 from procs import REPO
 
 from contract.bundle import verify_bundle
@@ -275,22 +276,19 @@ def test_tampered_model_is_rejected(bundle_copy):
 
 
 def test_manifest_that_does_not_match_the_graph_is_rejected(bundle_copy):
-    m = manifest_of(bundle_copy)
-    m["inputs"][1]["name"] = "padding_mask"
-    (bundle_copy / "manifest.json").write_text(json.dumps(m))
+    edit_manifest(bundle_copy, lambda m: m["inputs"][1].update(name="padding_mask"))
     with pytest.raises(BundleError, match=r"inputs .*padding_mask.* do not match model\.onnx's .*attention_mask"):
         verify_bundle(bundle_copy)
 
 
 def test_manifest_with_wrong_label_count_or_missing_file_is_rejected(bundle_copy):
-    m = manifest_of(bundle_copy)
-    three = {**m, "labels": ["neg", "neutral", "pos"], "label_values": ["0", "1", "2"]}
-    (bundle_copy / "manifest.json").write_text(json.dumps(three))
+    original = (bundle_copy / "manifest.json").read_bytes()
+    edit_manifest(bundle_copy, lambda m: m.update(labels=["neg", "neutral", "pos"], label_values=["0", "1", "2"]))
     with pytest.raises(BundleError, match=r"model\.onnx: logits has 2 classes but manifest\.json lists 3 labels"):
         verify_bundle(bundle_copy)
-    (bundle_copy / "manifest.json").write_text(json.dumps(m))
+    (bundle_copy / "manifest.json").write_bytes(original)
     (bundle_copy / "tokenizer" / "vocab.txt").unlink()
-    with pytest.raises(BundleError, match=r"vocab\.txt: listed in manifest\.json but cannot be read"):
+    with pytest.raises(BundleError, match=r"tokenizer/vocab\.txt: listed in manifest\.json but missing"):
         verify_bundle(bundle_copy)
 
 

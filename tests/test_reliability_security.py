@@ -385,6 +385,7 @@ class _Planted:
 
 def test_a_planted_pickle_is_refused_and_never_executed(tiny_classifier_artifact: Path, tiny_bundle: Path,
                                                         tmp_path: Path) -> None:
+    from contract.manifest import manifest_digest
     from trainer import artifact
     from trainer.corpus import Corpus
     from trainer.data import DataError
@@ -406,6 +407,7 @@ def test_a_planted_pickle_is_refused_and_never_executed(tiny_classifier_artifact
     (bundle / "model.onnx").write_bytes(payload)
     manifest = json.loads((bundle / "manifest.json").read_text())
     manifest["files"]["model.onnx"] = artifact.sha256_file(bundle / "model.onnx")
+    manifest["bundle_sha256"] = manifest_digest(manifest)
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match=r"model\.onnx: not a readable ONNX model"):
         Predictor(bundle, device="cpu")

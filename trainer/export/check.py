@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from contract.bundle import check_session, verify_bundle
-from contract.manifest import TOKENIZER_DIR
+from contract.errors import BundleError, one_line
+from contract.manifest import MODEL_FILE, TOKENIZER_DIR
 from contract.tokens import PAD, TOKENIZER_FILES
 from trainer import artifact as artifact_mod
 from trainer.export.errors import ExportError
@@ -31,13 +32,17 @@ def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | 
         model = art.model()
     elif artifact_dir is not None:
         raise ExportError(f"--artifact {artifact_dir}: not a folder")
-    session = open_session(b.model_bytes, m.runtime.graph_optimization_level, prefer_gpu=prefer_gpu)
+    try:
+        session = open_session(b.model_bytes, m.runtime.graph_optimization_level, prefer_gpu=prefer_gpu)
+    except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/... types
+        raise BundleError(f"{b.folder / MODEL_FILE}: onnxruntime cannot load it ({one_line(e)})") from None
     check_session(session, b)
     tok = Tokenizer.from_files({n: b.files[f"{TOKENIZER_DIR}/{n}"] for n in TOKENIZER_FILES}, b.folder / TOKENIZER_DIR)
     # The labelled file holds the data's raw label values; the bundle answers with names in the same order.
     seqs, labels = encode_file(tok, Path(data_file), m.label_values, m.max_len, limit)
     report = score_data(session, model, seqs, labels, PAD, batch_size)
-    report.update({"bundle": str(b.folder), "precision": m.precision, "file": str(data_file),
+    report.update({"bundle": str(b.folder), "bundle_sha256": b.bundle_sha256, "precision": m.precision,
+                   "file": str(data_file),
                    "provider": session.get_providers()[0],
                    "artifact": str(source) if model is not None else None})
     return report

@@ -84,6 +84,7 @@ def main(args: argparse.Namespace) -> int:
     v = manifest.validation
     print(f"wrote {out} ({manifest.precision}, opset {manifest.opset}, max_len {manifest.max_len}, "
           f"{(out / MODEL_FILE).stat().st_size / 1e6:.1f} MB) in {manifest.export_seconds} s")
+    print(f"bundle_sha256 {manifest.bundle_sha256} (the server reports it in GetModelMetadata)")
     if v.get("passed"):
         print(f"validated on {v['provider']}: {len(v['cases'])} batches, max |logit diff| {v['max_abs_diff']:.3g} "
               f"(tolerance {v['tolerance']['max_abs_diff']:g}), label agreement {v['label_agreement']:.2%}")
