@@ -7,10 +7,13 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from procs import REPO
 from serving_fixtures import reviews
 
 from contract.errors import TokenizerError
@@ -145,3 +148,14 @@ def test_tokenizer_folder_refusals_name_the_file(tiny_tokenizer_dir: Path, tmp_p
 def test_encoded_ids_are_int64_arrays(tiny_tokenizer_dir: Path) -> None:
     e = encoder_of(tiny_tokenizer_dir).encode("")
     assert e.ids.dtype == np.int64 and e.ids.tolist() == [SOS, EOS] and not e.truncated
+
+
+def test_the_server_loads_a_bundle_without_torch_or_trainer(tiny_bundle: Path) -> None:
+    """The contract is what lets serving/ share the trainer's rules without importing the trainer (or torch)."""
+    script = ("import sys; from serving.predictor import Predictor; import serving.server; "
+              "Predictor(sys.argv[1], device='cpu').predict(['Bien.']); "
+              "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'trainer', 'deepspeed'}))")
+    run = subprocess.run([sys.executable, "-c", script, str(tiny_bundle)], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[-2] == "[]"
