@@ -68,7 +68,8 @@ def main(args: argparse.Namespace) -> int:
         if not args.data:
             raise ExportError("--check needs --data FILE (a labelled file)")
         report = check_bundle(args.check, args.data, args.check_artifact or args.artifact, limit=args.limit)
-        line = f"{report['bundle']} ({report['precision']}, {report['provider']}): accuracy " \
+        line = f"{report['bundle']} ({report['precision']}, {report['provider']}, bundle_sha256 " \
+               f"{report['bundle_sha256'][:16]}...): accuracy " \
                f"{report['bundle_accuracy']:.2f}% on {report['examples']} examples of {report['file']}"
         if "torch_accuracy" in report:
             line += (f"; PyTorch {report['torch_accuracy']:.2f}%, label agreement {report['label_agreement']:.2%}, "
