@@ -251,6 +251,9 @@ def test_image_serves_a_root_exported_bundle_as_non_root_and_stops_on_sigterm(
         server.send_signal(signal.SIGTERM)  # what the container runtime sends to PID 1
         assert launcher.wait(timeout=120) == 0, log.read_text()
         assert "stopped" in log.read_text()
+        # onnxruntime's telemetry is off (no device id written, nothing uploaded): it warns when it cannot
+        # persist its device id, which it would try here ($HOME is /nonexistent) if it were on.
+        assert "telemetry" not in log.read_text().lower()
     finally:
         kill_group(launcher)
 

@@ -116,3 +116,19 @@ def test_torch_index_gives_the_cpu_build_where_pypi_gives_cuda(tmp_path: Path) -
     torch_pip = _make_torch_pip(index)
     assert torch_pip == ["--extra-index-url", index]
     assert _resolved_torch(torch_pip, tmp_path) == f"{torch_pin}+cpu"
+
+
+@pytest.mark.parametrize("ort", ORT)
+def test_image_requirements_name_the_chosen_onnxruntime_once(ort: str) -> None:
+    """The Containerfile's build stage installs these (deploy/serve_requirements.py): the serve extra and the base
+    dependencies, with the onnxruntime package of the build argument in place of the platform-marked pair."""
+    sys.path.insert(0, str(REPO_ROOT / "deploy"))
+    from serve_requirements import serve_requirements
+
+    reqs = [Requirement(r) for r in serve_requirements(REPO_ROOT / "pyproject.toml", ort)]
+    (spec,) = {str(r.specifier) for r in map(Requirement, _extras()["serve"]) if r.name in ORT}
+    assert [str(r) for r in reqs if r.name in ORT] == [f"{ort}{spec}"]
+    assert all(r.marker is None for r in reqs)
+    names = {r.name for r in reqs}
+    assert {Requirement(r).name for r in _extras()["serve"]} - set(ORT) <= names
+    assert "torch" not in names
