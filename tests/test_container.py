@@ -81,7 +81,8 @@ def _has_image(name: str) -> bool:
 @pytest.fixture(scope="module")
 def base_image() -> str:
     """A Debian base image with python3, made by mmdebstrap (cached as a tarball) and imported into buildah."""
-    _need("buildah"), _need("mmdebstrap")
+    _need("buildah")
+    _need("mmdebstrap")
     key = _key(SUITE, MMDEBSTRAP)
     name = f"localhost/transfer-sentiment-base:{key}"
     if _has_image(name):
@@ -89,6 +90,7 @@ def base_image() -> str:
     tarball = _cache() / f"base-{SUITE}-{key}.tar"
     if not tarball.exists():
         partial = tarball.with_suffix(".partial.tar")
+        partial.unlink(missing_ok=True)
         _ok(["mmdebstrap", *MMDEBSTRAP, SUITE, str(partial)], timeout=900)
         partial.rename(tarball)  # atomic: a run killed half-way leaves no tarball that looks whole
     ctr = _ok(["buildah", "from", "scratch"], timeout=60).stdout.strip()
@@ -119,7 +121,7 @@ def wheelhouse() -> Path:
 @pytest.fixture(scope="module")
 def build(base_image: str, wheelhouse: Path) -> list[str]:
     """`buildah bud` with this test's base, offline from the wheelhouse (mounted at /wheels during the build)."""
-    return ["buildah", "bud", "--isolation", "chroot", "--layers", "--format", "docker", "--quiet",
+    return ["buildah", "bud", "--isolation", "chroot", "--layers", "--force-rm", "--format", "docker", "--quiet",
             "--build-arg", f"BASE_IMAGE={base_image}", "--build-arg", "PIP_NO_INDEX=1",
             "--build-arg", "PIP_FIND_LINKS=/wheels", "--volume", f"{wheelhouse}:/wheels:ro",
             "-f", str(REPO_ROOT / "Containerfile")]
