@@ -15,22 +15,27 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+def check(target: str, service: str = "", timeout: float = 2.0) -> str:
+    """The status the server at `target` reports for `service` (SERVING, NOT_SERVING, ...), or the name of the gRPC
+    error the call got (UNAVAILABLE, DEADLINE_EXCEEDED, ...)."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=timeout)
+        except grpc.RpcError as e:
+            return e.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("target", nargs="?", default="127.0.0.1:50051", help="server host:port")
     p.add_argument("--service", default="", help="service to ask about ('' = the whole server)")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds for the one call")
     args = p.parse_args(argv)
-    with grpc.insecure_channel(args.target) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
-        except grpc.RpcError as e:
-            print(f"healthcheck: {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"healthcheck: {args.target}: {status}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+    status = check(args.target, args.service, args.timeout)
+    print(f"healthcheck: {args.target}: {status}", file=sys.stdout if status == "SERVING" else sys.stderr)
+    return 0 if status == "SERVING" else 1
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from healthcheck import check  # deploy/healthcheck.py, beside this file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -41,15 +40,6 @@ def _status_kib(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def _serving(target: str) -> bool:
-    with grpc.insecure_channel(target) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("bundle", type=Path)
@@ -64,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                                "--metrics-port", "0", *args.server_flags], cwd=REPO, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
-        while not _serving(target):
+        while check(target) != "SERVING":
             if server.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"measure_rss: the server did not come up (exit {server.poll()})")
             time.sleep(0.2)

@@ -24,11 +24,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import numpy as np
 import psutil
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from procs import free_port, kill_group, popen, run
 from serving_fixtures import REPO_ROOT, reviews
 
@@ -36,7 +34,8 @@ from serving.client import SentimentClient
 from serving.predictor import Predictor
 
 sys.path.insert(0, str(REPO_ROOT / "deploy"))
-from serve_requirements import serve_requirements  # noqa: E402 (deploy/ is not a package)
+from healthcheck import check  # noqa: E402 (deploy/ is not a package)
+from serve_requirements import serve_requirements  # noqa: E402
 
 IMAGE = "localhost/transfer-sentiment:test"
 SUITE = "bookworm"  # the base: Debian's python3 (3.11 in bookworm: the wheelhouse's Python below)
@@ -157,15 +156,6 @@ def _readable_copy(bundle: Path, dest: Path) -> Path:
     return dest
 
 
-def _serving(target: str) -> bool:
-    with grpc.insecure_channel(target) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
 def _server_process(launcher: psutil.Process, deadline: float) -> psutil.Process:
     """The python process that runs serving.server, among the descendants of `buildah run`."""
     while time.monotonic() < deadline:
@@ -224,7 +214,7 @@ def test_image_serves_a_root_exported_bundle_as_non_root_and_stops_on_sigterm(
                          stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
-        while not _serving(target):
+        while check(target) != "SERVING":
             assert launcher.poll() is None, f"the server exited {launcher.returncode}:\n{log.read_text()}"
             assert time.monotonic() < deadline, f"not SERVING after 180 s:\n{log.read_text()}"
             time.sleep(0.5)
