@@ -1,0 +1,51 @@
+"""Print the server's requirements, one per line: pyproject.toml's dependencies and its `serve` extra, with
+onnxruntime's package chosen explicitly. Used by the Containerfile's build stage (stdlib only, Python >= 3.11).
+
+    python3 deploy/serve_requirements.py [onnxruntime | onnxruntime-gpu] [--pyproject FILE]
+
+pyproject.toml picks onnxruntime or onnxruntime-gpu by platform marker; an image decides by build argument
+(ORT_PACKAGE) instead, so the marker is dropped here. Versions come from requirements.lock (`pip -c`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import tomllib
+
+ORT_PACKAGES = ("onnxruntime", "onnxruntime-gpu")
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s<>=!~;\[@]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def serve_requirements(pyproject: Path, ort_package: str) -> list[str]:
+    project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+    out: list[str] = []
+    for req in [*project["dependencies"], *project["optional-dependencies"]["serve"]]:
+        if _name(req) in ORT_PACKAGES:
+            line = f"{ort_package}{req[len(_name(req)):].split(';')[0].rstrip()}"
+            if line not in out:  # the CPU and the GPU package, one marker each: one line
+                out.append(line)
+        else:
+            out.append(req)
+    if not any(_name(r) == ort_package for r in out):
+        raise SystemExit(f"{pyproject}: no onnxruntime requirement in dependencies or the serve extra")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("ort_package", nargs="?", default="onnxruntime", choices=ORT_PACKAGES)
+    p.add_argument("--pyproject", type=Path, default=Path("pyproject.toml"))
+    args = p.parse_args(argv)
+    print("\n".join(serve_requirements(args.pyproject, args.ort_package)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Packaging off this machine: the onnxruntime package each platform gets, and the torch build `make` installs.
+
+pip runs against PyPI with this machine's own pip configuration switched off (no pip.conf, no PIP_FIND_LINKS), as on
+a stock machine: here, that configuration supplies torch's CPU build from local disk and would hide the question.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import tomllib
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from serving_fixtures import REPO_ROOT
+
+ORT = ("onnxruntime", "onnxruntime-gpu")
+# (pip platform tag, marker environment, the package it must get). PyPI has onnxruntime-gpu wheels for Linux
+# x86_64 and Windows x64 only (plus Linux aarch64 for glibc >= 2.34, which a marker cannot see).
+PLATFORMS = [
+    ("manylinux_2_28_x86_64", {"sys_platform": "linux", "platform_machine": "x86_64"}, "onnxruntime-gpu"),
+    ("win_amd64", {"sys_platform": "win32", "platform_machine": "AMD64"}, "onnxruntime-gpu"),
+    ("manylinux_2_28_aarch64", {"sys_platform": "linux", "platform_machine": "aarch64"}, "onnxruntime"),
+    ("macosx_14_0_arm64", {"sys_platform": "darwin", "platform_machine": "arm64"}, "onnxruntime"),
+    ("win_arm64", {"sys_platform": "win32", "platform_machine": "ARM64"}, "onnxruntime"),
+]
+
+
+def _extras() -> dict[str, list[str]]:
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    return project["optional-dependencies"]
+
+
+def _pin(name: str) -> str:
+    for line in (REPO_ROOT / "requirements.lock").read_text(encoding="utf-8").splitlines():
+        req = line.split("#")[0].strip()
+        if req and Requirement(req).name == name:
+            return req.split(";")[0].strip()
+    raise AssertionError(f"{name} is not pinned in requirements.lock")
+
+
+def _stock_pip(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k == "PIP_CERT"}
+    env["PIP_CONFIG_FILE"] = os.devnull  # no pip.conf at all
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=REPO_ROOT)
+
+
+@pytest.mark.parametrize("extra", ["serve", "train"])
+@pytest.mark.parametrize(("tag", "platform", "expected"), PLATFORMS, ids=[p[0] for p in PLATFORMS])
+def test_markers_give_each_platform_exactly_one_onnxruntime(extra: str, tag: str, platform: dict[str, str],
+                                                             expected: str) -> None:
+    env = {**default_environment(), **platform}
+    chosen = [r.name for r in map(Requirement, _extras()[extra])
+              if r.name in ORT and (r.marker is None or r.marker.evaluate(env))]
+    assert chosen == [expected]
+
+
+@pytest.mark.parametrize(("tag", "platform", "expected"), PLATFORMS, ids=[p[0] for p in PLATFORMS])
+def test_the_chosen_onnxruntime_has_a_wheel_there_and_the_other_one_may_not(tag: str, platform: dict[str, str],
+                                                                             expected: str, tmp_path: Path) -> None:
+    def dry_run(name: str) -> subprocess.CompletedProcess[str]:
+        return _stock_pip("install", "--dry-run", "--ignore-installed", "--no-deps", "--target", str(tmp_path),
+                          "--only-binary=:all:", "--platform", tag, "--python-version", "3.12", _pin(name))
+
+    out = dry_run(expected)
+    assert out.returncode == 0 and "Would install" in out.stdout, out.stderr
+    if expected == "onnxruntime":  # why the marker exists: the GPU package does not install there
+        assert dry_run("onnxruntime-gpu").returncode != 0
+
+
+def _fake_torch_index(root: Path, version: str) -> str:
+    """A package index holding only a torch wheel `version` with no dependencies: stands in for torch's own index
+    (download.pytorch.org/whl/cpu, unreachable here). Resolution reads the wheel's metadata, not its code."""
+    name = f"torch-{version}"
+    wheel = root / "torch" / f"{name}-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True)
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(f"{name}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+        z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                              "Tag: py3-none-any\n")
+        z.writestr(f"{name}.dist-info/RECORD", "")
+    (wheel.parent / "index.html").write_text(f'<a href="{wheel.name}">{wheel.name}</a>\n', encoding="utf-8")
+    return root.as_uri()
+
+
+def _make_torch_pip(torch_index: str) -> list[str]:
+    out = subprocess.run(["make", "-s", "--no-print-directory", "--eval", "print-torch-pip: ; @echo $(TORCH_PIP)",
+                          "print-torch-pip", f"TORCH_INDEX={torch_index}"], capture_output=True, text=True,
+                         timeout=60, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def _resolved_torch(torch_pip: list[str], tmp_path: Path) -> str:
+    """The torch version pip picks for `make setup`'s torch step (its dependencies left out: resolving the CUDA
+    build's 15 NVIDIA packages takes most of a minute and shows nothing more than the version does)."""
+    report = tmp_path / "report.json"
+    out = _stock_pip("install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet", "--report", str(report),
+                     "-c", "requirements.lock", *torch_pip, "torch")
+    assert out.returncode == 0, out.stderr
+    return next(i["metadata"]["version"] for i in json.loads(report.read_text())["install"])
+
+
+def test_torch_index_gives_the_cpu_build_where_pypi_gives_cuda(tmp_path: Path) -> None:
+    """`make setup`'s torch step (TORCH_PIP from the Makefile) on a stock machine: PyPI alone resolves the pin to
+    its own build (CUDA, on Linux x86_64); with TORCH_INDEX the index's +cpu build wins."""
+    torch_pin = _pin("torch").split("==")[1]
+    assert _resolved_torch(_make_torch_pip(""), tmp_path) == torch_pin  # what a stock machine got before
+    index = _fake_torch_index(tmp_path / "index", f"{torch_pin}+cpu")
+    torch_pip = _make_torch_pip(index)
+    assert torch_pip == ["--extra-index-url", index]
+    assert _resolved_torch(torch_pip, tmp_path) == f"{torch_pin}+cpu"
+
+
+@pytest.mark.parametrize("ort", ORT)
+def test_image_requirements_name_the_chosen_onnxruntime_once(ort: str) -> None:
+    """The Containerfile's build stage installs these (deploy/serve_requirements.py): the serve extra and the base
+    dependencies, with the onnxruntime package of the build argument in place of the platform-marked pair."""
+    sys.path.insert(0, str(REPO_ROOT / "deploy"))
+    from serve_requirements import serve_requirements
+
+    reqs = [Requirement(r) for r in serve_requirements(REPO_ROOT / "pyproject.toml", ort)]
+    (spec,) = {str(r.specifier) for r in map(Requirement, _extras()["serve"]) if r.name in ORT}
+    assert [str(r) for r in reqs if r.name in ORT] == [f"{ort}{spec}"]
+    assert all(r.marker is None for r in reqs)
+    names = {r.name for r in reqs}
+    assert {Requirement(r).name for r in _extras()["serve"]} - set(ORT) <= names
+    assert "torch" not in names
