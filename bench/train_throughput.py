@@ -50,14 +50,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer import cli, loop
 from trainer import engine as eng
-from trainer import stage
 from trainer.artifact import write_text_atomic
 from trainer.config import ModelConfig, OptimConfig, RunConfig, override, preset
 from trainer.data import bucket_batches, encode_corpus
 from trainer.finetune import ClassifierObjective, load_split
 from trainer.model import forward_flops_per_token
-from trainer.pretrain import Batcher, LMObjective, cut_windows
+from trainer.pretrain import LMObjective, WindowBatcher, cut_windows
 from trainer.tokenizer import build_tokenizer
 
 LOOPS = ("plain", "deepspeed")
@@ -90,7 +90,7 @@ def global_batches(lengths: np.ndarray, plan: eng.BatchPlan, seed: int, need: in
     out: list[list[int]] = []
     epoch = 0
     while len(out) < need:
-        got = stage.usable(bucket_batches(lengths, plan.global_batch, seed, epoch), plan)
+        got = loop.full_batches(bucket_batches(lengths, plan.global_batch, seed, epoch), plan)
         if not got:
             raise ValueError(f"{len(lengths)} examples cannot fill one global batch of {plan.global_batch}")
         out += got
@@ -103,7 +103,7 @@ def lm_task(cfg: RunConfig, plan: eng.BatchPlan, need: int) -> Task:
     corpus = encode_corpus([cfg.data.path(cfg.data.train)], tok)
     full_len = corpus.lengths() + 2
     windows = cut_windows(np.arange(len(corpus)), full_len, cfg.pretrain.seq_len, overlap=1)  # clm windows
-    batcher = Batcher(corpus, windows, "clm", cfg.pretrain.mask_prob, tok.vocab_size, cfg.seed)
+    batcher = WindowBatcher(corpus, windows, "clm", cfg.pretrain.mask_prob, tok.vocab_size, cfg.seed)
     return Task("lm", "pretrain", global_batches(windows.length, plan, cfg.seed, need),
                 make=lambda part: batcher.make(part, 0), denominator=batcher.n_predicted,
                 new_model=lambda: LMObjective(cfg.model, causal=True), optim=cfg.pretrain.optim,
@@ -174,17 +174,17 @@ class Loop:
             td = time.perf_counter()
             n_global = task.denominator(batch)  # the whole global batch's count: every rank knows it
             data_s += time.perf_counter() - td
-            parts = stage.slots(batch, plan)[info.rank::plan.world_size]
+            parts = loop.micro_batches(batch, plan)[info.rank::plan.world_size]
             for micro, part in enumerate(parts):
                 td = time.perf_counter()
                 inputs = task.make(part)
                 tokens += inputs[0].numel() - int(inputs[1].sum())  # CPU tensors: no device sync
                 positions += inputs[0].numel()
-                inputs = stage.to_device(inputs, info.device)  # as the trainers do (pinned on CUDA)
+                inputs = loop.to_device(inputs, info.device)  # as the trainers do (pinned on CUDA)
                 data_s += time.perf_counter() - td
                 scale = plan.world_size / max(1, n_global)  # gradient of (global sum / n_global), as our loops do
                 if self.kind == "deepspeed":  # pretrain.py / finetune.py's hot loop
-                    stage.seed_micro_step(self.cfg.seed, self.step, micro, info.rank)
+                    loop.seed_micro_step(self.cfg.seed, self.step, micro, info.rank)
                     loss = self.engine(*inputs)
                     self.engine.backward(loss * scale, scale_wrt_gas=False)
                     self.engine.step()
@@ -310,7 +310,7 @@ def machine() -> dict[str, Any]:
                        if ln.startswith("MemTotal"))) // (1024 * 1024)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gib": mem, "gpu": gpu,
-            "machine": platform.machine(), **eng.versions()}
+            "machine": platform.machine(), **eng.package_versions()}
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -426,7 +426,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    stage.entry(run, args)  # ends the process through engine.finish on every rank
+    cli.on_every_rank(lambda: run(args))  # ends the process through engine.finish on every rank
 
 
 if __name__ == "__main__":

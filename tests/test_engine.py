@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from trainer import engine as eng
-from trainer import stage
+from trainer import loop
 from trainer.config import OptimConfig, lab, override, tiny
 from trainer.data import Corpus
-from trainer.pretrain import Batcher, cut_windows
+from trainer.pretrain import WindowBatcher, cut_windows
 
 
 def write(tmp_path: Path, data: object, name: str = "ds.json") -> str:
@@ -145,7 +145,7 @@ def test_clm_windows_predict_every_token_once() -> None:
     full = c.lengths() + 2
     w = cut_windows(np.arange(len(c)), full, seq_len=7, overlap=1)
     assert (w.length <= 8).all() and (w.length >= 2).all()
-    b = Batcher(c, w, "clm", 0.15, 99, seed=0)
+    b = WindowBatcher(c, w, "clm", 0.15, 99, seed=0)
     assert b.n_predicted(list(range(len(w.doc)))) == int((full - 1).sum())
     ids, pad, pos, tgt = b.make(list(range(len(w.doc))), epoch=0)
     flat = ids.reshape(-1).numpy()
@@ -162,7 +162,7 @@ def test_mlm_masks_are_bert_style_and_seeded_per_window() -> None:
     full = c.lengths() + 2
     w = cut_windows(np.arange(len(c)), full, seq_len=24, overlap=0)
     assert int(w.length.sum()) == int(full.sum())  # mlm windows tile each document exactly
-    b = Batcher(c, w, "mlm", 0.15, 99, seed=3)
+    b = WindowBatcher(c, w, "mlm", 0.15, 99, seed=3)
     batch = list(range(len(w.doc)))
     ids, pad, pos, tgt = b.make(batch, epoch=1)
     assert len(tgt) == b.n_predicted(batch)
@@ -186,10 +186,10 @@ def test_mlm_masks_are_bert_style_and_seeded_per_window() -> None:
 
 def test_global_batch_cut_is_independent_of_world_size() -> None:
     batch = list(range(100, 126))
-    two = stage.slots(batch, eng.BatchPlan(13, 1, 2))
-    one = stage.slots(batch, eng.BatchPlan(26, 1, 1))
+    two = loop.micro_batches(batch, eng.BatchPlan(13, 1, 2))
+    one = loop.micro_batches(batch, eng.BatchPlan(26, 1, 1))
     assert one == [batch] and two[0] + two[1] == batch
-    accum = stage.slots(batch, eng.BatchPlan(4, 3, 2))  # micro-step a of rank r is slot a * W + r
+    accum = loop.micro_batches(batch, eng.BatchPlan(4, 3, 2))  # micro-step a of rank r is slot a * W + r
     assert sorted(sum(accum, [])) == batch and len(accum) == 6
-    assert stage.usable([[1, 2, 3], [4]], eng.BatchPlan(1, 1, 2)) == [[1, 2, 3]]
+    assert loop.full_batches([[1, 2, 3], [4]], eng.BatchPlan(1, 1, 2)) == [[1, 2, 3]]
 

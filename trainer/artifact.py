@@ -126,6 +126,15 @@ def save(
     return out
 
 
+def config_path(path: str | Path) -> Path:
+    """An artifact's config.json (read it with config.load: a stage can settle its config before the weights)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ArtifactError(f"{path}: missing config.json (not a model artifact, or an interrupted write)"
+                            if path.is_dir() else f"artifact folder not found: {path}")
+    return path / "config.json"
+
+
 def load(path: str | Path, verify: bool = True) -> Artifact:
     """Read an artifact folder; every missing piece or checksum mismatch is an ArtifactError naming the file."""
     path = Path(path)

@@ -211,6 +211,25 @@ class RunConfig:
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
+    def __post_init__(self) -> None:
+        """The rules across sections, checked once here: every stage reads a config that passed them."""
+        from trainer.tokenizer import N_SPECIALS  # lazily: tokenizer.py imports this module
+
+        m, tc = self.model, self.tokenizer
+        if tc.kind == "train" and m.vocab_size != tc.vocab_size + N_SPECIALS:  # kind=lab: dict.txt decides
+            raise ConfigError(f"tokenizer.vocab_size={tc.vocab_size} gives {tc.vocab_size + N_SPECIALS} ids with the "
+                              f"{N_SPECIALS} specials, but model.vocab_size={m.vocab_size}; set "
+                              f"model.vocab_size={tc.vocab_size + N_SPECIALS}")
+        if m.num_classes != len(self.data.labels):
+            raise ConfigError(f"model.num_classes={m.num_classes} but data.labels has {len(self.data.labels)} "
+                              f"classes {self.data.labels}")
+        if tc.max_len > m.max_positions:
+            raise ConfigError(f"tokenizer.max_len={tc.max_len} exceeds model.max_positions={m.max_positions} "
+                              "(the longest sequence the model accepts)")
+        if self.pretrain.seq_len > m.max_positions:
+            raise ConfigError(f"pretrain.seq_len={self.pretrain.seq_len} exceeds model.max_positions="
+                              f"{m.max_positions}")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -448,19 +467,47 @@ def load(path: str | Path) -> RunConfig:
 
 def resolve(preset_name: str, overrides: list[str] | None = None, config_file: str | None = None) -> RunConfig:
     """Preset, then a JSON file's keys, then `--set` overrides: the order the CLI applies them."""
-    cfg = preset(preset_name)
-    if config_file:
-        cfg = override(cfg, _flatten(read_json(config_file)))
-    if overrides:
-        cfg = override(cfg, overrides)
-    return cfg
+    return Choice(preset_name, config_file, tuple(overrides or ())).resolve()
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+@dataclass(frozen=True)
+class Choice:
+    """How the command line chose a config: a preset, then a JSON file of overrides, then `--set` assignments."""
+
+    preset: str
+    file: str | None = None  # --config FILE
+    assignments: tuple[str, ...] = ()  # --set KEY=VALUE, in order
+
+    def settings(self) -> dict[str, Any]:
+        """Every key the user set (file, then --set), with its raw value."""
+        out = flatten(read_json(self.file)) if self.file else {}
+        out.update(_split(a) for a in self.assignments)
+        return out
+
+    def resolve(self, fixed: dict[str, Any] | None = None, fixed_by: str = "") -> RunConfig:
+        """The config. `fixed`: keys that something else decides (e.g. `--pretrained ARTIFACT` fixes the tokenizer
+        and the encoder's shape): a user setting that would change one is an error, not silently dropped."""
+        cfg = preset(self.preset)
+        if fixed:
+            cfg = override(cfg, fixed)
+        if self.file:
+            cfg = override(cfg, flatten(read_json(self.file)))
+        if self.assignments:
+            cfg = override(cfg, list(self.assignments))
+        flat = flatten(cfg.to_dict())
+        for key in self.settings():
+            if fixed and key in fixed and flat[key] != fixed[key]:
+                raise ConfigError(f"{key}={flat[key]!r} would be ignored: {fixed_by} fixes it to {fixed[key]!r}; "
+                                  "remove the setting")
+        return cfg
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: the keys `--set` takes."""
     out: dict[str, Any] = {}
     for k, v in data.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[prefix + k] = v
     return out

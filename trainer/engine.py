@@ -458,7 +458,7 @@ def fp32_state_dict(engine: Any, ckpt_dir: str | Path | None = None, tag: str | 
     return {k: (master[k] if k in master else v).detach().to("cpu", torch.float32).clone() for k, v in own.items()}
 
 
-def versions() -> dict[str, str]:
+def package_versions() -> dict[str, str]:
     import platform
 
     import numpy
