@@ -1,17 +1,18 @@
-"""Training throughput (issue 6): a plain PyTorch loop against our DeepSpeed engine, same model, data and batches.
+"""Training throughput: a plain PyTorch loop against our DeepSpeed engine, same model, data and batches.
 
 One run, one process or several (`deepspeed --num_gpus 2 bench/train_throughput.py ...`), for each task:
   (a) plain: the objective module of trainer/pretrain.py (LMObjective) or trainer/finetune.py (ClassifierObjective),
       torch.optim.Adam (AdamW when the config says adamw) with the config's lr/betas/weight decay, clip_grad_norm_ to
       optim.grad_clip (0.5), the same loss scaling as our loops; torch DistributedDataParallel when world > 1.
   (b) deepspeed: the same module wrapped by trainer.engine.initialize with the JSON trainer.engine.ds_config derives,
-      exactly as pretrain.py / finetune.py build it, stepped by a copy of their hot loop.
+      exactly as pretrain.py / finetune.py build it, stepped by their own step (trainer/loop.py's optimizer_step).
 Both start from the same weights (same seed) and see the same global batches in the same order: window k of (a) and
 window k of (b) train on identical batches. Windows of --steps optimizer steps alternate between (a) and (b) in the
 same process (a-b, then b-a, ...) so that load from other processes hits both alike; the first --warmup windows of
 each are discarded. Reported per loop: the median over windows of tokens/s (real, non-pad input tokens of the whole
 global batch per second), the ratio deepspeed/plain of the medians (and the median of the per-window ratios), the
-fraction of step time spent producing the next batch (batching + host-to-device copy), model FLOPs per token and
+fraction of step time spent producing the next batch (batching; the host-to-device copy counts as step time), model
+FLOPs per token and
 achieved FLOP/s, and the utilisation against a matrix-multiply peak measured in the same process (bf16 on GPU, fp32
 on CPU).
 
@@ -27,7 +28,8 @@ embedding lookups, biases, layer norms, softmax, the classifier's head (once per
 
   .venv/bin/python bench/train_throughput.py --task both --json runs/bench-train/p1.json
   deepspeed --num_gpus 2 bench/train_throughput.py --task both --baseline runs/bench-train/p1.json
-Only rank 0 prints and writes; every rank ends through trainer.engine.finish (STACK.md: gloo exit aborts).
+Only rank 0 prints and writes; every rank ends through trainer.engine.finish (gloo ranks can abort at a normal
+interpreter exit; engine.finish says why).
 """
 
 from __future__ import annotations
@@ -165,50 +167,61 @@ class Loop:
 
     def window(self, batches: list[list[int]]) -> Window:
         info, plan, task = self.info, self.plan, self.task
+        timed = Timed(task)
         sync(info)
         t0 = time.perf_counter()
-        data_s = 0.0
-        tokens = positions = denom = 0
+        denom = 0
         loss_acc = torch.zeros((), device=info.device)  # stays on the device: no sync inside the window
         for batch in batches:
-            td = time.perf_counter()
-            n_global = task.denominator(batch)  # the whole global batch's count: every rank knows it
-            data_s += time.perf_counter() - td
-            parts = loop.micro_batches(batch, plan)[info.rank::plan.world_size]
-            for micro, part in enumerate(parts):
-                td = time.perf_counter()
-                inputs = task.make(part)
-                tokens += inputs[0].numel() - int(inputs[1].sum())  # CPU tensors: no device sync
-                positions += inputs[0].numel()
-                inputs = loop.to_device(inputs, info.device)  # as the trainers do (pinned on CUDA)
-                data_s += time.perf_counter() - td
-                scale = plan.world_size / max(1, n_global)  # gradient of (global sum / n_global), as our loops do
-                if self.kind == "deepspeed":  # pretrain.py / finetune.py's hot loop
-                    loop.seed_micro_step(self.cfg.seed, self.step, micro, info.rank)
-                    loss = self.engine(*inputs)
-                    self.engine.backward(loss * scale, scale_wrt_gas=False)
-                    self.engine.step()
-                else:
+            if self.kind == "deepspeed":  # pretrain.py / finetune.py's own step
+                n, _, _ = loop.optimizer_step(self.engine, timed, batch, 0, self.step, plan, info, self.cfg.seed,
+                                              loss_acc)
+            else:
+                n = timed.denominator(batch)  # the whole global batch's count: every rank knows it
+                parts = loop.micro_batches(batch, plan)[info.rank::plan.world_size]
+                for micro, part in enumerate(parts):
+                    inputs = loop.to_device(timed.inputs(part, 0), info.device)  # as the trainers do
                     last = micro == len(parts) - 1
                     no_sync = self.module.no_sync if info.world_size > 1 and not last else contextlib.nullcontext
                     with no_sync():
                         with self.autocast():
                             loss = self.module(*inputs)
-                        (loss * scale).backward()
-                loss_acc += loss.detach()
-            if self.kind != "deepspeed":
+                        (loss * (plan.world_size / max(1, n))).backward()  # gradient of (global sum / n)
+                    loss_acc += loss.detach()
                 torch.nn.utils.clip_grad_norm_(self.module.parameters(), task.optim.grad_clip)
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
                 self.sched.step()
-            denom += n_global
+            denom += n
             self.step += 1
         sync(info)
         seconds = time.perf_counter() - t0
         # Outside the timed region: one sync per window, then a few numbers across ranks.
-        t_max, frac_max = reduce([seconds, data_s / seconds], dist.ReduceOp.MAX, info)
-        tok_sum, pos_sum, loss_sum = reduce([tokens, positions, float(loss_acc)], dist.ReduceOp.SUM, info)
+        t_max, frac_max = reduce([seconds, timed.seconds / seconds], dist.ReduceOp.MAX, info)
+        tok_sum, pos_sum, loss_sum = reduce([timed.tokens, timed.positions, float(loss_acc)], dist.ReduceOp.SUM, info)
         return Window(t_max, int(tok_sum), int(pos_sum), frac_max, loss_sum / max(1, denom))
+
+
+class Timed:
+    """A task as trainer/loop.py's Task sees it (`inputs`, `denominator`), timing how long making the batches takes
+    and counting their real (non-pad) tokens and positions: the same accounting for both loops."""
+
+    def __init__(self, task: Task) -> None:
+        self.task, self.seconds, self.tokens, self.positions = task, 0.0, 0, 0
+
+    def inputs(self, part: list[int], epoch: int) -> tuple[torch.Tensor, ...]:
+        t0 = time.perf_counter()
+        inputs = self.task.make(part)
+        self.tokens += inputs[0].numel() - int(inputs[1].sum())  # CPU tensors: no device sync
+        self.positions += inputs[0].numel()
+        self.seconds += time.perf_counter() - t0
+        return inputs
+
+    def denominator(self, batch: list[int]) -> int:
+        t0 = time.perf_counter()
+        n = self.task.denominator(batch)
+        self.seconds += time.perf_counter() - t0
+        return n
 
 
 def sync(info: eng.DistInfo) -> None:

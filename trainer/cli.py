@@ -42,12 +42,20 @@ def add_run_arguments(parser: argparse.ArgumentParser, tokenizer_help: str) -> N
                    help="run folder: config.json, env.json, metrics.csv, tb/, checkpoints/, artifact/")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
                    help="continue from RUN_DIR/checkpoints: the latest complete checkpoint, or TAG (e.g. step00000500)")
-    g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", metavar="FILE", default=None,
+    g.add_argument("--deepspeed-config", metavar="FILE", default=None,
                    help="DeepSpeed JSON whose keys override the derived ones (default: engine.deepspeed_config)")
-    g.add_argument("--stop-at", "--stop_at", dest="stop_at", type=int, default=0, metavar="STEP",
+    g.add_argument("--stop-at", type=int, default=0, metavar="STEP",
                    help="stop after optimizer step STEP with a checkpoint, as if interrupted (time-boxed jobs)")
+    old_spelling(g, "--deepspeed_config", "deepspeed_config")
+    old_spelling(g, "--stop_at", "stop_at", type=int)
     g.add_argument("--tokenizer", metavar="DIR", help=tokenizer_help)
     g.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the DeepSpeed launcher
+
+
+def old_spelling(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, dest: str,
+                 **kw: Any) -> None:
+    """Accept an option's earlier underscore spelling (scripts written for it keep working), hidden from --help."""
+    parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kw)
 
 
 def run_options(args: argparse.Namespace, cls: Callable[..., T], **more: Any) -> T:

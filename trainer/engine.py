@@ -7,7 +7,8 @@
   (`SLURM_PROCID`... mapped to `RANK`...) or plain `python` (one process, loopback defaults): NCCL on GPU, gloo on CPU.
 - `initialize()` wraps a model into a DeepSpeed engine with our learning-rate schedule.
 - `finish()` is how every rank's entry point ends: gloo ranks intermittently abort at interpreter exit
-  ("terminate called without an active exception", STACK.md), so we tear down and leave with `os._exit`.
+  ("terminate called without an active exception"), so we tear down and leave with `os._exit`.
+Importing this module sets only DS_ACCELERATOR (below); `init_distributed()` sets the rest of a rank's environment.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -31,22 +33,36 @@ from trainer.config import OptimConfig, RunConfig
 
 Stage = Literal["pretrain", "finetune"]
 
-# A checkout keeps DeepSpeed's JIT cache (ops compiled on first use) beside the code, like the Makefile does; an
-# installed package leaves DeepSpeed's default (~/.cache/torch_extensions).
-_REPO = Path(__file__).resolve().parents[1]
-if (_REPO / "pyproject.toml").exists():
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO / ".cache" / "torch_extensions"))
-# torch's JIT runs the first `ninja` on PATH. The venv's ninja (pip, 1.13) and the system's (apt, 1.11) record
-# different command hashes in the shared .ninja_log, so alternating them rebuilt the op (~30-90 s) on every switch
-# (seen here: `.venv/bin/python` without the venv on PATH vs the launcher): prefer the one beside this interpreter.
-_BIN = str(Path(sys.executable).parent)
-if (Path(_BIN) / "ninja").exists() and os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
-    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # only silences DeepSpeed's "no GPU found" warning
+    # DeepSpeed picks its accelerator while it is imported; without a GPU it would pick the CPU anyway, after a
+    # warning. The one environment default set at import, because it must precede `import deepspeed`.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402  (after the environment defaults above)
+import deepspeed  # noqa: E402  (after DS_ACCELERATOR above)
 from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def process_defaults(env: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Environment defaults a training process needs before DeepSpeed compiles an op; `init_distributed` applies
+    them to os.environ. Returns the variables it set or changed.
+
+    - TORCH_EXTENSIONS_DIR: a checkout keeps DeepSpeed's JIT cache (ops compiled on first use) beside the code,
+      as the Makefile does; an installed package leaves DeepSpeed's default (~/.cache/torch_extensions).
+    - PATH: torch's JIT runs the first `ninja` on PATH. The venv's ninja (pip, 1.13) and the system's (apt, 1.11)
+      record different command hashes in the shared .ninja_log, so alternating them rebuilt the op (~30-90 s) on
+      every switch (`.venv/bin/python` run without the venv on PATH vs the launcher): the one beside this
+      interpreter goes first.
+    """
+    changed: dict[str, str] = {}
+    if (_REPO / "pyproject.toml").exists() and "TORCH_EXTENSIONS_DIR" not in env:
+        changed["TORCH_EXTENSIONS_DIR"] = str(_REPO / ".cache" / "torch_extensions")
+    here = str(Path(sys.executable).parent)
+    if (Path(here) / "ninja").exists() and env.get("PATH", "").split(os.pathsep)[0] != here:
+        changed["PATH"] = here + os.pathsep + env.get("PATH", "")
+    env.update(changed)
+    return changed
 
 
 class EngineConfigError(ValueError):
@@ -129,11 +145,14 @@ def free_port() -> int:
 
 
 def init_distributed(timeout_s: int = 1800) -> DistInfo:
-    """Start (or join) the process group: NCCL on GPU, gloo on CPU. Safe to call twice."""
+    """Make this process a rank: the environment defaults (`process_defaults`, `prepare_env`), then start (or join)
+    the process group: NCCL on GPU, gloo on CPU. Safe to call twice."""
+    process_defaults(os.environ)
     prepare_env(os.environ)
     info = dist_info()
     if info.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # Unbound ranks on a shared CPU each default to all cores and run ~2x slower (STACK.md); split the cores.
+        # Unbound ranks on one CPU each default to a thread per core, so every core runs several ranks' threads that
+        # wait on each other: split the cores between the ranks.
         # `deepspeed --bind_cores_to_rank` sets OMP_NUM_THREADS itself and pins each rank with numactl.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // info.local_size))
     if info.device.type == "cuda":
@@ -209,8 +228,8 @@ def finish(code: int = 0) -> NoReturn:
     """End a rank: barrier, destroy the process group, flush, `os._exit(code)`.
 
     With the interpreter's normal exit, gloo ranks intermittently abort ("terminate called without an active
-    exception", launcher rc 250: 4 runs in 10 here); this sequence gave 0 in 18 (STACK.md). On failure the barrier is
-    skipped (the other ranks may never reach it; the launcher stops them when one rank exits non-zero).
+    exception", launcher rc 250: 4 runs in 10 on the 2-core CPU machine); this sequence gave 0 in 18. On failure the
+    barrier is skipped (the other ranks may never reach it; the launcher stops them when one rank exits non-zero).
     """
     try:
         if dist.is_initialized():
@@ -322,7 +341,7 @@ def known_keys() -> frozenset[str]:
             seen.add(str(k))
             return k in self.d
 
-        def __iter__(self):  # noqa: ANN204
+        def __iter__(self) -> Any:
             return iter(self.d)
 
         def __len__(self) -> int:

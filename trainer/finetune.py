@@ -245,7 +245,8 @@ class ClassifierTask:
             acc = eval_accuracy(engine, self.test, self.info)
             row["test_accuracy"] = acc
             state.history.append({"epoch": state.epoch + 1, "step": state.step, "test_accuracy": acc,
-                                  "train_loss": self.epoch_loss / max(1, self.epoch_n)})
+                                  "train_loss": self.epoch_loss / max(1, self.epoch_n),
+                                  "data_order_sha256": loop.order_digest(self.batches(state.epoch))})
             assert self.log is not None
             self.log.print(f"finetune {self.name}: epoch {state.epoch + 1} train loss "
                            f"{state.history[-1]['train_loss']:.4f}, test accuracy {acc:.2f}%")

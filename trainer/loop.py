@@ -11,6 +11,7 @@ step rolls over. A checkpoint saved as (e + 1, 0) resumes the same way.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,17 +83,21 @@ class Interval:
         return self.loss_sum / max(1, self.count)
 
 
-class Task(Protocol):
-    """What a stage gives the loop."""
-
-    def batches(self, epoch: int) -> list[list[int]]:
-        """The epoch's global batches of example indices, in training order (the same on every rank)."""
+class Step(Protocol):
+    """What one optimizer step needs from a stage (bench/train_throughput.py's plain loop uses the same)."""
 
     def inputs(self, part: list[int], epoch: int) -> tuple[torch.Tensor, ...]:
         """A micro-batch's model inputs on the CPU: (input_ids (B, T), padding_mask (B, T), ...targets)."""
 
     def denominator(self, batch: list[int]) -> int:
         """What a global batch's summed loss is divided by (predicted tokens, or examples)."""
+
+
+class Task(Step, Protocol):
+    """What a stage gives the loop."""
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """The epoch's global batches of example indices, in training order (the same on every rank)."""
 
     def seen(self, batch: list[int]) -> int:
         """What LoopState.tokens counts for a global batch."""
@@ -142,7 +147,7 @@ def train(engine: Any, task: Task, state: ckpt.LoopState, cadence: Cadence, plan
         log.close()
 
 
-def optimizer_step(engine: Any, task: Task, batch: list[int], epoch: int, step: int, plan: eng.BatchPlan,
+def optimizer_step(engine: Any, task: Step, batch: list[int], epoch: int, step: int, plan: eng.BatchPlan,
                    info: eng.DistInfo, seed: int, loss_acc: torch.Tensor) -> tuple[int, int, int]:
     """Optimizer step number `step` (0-based) on global batch `batch`: this rank runs its micro-batches of it, and
     the gradient is that of the loss summed over all ranks / the batch's denominator. Adds the summed loss to
@@ -238,6 +243,12 @@ def final_model(engine: Any, ckpt_dir: Path, state: ckpt.LoopState,
 def full_batches(batches: list[list[int]], plan: eng.BatchPlan) -> list[list[int]]:
     """Drop a last global batch too small to give every micro-step at least one example."""
     return [b for b in batches if len(b) >= plan.grad_accum * plan.world_size]
+
+
+def order_digest(batches: list[list[int]]) -> str:
+    """sha256 of an epoch's global batches in order ("3,1,4;1,5" as UTF-8): two runs with equal digests trained on
+    the same examples in the same order (finetune --compare records it per epoch)."""
+    return hashlib.sha256(";".join(",".join(map(str, b)) for b in batches).encode()).hexdigest()
 
 
 def micro_batches(batch: list[int], plan: eng.BatchPlan) -> list[list[int]]:

@@ -39,7 +39,7 @@ EXAMPLES = """examples:
   python -m trainer pretrain --preset demo --out runs/demo/pretrain --resume      # after an interruption
 """
 
-MASK = Tokenizer.OOV  # the mask token is <oov> (id 3): no extra vocabulary row (COMMON.md)
+MASK = Tokenizer.OOV  # the mask token is <oov> (id 3): the served vocabulary has no <mask> row, so none is added
 EVAL_EPOCH = 1 << 30  # seeds the eval windows' MLM masks: fixed, so every eval scores the same task
 
 
