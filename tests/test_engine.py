@@ -5,10 +5,15 @@ MLM masking and the cut of a global batch into micro-batches. Launcher-level beh
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from procs import REPO
 
 from trainer import engine as eng
 from trainer import loop
@@ -119,6 +124,24 @@ def test_launcher_variables_are_kept() -> None:
     before = dict(env)
     assert eng.prepare_env(env) == []
     assert env == before
+
+
+def test_importing_the_engine_leaves_the_environment_alone(tmp_path: Path) -> None:
+    """Only DS_ACCELERATOR (read by DeepSpeed's own import) is set at import; PATH and the JIT cache folder are set
+    by init_distributed, through process_defaults."""
+    code = ("import os, json; before = dict(os.environ); import trainer.engine as e; after = dict(os.environ); "
+            "changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)); "
+            "env = {'PATH': '/usr/bin:/bin'}; print(json.dumps([changed, e.process_defaults(env), env]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR")}
+    env["PATH"] = "/usr/bin:/bin"  # the venv's bin (with ninja) is not first
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    changed, set_, env_after = json.loads(p.stdout.strip().splitlines()[-1])
+    assert changed == (["DS_ACCELERATOR"] if not torch.cuda.is_available() else [])
+    here = Path(sys.executable).parent
+    path = {"PATH": f"{here}:/usr/bin:/bin"} if (here / "ninja").exists() else {}  # pip's ninja, in the venv
+    assert set_ == {"TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"), **path}
+    assert env_after["PATH"] == path.get("PATH", "/usr/bin:/bin")
 
 
 def test_plain_python_is_one_process_on_loopback() -> None:

@@ -223,6 +223,24 @@ def test_missing_resume_folder(base: list[str], tmp_path: Path) -> None:
     assert not (tmp_path / "never-ran").exists()
 
 
+def test_a_setting_pretrained_would_replace_is_refused(base: list[str], tmp_path: Path) -> None:
+    """--pretrained fixes the tokenizer and the encoder's shape: a --set of one of them is an error, not dropped."""
+    from trainer.config import tiny
+
+    art = tmp_path / "lm"  # only its config.json is read before the refusal
+    art.mkdir()
+    (art / "config.json").write_text(tiny().to_json())
+    p = trainer(["finetune", *base, "--pretrained", str(art), "--set", "tokenizer.max_len=40", "--out",
+                 str(tmp_path / "run")], ok=False)
+    assert p.returncode == 2 and p.stderr.strip() == (f"error: [rank 0] tokenizer.max_len=40 would be ignored: "
+                                                      f"--pretrained {art} fixes it to 48; remove the setting")
+    assert not (tmp_path / "run").exists()
+    # A tokenizer folder whose cut differs from tokenizer.max_len: refused too (the run would store both values).
+    p = trainer(["pretrain", *base, "--set", "tokenizer.max_len=40", "--out", str(tmp_path / "pre")], ok=False)
+    assert p.returncode == 2 and "the tokenizer cuts sequences at 48 ids but tokenizer.max_len=40" in p.stderr
+    assert not (tmp_path / "pre" / "tokenizer").exists()
+
+
 @pytest.mark.parametrize("data, word", [({"gradient_clippping": 1.0}, "'gradient_clippping'"),
                                         ({"train_batch_size": 27}, "train_batch_size=27 is not divisible")])
 def test_bad_deepspeed_json_on_the_command_line(base: list[str], tmp_path: Path, data: dict, word: str) -> None:
