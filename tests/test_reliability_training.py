@@ -1,4 +1,4 @@
-"""Training faults (issue 7, item 3): SIGKILL of a rank, also in the middle of a checkpoint save, and a disk that fills
+"""Training faults: SIGKILL of a rank, also in the middle of a checkpoint save, and a disk that fills
 up during a save. Real `deepspeed --num_gpus 2 launch/pretrain.sh` runs on CPU (gloo), fp32, tiny preset, ZeRO-2.
 
 What must hold after every fault: `latest` only ever names a checkpoint whose completion marker was already written,
@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,7 +210,7 @@ def test_sigkill_of_rank0_during_a_checkpoint_save(base: list[str], reference: d
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path):  # noqa: ANN201
+def small_disk(tmp_path: Path) -> Iterator[tuple[Path, Callable[[str], None]]]:
     """RUN/checkpoints on a 600 KiB tmpfs: one tiny checkpoint (~370 KB + DeepSpeed's 41 KB of scripts) fits, two do
     not. Yields (run_dir, grow) where grow(size) remounts it larger ("free space")."""
     if os.geteuid() != 0 or not shutil.which("mount"):
@@ -230,7 +231,8 @@ def small_disk(tmp_path: Path):  # noqa: ANN201
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_full_disk_during_a_save(base: list[str], reference: dict[str, torch.Tensor], small_disk) -> None:  # noqa: ANN001
+def test_full_disk_during_a_save(base: list[str], reference: dict[str, torch.Tensor],
+                                small_disk: tuple[Path, Callable[[str], None]]) -> None:
     out, grow = small_disk
     ckpt_dir = out / "checkpoints"
     p = finish([*base, "--out", str(out)], ok=False)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +84,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": tmp_path_factory.mktemp("training")}
 
 
-def once(runs: dict[str, Path], name: str, make) -> Path:  # noqa: ANN001
+def once(runs: dict[str, Path], name: str, make: Callable[[Path], object]) -> Path:
     if name not in runs:
         out = runs["root"] / name
         make(out)
