@@ -283,6 +283,22 @@ def test_artifact_is_the_engines_fp32_weights_and_loads_without_pickle(runs: dic
             assert torch.equal(v, saved[k]), k
 
 
+def test_an_artifact_with_two_cuts_is_refused(tiny_classifier_artifact: Path, tmp_path: Path) -> None:
+    """tokenizer.max_len lives in config.json and in tokenizer/tokenizer.json: training writes one value into both,
+    and a reader refuses an artifact where they differ instead of picking one."""
+    import shutil
+
+    from trainer import artifact
+
+    art = Path(shutil.copytree(tiny_classifier_artifact, tmp_path / "art"))
+    assert artifact.load(art).cfg.tokenizer.max_len == 48
+    meta = art / "tokenizer" / "tokenizer.json"
+    meta.write_text(meta.read_text().replace('"max_len": 48', '"max_len": 40'))
+    with pytest.raises(artifact.ArtifactError, match=r"tokenizer.json: max_len 40 but .*config.json says "
+                                                     r"tokenizer.max_len=48"):
+        artifact.load(art)
+
+
 @pytest.mark.parametrize("zero", [0, 2])
 def test_bf16_artifact_holds_the_fp32_master_weights(base: list[str], tmp_path: Path, zero: int) -> None:
     out = tmp_path / f"bf16-{zero}"
