@@ -7,6 +7,7 @@ Imports no torch and no DeepSpeed at module level: `params`, `tokenizer` and `ex
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -62,6 +63,20 @@ def run_options(args: argparse.Namespace, cls: Callable[..., T], **more: Any) ->
     """`cls` (loop.RunOptions or a subclass) from the options `add_run_arguments` declared, plus `more`."""
     return cls(out=Path(args.out), resume=args.resume, deepspeed_config=args.deepspeed_config, stop_at=args.stop_at,
                tokenizer=Path(args.tokenizer) if args.tokenizer else None, **more)
+
+
+def check_out(folder: Path, flag: str = "--out") -> None:
+    """An output folder must be one this process can write (created if missing, with the umask's modes): a file in
+    the way or a read-only mount is one line before any work, not a traceback after it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(folder) else ""
+        raise config_mod.ConfigError(f"{flag} {folder}: cannot write there: {e.strerror or type(e).__name__}{where}") \
+            from None
 
 
 def one_line_errors(main: Callable[[], int | None]) -> int:

@@ -20,7 +20,8 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -40,6 +41,15 @@ if not torch.cuda.is_available():
 
 import deepspeed  # noqa: E402  (after DS_ACCELERATOR above)
 from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
+from deepspeed.runtime.fp16.loss_scaler import LossScaler  # noqa: E402
+from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
+from deepspeed.utils.tensor_fragment import fragment_address  # noqa: E402
+
+# The only objects besides tensors and plain containers that a DeepSpeed checkpoint may unpickle: what ZeRO 1/2
+# optimizer-state files of deepspeed 0.19.8 hold, fp32 and bf16 (torch.serialization.get_unsafe_globals_in_checkpoint
+# on them): the loss scaler's state, the ZeRO stage enum, and a (start, numel) namedtuple. Model-state files hold none.
+SAFE_GLOBALS = (LossScaler, ZeroStageEnum, fragment_address)
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 
 _REPO = Path(__file__).resolve().parents[1]
 
@@ -442,6 +452,12 @@ def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, t
     return engine
 
 
+def weights_finite(engine: Any) -> bool:
+    """Every parameter of the engine's module is finite on every rank (call on every rank: one all-reduce)."""
+    ok = torch.stack([p.detach().isfinite().all() for p in engine.module.parameters()]).all()
+    return all_reduce_sum([0.0 if bool(ok) else 1.0])[0] == 0.0
+
+
 def current_lr(engine: Any) -> float:
     return float(engine.get_lr()[0])
 
@@ -463,7 +479,8 @@ def fp32_state_dict(engine: Any, ckpt_dir: str | Path | None = None, tag: str | 
             raise ValueError("bf16 under ZeRO 1/2: the fp32 weights are consolidated from a checkpoint; pass its tag")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        master = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+        with weights_only_loads():  # reads the checkpoint's files (a finished run's on --resume)
+            master = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
     else:
         from torch._utils import _unflatten_dense_tensors
 
@@ -475,6 +492,32 @@ def fp32_state_dict(engine: Any, ckpt_dir: str | Path | None = None, tag: str | 
         master = {name: by_id[id(p)] for name, p in engine.module.named_parameters() if id(p) in by_id}
     # Parameters come from the fp32 masters; buffers (none persistent in our models today) from the module.
     return {k: (master[k] if k in master else v).detach().to("cpu", torch.float32).clone() for k, v in own.items()}
+
+
+# ---------------------------------------------------------------------------------------------- loading checkpoints
+
+
+def safe_global_names() -> frozenset[str]:
+    """SAFE_GLOBALS as torch.serialization names them ("module.Class")."""
+    return frozenset(f"{t.__module__}.{t.__qualname__}" for t in SAFE_GLOBALS)
+
+
+@contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """Inside, every torch.load unpickles only tensors, plain containers and SAFE_GLOBALS, whatever its caller asks:
+    DeepSpeed's TorchCheckpointEngine.load and its zero_to_fp32 both pass weights_only=False, so a planted pickle in
+    a checkpoint would run code on --resume. torch's own switch (TORCH_FORCE_WEIGHTS_ONLY_LOAD, read at every
+    torch.load) makes weights_only=True win over the argument; it is set only for the duration."""
+    old = os.environ.get(_FORCE_WEIGHTS_ONLY)
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop(_FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[_FORCE_WEIGHTS_ONLY] = old
 
 
 def package_versions() -> dict[str, str]:

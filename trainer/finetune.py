@@ -165,6 +165,7 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
     tags = dict(zip(run_dirs, loop.resume_tags(run_dir, cfg, [d / "checkpoints" for d in run_dirs.values()],
                                                opts.resume), strict=True))
     ds, plan = eng.ds_config(cfg, "finetune", info.world_size, opts.deepspeed_config or cfg.engine.deepspeed_config)
+    cli.check_out(run_dir)  # every rank writes its checkpoint shards there
 
     if pretrained is not None:
         if eng.is_main() and not (run_dir / "tokenizer").exists():

@@ -12,6 +12,7 @@ step rolls over. A checkpoint saved as (e + 1, 0) resumes the same way.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,8 +128,10 @@ def train(engine: Any, task: Task, state: ckpt.LoopState, cadence: Cadence, plan
             state.step, state.batch, state.tokens = state.step + 1, state.batch + 1, state.tokens + task.seen(batch)
             log.advance()
             epoch_end = state.batch == len(batches)
-            if cadence.log(state.step, epoch_end):
+            logged = cadence.log(state.step, epoch_end)
+            if logged:
                 (loss_sum,) = eng.all_reduce_sum([float(loss_acc)])  # the one host-device sync
+                refuse_diverged(loss_sum, state.step, ckpt_dir)
                 now = time.perf_counter()
                 interval = Interval(loss_sum, count, tokens / max(1e-9, now - t_log),
                                     examples / max(1e-9, now - t_log), now - t0)
@@ -136,7 +139,11 @@ def train(engine: Any, task: Task, state: ckpt.LoopState, cadence: Cadence, plan
                 loss_acc.zero_()
                 count, tokens, examples, t_log = 0, 0, 0, time.perf_counter()
             state.done = state.step == cadence.total
-            if cadence.checkpoint(state.step):
+            if cadence.checkpoint(state.step):  # only finite weights are saved: the previous checkpoint stays "latest"
+                if not logged:
+                    refuse_diverged(eng.all_reduce_sum([float(loss_acc)])[0], state.step, ckpt_dir)
+                if not eng.weights_finite(engine):
+                    refuse_diverged(float("nan"), state.step, ckpt_dir, what="a weight")
                 tag = ckpt.save(engine, ckpt_dir, state, keep, meta)
             if cadence.stop(state.step):
                 log.print(f"stopped at step {state.step} (--stop-at); checkpoint {ckpt_dir / tag}; "
@@ -145,6 +152,21 @@ def train(engine: Any, task: Task, state: ckpt.LoopState, cadence: Cadence, plan
         return True
     finally:
         log.close()
+
+
+class Diverged(ValueError):
+    """The loss (or a weight) is no longer finite: the run stops without an artifact or a checkpoint of that state."""
+
+
+def refuse_diverged(loss_sum: float, step: int, ckpt_dir: Path, what: str = "the loss") -> None:
+    """Stop a run whose loss went inf/nan. Checked at every log row and before every checkpoint, so `latest` only
+    ever names finite weights. A ValueError: one line, exit 2 (a learning rate or data problem, not a crash)."""
+    if math.isfinite(loss_sum):
+        return
+    last = ckpt.read_latest(ckpt_dir)
+    keep = (f"{ckpt_dir / last} (the last checkpoint) holds finite weights and --resume continues from it; lower the "
+            "learning rate if it diverges again") if last else "no checkpoint was written"
+    raise Diverged(f"{what} is {loss_sum} at step {step}: training diverged; stopped without an artifact; {keep}")
 
 
 def optimizer_step(engine: Any, task: Step, batch: list[int], epoch: int, step: int, plan: eng.BatchPlan,

@@ -213,6 +213,7 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     info = eng.init_distributed()
     (resume_tag,) = loop.resume_tags(run_dir, cfg, [ckpt_dir], opts.resume)
     ds, plan = eng.ds_config(cfg, "pretrain", info.world_size, opts.deepspeed_config or cfg.engine.deepspeed_config)
+    cli.check_out(run_dir)  # every rank writes its checkpoint shards there
     tok = loop.run_tokenizer(cfg, run_dir, opts.tokenizer)
     corpus = obtain_corpus(cfg, tok, run_dir)
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
-from trainer.cli import add_config_args, config_choice
+from trainer.cli import add_config_args, check_out, config_choice
 from trainer.tokenizer import build_tokenizer
 
 EXAMPLES = """examples:
@@ -24,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = config_choice(args).resolve()
+    check_out(Path(args.out).parent, "the folder of --out")
     t0 = time.perf_counter()
     tok = build_tokenizer(cfg)
     tok.save(args.out)
