@@ -420,8 +420,8 @@ def run(args: argparse.Namespace) -> None:
     need = (args.warmup + args.windows) * args.steps
     rows: list[dict[str, Any]] = []
     for name in (["lm", "classifier"] if args.task == "both" else [args.task]):
-        stage_ = "pretrain" if name == "lm" else "finetune"
-        ds, plan = eng.ds_config(cfg, stage_, info.world_size, cfg.engine.deepspeed_config or None)
+        section = "pretrain" if name == "lm" else "finetune"
+        ds, plan = eng.ds_config(cfg, section, info.world_size, cfg.engine.deepspeed_config or None)
         task = (lm_task if name == "lm" else classifier_task)(cfg, plan, need)
         rows += rows_for(task, measure(task, cfg, ds, plan, info, args), cfg, plan, info, peak, args)
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),

@@ -242,6 +242,17 @@ def test_a_setting_pretrained_would_replace_is_refused(base: list[str], tmp_path
     assert not (tmp_path / "pre" / "tokenizer").exists()
 
 
+def test_a_model_dropout_that_finetune_dropout_replaces_is_refused() -> None:
+    from trainer.config import Choice, ConfigError
+    from trainer.finetune import resolve_config
+
+    assert resolve_config(Choice("demo"), None).model.dropout == 0.1  # finetune.dropout while fine-tuning
+    with pytest.raises(ConfigError, match=r"--set model.dropout=0.2 would be ignored: finetune.dropout=0.1"):
+        resolve_config(Choice("demo", None, ("model.dropout=0.2",)), None)
+    assert resolve_config(Choice("demo", None, ("model.dropout=0.2", "finetune.dropout=none")), None).model.dropout \
+        == 0.2
+
+
 @pytest.mark.parametrize("data, word", [({"gradient_clippping": 1.0}, "'gradient_clippping'"),
                                         ({"train_batch_size": 27}, "train_batch_size=27 is not divisible")])
 def test_bad_deepspeed_json_on_the_command_line(base: list[str], tmp_path: Path, data: dict, word: str) -> None:

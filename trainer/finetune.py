@@ -121,8 +121,10 @@ def resolve_config(choice: Choice, pretrained: Path | None) -> RunConfig:
         pre_cfg = config_mod.load(artifact.config_path(pretrained))
         cfg = choice.resolve(pretrained_fields(pre_cfg), f"--pretrained {pretrained}")
     if cfg.finetune.dropout is not None:
-        if "model.dropout" in choice.settings() and cfg.model.dropout != cfg.finetune.dropout:
-            raise ConfigError(f"model.dropout={cfg.model.dropout} would be ignored: finetune.dropout="
+        # A config file may hold both (model.dropout is pretraining's); a --set of model.dropout here is a mistake.
+        if any(a.split("=", 1)[0].strip() == "model.dropout" for a in choice.assignments) \
+                and cfg.model.dropout != cfg.finetune.dropout:
+            raise ConfigError(f"--set model.dropout={cfg.model.dropout} would be ignored: finetune.dropout="
                               f"{cfg.finetune.dropout} replaces it while fine-tuning; set finetune.dropout instead")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=cfg.finetune.dropout))
     return cfg
