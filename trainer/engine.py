@@ -41,14 +41,16 @@ if not torch.cuda.is_available():
 
 import deepspeed  # noqa: E402  (after DS_ACCELERATOR above)
 from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
-from deepspeed.runtime.fp16.loss_scaler import LossScaler  # noqa: E402
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # noqa: E402
 from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
 from deepspeed.utils.tensor_fragment import fragment_address  # noqa: E402
 
 # The only objects besides tensors and plain containers that a DeepSpeed checkpoint may unpickle: what ZeRO 1/2
 # optimizer-state files of deepspeed 0.19.8 hold, fp32 and bf16 (torch.serialization.get_unsafe_globals_in_checkpoint
-# on them): the loss scaler's state, the ZeRO stage enum, and a (start, numel) namedtuple. Model-state files hold none.
-SAFE_GLOBALS = (LossScaler, ZeroStageEnum, fragment_address)
+# on them): the loss scaler's state, the ZeRO stage enum, and a (start, numel) namedtuple (BF16_Optimizer's slice
+# mappings hold it too); the dynamic loss scaler where a user's DeepSpeed JSON turns fp16 on. Model-state files hold
+# none. All are rebuilt from plain values.
+SAFE_GLOBALS = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
 _FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 
 _REPO = Path(__file__).resolve().parents[1]
