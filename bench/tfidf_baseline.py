@@ -1,4 +1,4 @@
-"""The baseline every published accuracy sits beside (LAB.md): TF-IDF word 1-2 grams + logistic regression.
+"""The baseline every published accuracy sits beside (docs/RESULTS.md): TF-IDF word 1-2 grams + logistic regression.
 
     .venv/bin/python bench/tfidf_baseline.py [--sets cls-books-fr sst2 imdb]
 

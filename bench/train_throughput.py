@@ -1,17 +1,18 @@
-"""Training throughput (issue 6): a plain PyTorch loop against our DeepSpeed engine, same model, data and batches.
+"""Training throughput: a plain PyTorch loop against our DeepSpeed engine, same model, data and batches.
 
 One run, one process or several (`deepspeed --num_gpus 2 bench/train_throughput.py ...`), for each task:
   (a) plain: the objective module of trainer/pretrain.py (LMObjective) or trainer/finetune.py (ClassifierObjective),
       torch.optim.Adam (AdamW when the config says adamw) with the config's lr/betas/weight decay, clip_grad_norm_ to
       optim.grad_clip (0.5), the same loss scaling as our loops; torch DistributedDataParallel when world > 1.
   (b) deepspeed: the same module wrapped by trainer.engine.initialize with the JSON trainer.engine.ds_config derives,
-      exactly as pretrain.py / finetune.py build it, stepped by a copy of their hot loop.
+      exactly as pretrain.py / finetune.py build it, stepped by their own step (trainer/loop.py's optimizer_step).
 Both start from the same weights (same seed) and see the same global batches in the same order: window k of (a) and
 window k of (b) train on identical batches. Windows of --steps optimizer steps alternate between (a) and (b) in the
 same process (a-b, then b-a, ...) so that load from other processes hits both alike; the first --warmup windows of
 each are discarded. Reported per loop: the median over windows of tokens/s (real, non-pad input tokens of the whole
 global batch per second), the ratio deepspeed/plain of the medians (and the median of the per-window ratios), the
-fraction of step time spent producing the next batch (batching + host-to-device copy), model FLOPs per token and
+fraction of step time spent producing the next batch (batching; the host-to-device copy counts as step time), model
+FLOPs per token and
 achieved FLOP/s, and the utilisation against a matrix-multiply peak measured in the same process (bf16 on GPU, fp32
 on CPU).
 
@@ -27,7 +28,8 @@ embedding lookups, biases, layer norms, softmax, the classifier's head (once per
 
   .venv/bin/python bench/train_throughput.py --task both --json runs/bench-train/p1.json
   deepspeed --num_gpus 2 bench/train_throughput.py --task both --baseline runs/bench-train/p1.json
-Only rank 0 prints and writes; every rank ends through trainer.engine.finish (STACK.md: gloo exit aborts).
+Only rank 0 prints and writes; every rank ends through trainer.engine.finish (gloo ranks can abort at a normal
+interpreter exit; engine.finish says why).
 """
 
 from __future__ import annotations
@@ -50,15 +52,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer import cli, loop
 from trainer import engine as eng
-from trainer import stage
 from trainer.artifact import write_text_atomic
 from trainer.batching import bucket_batches
 from trainer.config import ModelConfig, OptimConfig, RunConfig, override, preset
 from trainer.corpus import encode_corpus
 from trainer.finetune import ClassifierObjective, load_split
 from trainer.model import forward_flops_per_token
-from trainer.pretrain import Batcher, LMObjective, cut_windows
+from trainer.pretrain import LMObjective, WindowBatcher, cut_windows
 from trainer.tokenizer import build_tokenizer
 
 LOOPS = ("plain", "deepspeed")
@@ -91,7 +93,7 @@ def global_batches(lengths: np.ndarray, plan: eng.BatchPlan, seed: int, need: in
     out: list[list[int]] = []
     epoch = 0
     while len(out) < need:
-        got = stage.usable(bucket_batches(lengths, plan.global_batch, seed, epoch), plan)
+        got = loop.full_batches(bucket_batches(lengths, plan.global_batch, seed, epoch), plan)
         if not got:
             raise ValueError(f"{len(lengths)} examples cannot fill one global batch of {plan.global_batch}")
         out += got
@@ -104,7 +106,7 @@ def lm_task(cfg: RunConfig, plan: eng.BatchPlan, need: int) -> Task:
     corpus = encode_corpus([cfg.data.path(cfg.data.train)], tok)
     full_len = corpus.lengths() + 2
     windows = cut_windows(np.arange(len(corpus)), full_len, cfg.pretrain.seq_len, overlap=1)  # clm windows
-    batcher = Batcher(corpus, windows, "clm", cfg.pretrain.mask_prob, tok.vocab_size, cfg.seed)
+    batcher = WindowBatcher(corpus, windows, "clm", cfg.pretrain.mask_prob, tok.vocab_size, cfg.seed)
     return Task("lm", "pretrain", global_batches(windows.length, plan, cfg.seed, need),
                 make=lambda part: batcher.make(part, 0), denominator=batcher.n_predicted,
                 new_model=lambda: LMObjective(cfg.model, causal=True), optim=cfg.pretrain.optim,
@@ -166,50 +168,61 @@ class Loop:
 
     def window(self, batches: list[list[int]]) -> Window:
         info, plan, task = self.info, self.plan, self.task
+        timed = Timed(task)
         sync(info)
         t0 = time.perf_counter()
-        data_s = 0.0
-        tokens = positions = denom = 0
+        denom = 0
         loss_acc = torch.zeros((), device=info.device)  # stays on the device: no sync inside the window
         for batch in batches:
-            td = time.perf_counter()
-            n_global = task.denominator(batch)  # the whole global batch's count: every rank knows it
-            data_s += time.perf_counter() - td
-            parts = stage.slots(batch, plan)[info.rank::plan.world_size]
-            for micro, part in enumerate(parts):
-                td = time.perf_counter()
-                inputs = task.make(part)
-                tokens += inputs[0].numel() - int(inputs[1].sum())  # CPU tensors: no device sync
-                positions += inputs[0].numel()
-                inputs = stage.to_device(inputs, info.device)  # as the trainers do (pinned on CUDA)
-                data_s += time.perf_counter() - td
-                scale = plan.world_size / max(1, n_global)  # gradient of (global sum / n_global), as our loops do
-                if self.kind == "deepspeed":  # pretrain.py / finetune.py's hot loop
-                    stage.seed_micro_step(self.cfg.seed, self.step, micro, info.rank)
-                    loss = self.engine(*inputs)
-                    self.engine.backward(loss * scale, scale_wrt_gas=False)
-                    self.engine.step()
-                else:
+            if self.kind == "deepspeed":  # pretrain.py / finetune.py's own step
+                n, _, _ = loop.optimizer_step(self.engine, timed, batch, 0, self.step, plan, info, self.cfg.seed,
+                                              loss_acc)
+            else:
+                n = timed.denominator(batch)  # the whole global batch's count: every rank knows it
+                parts = loop.micro_batches(batch, plan)[info.rank::plan.world_size]
+                for micro, part in enumerate(parts):
+                    inputs = loop.to_device(timed.inputs(part, 0), info.device)  # as the trainers do
                     last = micro == len(parts) - 1
                     no_sync = self.module.no_sync if info.world_size > 1 and not last else contextlib.nullcontext
                     with no_sync():
                         with self.autocast():
                             loss = self.module(*inputs)
-                        (loss * scale).backward()
-                loss_acc += loss.detach()
-            if self.kind != "deepspeed":
+                        (loss * (plan.world_size / max(1, n))).backward()  # gradient of (global sum / n)
+                    loss_acc += loss.detach()
                 torch.nn.utils.clip_grad_norm_(self.module.parameters(), task.optim.grad_clip)
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
                 self.sched.step()
-            denom += n_global
+            denom += n
             self.step += 1
         sync(info)
         seconds = time.perf_counter() - t0
         # Outside the timed region: one sync per window, then a few numbers across ranks.
-        t_max, frac_max = reduce([seconds, data_s / seconds], dist.ReduceOp.MAX, info)
-        tok_sum, pos_sum, loss_sum = reduce([tokens, positions, float(loss_acc)], dist.ReduceOp.SUM, info)
+        t_max, frac_max = reduce([seconds, timed.seconds / seconds], dist.ReduceOp.MAX, info)
+        tok_sum, pos_sum, loss_sum = reduce([timed.tokens, timed.positions, float(loss_acc)], dist.ReduceOp.SUM, info)
         return Window(t_max, int(tok_sum), int(pos_sum), frac_max, loss_sum / max(1, denom))
+
+
+class Timed:
+    """A task as trainer/loop.py's Task sees it (`inputs`, `denominator`), timing how long making the batches takes
+    and counting their real (non-pad) tokens and positions: the same accounting for both loops."""
+
+    def __init__(self, task: Task) -> None:
+        self.task, self.seconds, self.tokens, self.positions = task, 0.0, 0, 0
+
+    def inputs(self, part: list[int], epoch: int) -> tuple[torch.Tensor, ...]:
+        t0 = time.perf_counter()
+        inputs = self.task.make(part)
+        self.tokens += inputs[0].numel() - int(inputs[1].sum())  # CPU tensors: no device sync
+        self.positions += inputs[0].numel()
+        self.seconds += time.perf_counter() - t0
+        return inputs
+
+    def denominator(self, batch: list[int]) -> int:
+        t0 = time.perf_counter()
+        n = self.task.denominator(batch)
+        self.seconds += time.perf_counter() - t0
+        return n
 
 
 def sync(info: eng.DistInfo) -> None:
@@ -311,7 +324,7 @@ def machine() -> dict[str, Any]:
                        if ln.startswith("MemTotal"))) // (1024 * 1024)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gib": mem, "gpu": gpu,
-            "machine": platform.machine(), **eng.versions()}
+            "machine": platform.machine(), **eng.package_versions()}
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -408,8 +421,8 @@ def run(args: argparse.Namespace) -> None:
     need = (args.warmup + args.windows) * args.steps
     rows: list[dict[str, Any]] = []
     for name in (["lm", "classifier"] if args.task == "both" else [args.task]):
-        stage_ = "pretrain" if name == "lm" else "finetune"
-        ds, plan = eng.ds_config(cfg, stage_, info.world_size, cfg.engine.deepspeed_config or None)
+        section = "pretrain" if name == "lm" else "finetune"
+        ds, plan = eng.ds_config(cfg, section, info.world_size, cfg.engine.deepspeed_config or None)
         task = (lm_task if name == "lm" else classifier_task)(cfg, plan, need)
         rows += rows_for(task, measure(task, cfg, ds, plan, info, args), cfg, plan, info, peak, args)
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
@@ -427,7 +440,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    stage.entry(run, args)  # ends the process through engine.finish on every rank
+    cli.on_every_rank(lambda: run(args))  # ends the process through engine.finish on every rank
 
 
 if __name__ == "__main__":

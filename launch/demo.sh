@@ -13,13 +13,17 @@ DATA="${TS_DATA:-$(cd "$ROOT/.." && pwd)/shared/data}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 [ -e "$RUN" ] && { echo "error: $RUN exists; set RUN to a new folder" >&2; exit 2; }
 step() { printf '\n=== %s  [%s]\n' "$1" "$(date +%T)"; }
+# A free port for each launcher's rendezvous and for the server: DeepSpeed's default (29500) is taken while another
+# run trains on this machine.
+free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 step "1/5 pretrain ($PRESET) -> $RUN/pretrain"
-"$ROOT/.venv/bin/deepspeed" launch/pretrain.sh --preset "$PRESET" --out "$RUN/pretrain" "$@"
+"$ROOT/.venv/bin/deepspeed" --master_port "$(free_port)" launch/pretrain.sh --preset "$PRESET" \
+  --out "$RUN/pretrain" "$@"
 
 step "2/5 fine-tune: pretrained vs from scratch -> $RUN/finetune"
-"$ROOT/.venv/bin/deepspeed" launch/finetune.sh --preset "$PRESET" --pretrained "$RUN/pretrain/artifact" \
-  --compare --out "$RUN/finetune" "$@"
+"$ROOT/.venv/bin/deepspeed" --master_port "$(free_port)" launch/finetune.sh --preset "$PRESET" \
+  --pretrained "$RUN/pretrain/artifact" --compare --out "$RUN/finetune" "$@"
 cat "$RUN/finetune/compare.md"
 
 step "3/5 export the pretrained classifier to ONNX -> $RUN/bundle"
@@ -28,7 +32,7 @@ step "3/5 export the pretrained classifier to ONNX -> $RUN/bundle"
   --artifact "$RUN/finetune/artifact"
 
 step "4/5 serve the bundle over gRPC on 127.0.0.1"
-PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+PORT="$(free_port)"
 launch/serve.sh "$RUN/bundle" --port "$PORT" --no-metrics > "$RUN/server.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null || true' EXIT

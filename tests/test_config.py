@@ -1,4 +1,5 @@
-"""Configs: presets build and validate, overrides are typed, unknown keys are errors that list the valid ones."""
+"""Configs: presets build and validate, overrides are typed, unknown keys are errors that list the valid ones, every
+range and every rule across sections is checked when a config is built (one line naming the key and the value)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from trainer.config import PRESETS, ConfigError, ModelConfig, load, override, preset, resolve
+from trainer.config import PRESETS, Choice, ConfigError, ModelConfig, OptimConfig, load, override, preset, resolve
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -24,31 +25,91 @@ def test_override_is_typed_and_nested():
 
 
 def test_unknown_key_is_rejected_with_the_valid_keys():
-    with pytest.raises(ConfigError, match=r"unknown config key 'model.widht'.*model\.d_model"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.widht'; valid keys: .*model\.d_model"):
         override(preset("tiny"), ["model.widht=3"])
+
+
+@pytest.mark.parametrize("key, closest", [("model.d_modle", "'model.d_model'"),
+                                          ("pretrian.max_steps", "'pretrain.max_steps'"),
+                                          ("pretrain.lr", "'pretrain.optim.lr'"),
+                                          ("optim.lr", "'pretrain.optim.lr' or 'finetune.optim.lr'")])
+def test_unknown_key_suggests_the_closest_one(key: str, closest: str) -> None:
+    with pytest.raises(ConfigError, match=rf"unknown config key '{key}' \(did you mean {closest}\?\); valid keys"):
+        override(preset("tiny"), [f"{key}=1"])
 
 
 def test_bad_values_name_the_field_and_value():
     with pytest.raises(ConfigError, match="model.n_heads=3 must divide model.d_model=32"):
         override(preset("tiny"), ["model.n_heads=3"])
-    with pytest.raises(ConfigError, match="engine.zero_stage must be 0, 1 or 2, got 3"):
+    with pytest.raises(ConfigError, match="engine.zero_stage must be <= 2, got 3"):
         override(preset("tiny"), ["engine.zero_stage=3"])
     with pytest.raises(ConfigError, match="engine.keep_checkpoints must be >= 1, got 0"):
         override(preset("tiny"), ["engine.keep_checkpoints=0"])
     with pytest.raises(ConfigError, match="engine.checkpoint_every must be >= 0"):
         override(preset("tiny"), ["engine.checkpoint_every=-5"])
-    with pytest.raises(ConfigError, match="model.d_model must be int, got 'wide'"):
+    with pytest.raises(ConfigError, match="model.d_model must be an integer, got 'wide'"):
         override(preset("tiny"), ["model.d_model=wide"])
     with pytest.raises(ConfigError, match="unknown preset 'huge'"):
         preset("huge")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"^model.dropout must be < 1.0, got 1.5$"):  # built directly, too
         ModelConfig(dropout=1.5)
+
+
+# Training inputs that used to run (a NaN loss, no step, an artifact anyway): each refused when the config is built.
+@pytest.mark.parametrize("assignment, message", [
+    ("pretrain.optim.lr=inf", "pretrain.optim.lr must be a finite number, got inf"),
+    ("finetune.optim.lr=nan", "finetune.optim.lr must be a finite number, got nan"),
+    ("pretrain.optim.lr=0", "pretrain.optim.lr must be > 0.0, got 0"),
+    ("pretrain.max_steps=-5", "pretrain.max_steps must be >= 0, got -5"),
+    ("finetune.max_steps=-1", "finetune.max_steps must be >= 0, got -1"),
+    ("pretrain.optim.weight_decay=-0.01", "pretrain.optim.weight_decay must be >= 0.0, got -0.01"),
+    ("finetune.optim.grad_clip=0", "finetune.optim.grad_clip must be > 0.0, got 0"),
+    ("pretrain.optim.grad_clip=-1", "pretrain.optim.grad_clip must be > 0.0, got -1"),
+    ("pretrain.optim.grad_clip=nan", "pretrain.optim.grad_clip must be a finite number, got nan"),
+    ("pretrain.optim.warmup_steps=-3", "pretrain.optim.warmup_steps must be >= 0, got -3"),
+    ("pretrain.epochs=0", "pretrain.epochs must be >= 1, got 0"),
+    ("finetune.epochs=-2", "finetune.epochs must be >= 1, got -2"),
+    ("pretrain.optim.betas=0.9,1.5", "pretrain.optim.betas.1 must be < 1.0, got 1.5"),
+    ("seed=-1", "seed must be >= 0, got -1"),
+])
+def test_training_ranges_are_declared_and_refused(assignment: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        override(preset("tiny"), [assignment])
+    assert str(e.value) == message
+
+
+def test_rules_across_sections_are_checked_once_in_the_run_config() -> None:
+    with pytest.raises(ConfigError, match=r"tokenizer.vocab_size=95 gives 99 ids .* model.vocab_size=100; "
+                                          r"set model.vocab_size=99"):
+        override(preset("tiny"), ["model.vocab_size=100"])
+    with pytest.raises(ConfigError, match=r"model.num_classes=3 but data.labels has 2 classes"):
+        override(preset("tiny"), ["model.num_classes=3"])
+    with pytest.raises(ConfigError, match=r"tokenizer.max_len=65 exceeds model.max_positions=64"):
+        override(preset("tiny"), ["tokenizer.max_len=65"])
+    with pytest.raises(ConfigError, match=r"pretrain.seq_len=65 exceeds model.max_positions=64"):
+        override(preset("tiny"), ["pretrain.seq_len=65"])
+    # Two linked keys changed together are checked together.
+    cfg = override(preset("tiny"), ["model.num_classes=3", "data.labels=a,b,c", "data.label_names=x,y,z"])
+    assert cfg.model.num_classes == 3
+    assert OptimConfig(lr=1.0).lr == 1.0
+
+
+def test_a_setting_that_something_else_fixes_is_refused_not_dropped(tmp_path) -> None:
+    fixed = {"tokenizer.max_len": 48, "model.d_model": 32}
+    choice = Choice("tiny", None, ("tokenizer.max_len=40",))
+    with pytest.raises(ConfigError, match=r"^tokenizer.max_len=40 would be ignored: --pretrained A fixes it to 48"):
+        choice.resolve(fixed, "--pretrained A")
+    (tmp_path / "c.json").write_text(json.dumps({"model": {"d_model": 64, "n_heads": 2}}))
+    with pytest.raises(ConfigError, match=r"^model.d_model=64 would be ignored"):
+        Choice("tiny", str(tmp_path / "c.json")).resolve(fixed, "--pretrained A")
+    same = Choice("tiny", None, ("tokenizer.max_len=48", "finetune.epochs=3")).resolve(fixed, "--pretrained A")
+    assert same.tokenizer.max_len == 48 and same.finetune.epochs == 3  # setting the fixed value itself is fine
 
 
 def test_config_file_rejects_unknown_keys_with_file_name(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps({**preset("tiny").to_dict(), "optimiser": {}}))
-    with pytest.raises(ConfigError, match=r"config.json.*unknown config key\(s\) \['optimiser'\]"):
+    with pytest.raises(ConfigError, match=r"config.json: unknown config key 'optimiser'; valid keys"):
         load(bad)
     with pytest.raises(ConfigError, match="unknown config key 'pretrain.lr'"):
         (tmp_path / "o.json").write_text(json.dumps({"pretrain": {"lr": 1}}))

@@ -5,16 +5,21 @@ MLM masking and the cut of a global batch into micro-batches. Launcher-level beh
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from procs import REPO
 
 from trainer import engine as eng
-from trainer import stage
+from trainer import loop
 from trainer.config import OptimConfig, lab, override, tiny
 from trainer.corpus import Corpus
-from trainer.pretrain import Batcher, cut_windows
+from trainer.pretrain import WindowBatcher, cut_windows
 
 
 def write(tmp_path: Path, data: object, name: str = "ds.json") -> str:
@@ -121,6 +126,24 @@ def test_launcher_variables_are_kept() -> None:
     assert env == before
 
 
+def test_importing_the_engine_leaves_the_environment_alone(tmp_path: Path) -> None:
+    """Only DS_ACCELERATOR (read by DeepSpeed's own import) is set at import; PATH and the JIT cache folder are set
+    by init_distributed, through process_defaults."""
+    code = ("import os, json; before = dict(os.environ); import trainer.engine as e; after = dict(os.environ); "
+            "changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)); "
+            "env = {'PATH': '/usr/bin:/bin'}; print(json.dumps([changed, e.process_defaults(env), env]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR")}
+    env["PATH"] = "/usr/bin:/bin"  # the venv's bin (with ninja) is not first
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    changed, set_, env_after = json.loads(p.stdout.strip().splitlines()[-1])
+    assert changed == (["DS_ACCELERATOR"] if not torch.cuda.is_available() else [])
+    here = Path(sys.executable).parent
+    path = {"PATH": f"{here}:/usr/bin:/bin"} if (here / "ninja").exists() else {}  # pip's ninja, in the venv
+    assert set_ == {"TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"), **path}
+    assert env_after["PATH"] == path.get("PATH", "/usr/bin:/bin")
+
+
 def test_plain_python_is_one_process_on_loopback() -> None:
     env: dict[str, str] = {}
     eng.prepare_env(env)
@@ -145,7 +168,7 @@ def test_clm_windows_predict_every_token_once() -> None:
     full = c.lengths() + 2
     w = cut_windows(np.arange(len(c)), full, seq_len=7, overlap=1)
     assert (w.length <= 8).all() and (w.length >= 2).all()
-    b = Batcher(c, w, "clm", 0.15, 99, seed=0)
+    b = WindowBatcher(c, w, "clm", 0.15, 99, seed=0)
     assert b.n_predicted(list(range(len(w.doc)))) == int((full - 1).sum())
     ids, pad, pos, tgt = b.make(list(range(len(w.doc))), epoch=0)
     flat = ids.reshape(-1).numpy()
@@ -162,7 +185,7 @@ def test_mlm_masks_are_bert_style_and_seeded_per_window() -> None:
     full = c.lengths() + 2
     w = cut_windows(np.arange(len(c)), full, seq_len=24, overlap=0)
     assert int(w.length.sum()) == int(full.sum())  # mlm windows tile each document exactly
-    b = Batcher(c, w, "mlm", 0.15, 99, seed=3)
+    b = WindowBatcher(c, w, "mlm", 0.15, 99, seed=3)
     batch = list(range(len(w.doc)))
     ids, pad, pos, tgt = b.make(batch, epoch=1)
     assert len(tgt) == b.n_predicted(batch)
@@ -186,10 +209,10 @@ def test_mlm_masks_are_bert_style_and_seeded_per_window() -> None:
 
 def test_global_batch_cut_is_independent_of_world_size() -> None:
     batch = list(range(100, 126))
-    two = stage.slots(batch, eng.BatchPlan(13, 1, 2))
-    one = stage.slots(batch, eng.BatchPlan(26, 1, 1))
+    two = loop.micro_batches(batch, eng.BatchPlan(13, 1, 2))
+    one = loop.micro_batches(batch, eng.BatchPlan(26, 1, 1))
     assert one == [batch] and two[0] + two[1] == batch
-    accum = stage.slots(batch, eng.BatchPlan(4, 3, 2))  # micro-step a of rank r is slot a * W + r
+    accum = loop.micro_batches(batch, eng.BatchPlan(4, 3, 2))  # micro-step a of rank r is slot a * W + r
     assert sorted(sum(accum, [])) == batch and len(accum) == 6
-    assert stage.usable([[1, 2, 3], [4]], eng.BatchPlan(1, 1, 2)) == [[1, 2, 3]]
+    assert loop.full_batches([[1, 2, 3], [4]], eng.BatchPlan(1, 1, 2)) == [[1, 2, 3]]
 

@@ -307,12 +307,13 @@ def test_export_refused_beyond_the_positional_table(tiny_classifier_artifact, tm
     with pytest.raises(ExportError, match=r"max_len 65 exceeds the model's positional table: "
                                           r"model\.max_positions=64"):
         export_bundle(tiny_classifier_artifact, out, ExportOptions(max_len=65))
-    # An artifact whose tokenizer cuts at 48 but whose table holds 40 positions: refused by default.
+    # An artifact whose tokenizer cuts at 48 but whose table holds 40 positions: its config is refused when read
+    # (the run config checks tokenizer.max_len against model.max_positions, trainer/config.py).
     short = Path(shutil.copytree(tiny_classifier_artifact, tmp_path / "short"))
     cfg = json.loads((short / "config.json").read_text())
     cfg["model"]["max_positions"] = 40  # the table is not in the weights (a function of the config)
     (short / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ExportError, match=r"max_len 48 exceeds .*model\.max_positions=40"):
+    with pytest.raises(ValueError, match=r"config.json: tokenizer.max_len=48 exceeds model\.max_positions=40"):
         export_bundle(short, out)
     assert not out.exists() and not leftovers(tmp_path, "bundle")
 

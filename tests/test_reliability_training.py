@@ -1,4 +1,4 @@
-"""Training faults (issue 7, item 3): SIGKILL of a rank, also in the middle of a checkpoint save, and a disk that fills
+"""Training faults: SIGKILL of a rank, also in the middle of a checkpoint save, and a disk that fills
 up during a save. Real `deepspeed --num_gpus 2 launch/pretrain.sh` runs on CPU (gloo), fp32, tiny preset, ZeRO-2.
 
 What must hold after every fault: `latest` only ever names a checkpoint whose completion marker was already written,
@@ -17,12 +17,16 @@ multi-kill loop is `slow`: `pytest -m slow tests/test_reliability_training.py` (
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import pickle
 import random
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,7 +213,7 @@ def test_sigkill_of_rank0_during_a_checkpoint_save(base: list[str], reference: d
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path):  # noqa: ANN201
+def small_disk(tmp_path: Path) -> Iterator[tuple[Path, Callable[[str], None]]]:
     """RUN/checkpoints on a 600 KiB tmpfs: one tiny checkpoint (~370 KB + DeepSpeed's 41 KB of scripts) fits, two do
     not. Yields (run_dir, grow) where grow(size) remounts it larger ("free space")."""
     if os.geteuid() != 0 or not shutil.which("mount"):
@@ -230,7 +234,8 @@ def small_disk(tmp_path: Path):  # noqa: ANN201
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_full_disk_during_a_save(base: list[str], reference: dict[str, torch.Tensor], small_disk) -> None:  # noqa: ANN001
+def test_full_disk_during_a_save(base: list[str], reference: dict[str, torch.Tensor],
+                                small_disk: tuple[Path, Callable[[str], None]]) -> None:
     out, grow = small_disk
     ckpt_dir = out / "checkpoints"
     p = finish([*base, "--out", str(out)], ok=False)
@@ -252,6 +257,144 @@ def test_full_disk_during_a_save(base: list[str], reference: dict[str, torch.Ten
     print(f"max |diff| vs uninterrupted: {max_diff(weights(out), reference)}")
     assert max_diff(weights(out), reference) <= 1e-6
     print(next(line for line in err.splitlines() if "checkpoint save failed" in line))
+
+
+# ---------------------------------------------------------------------------------------------- planted pickle
+
+
+class Planted:
+    """Unpickling this runs `touch PATH` (os.system): the stand-in for any code a pickle can carry."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.path}",)
+
+
+@pytest.fixture(scope="module")
+def stopped_run(base: list[str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """One rank, ZeRO-2 (a model-state and an optimizer-state file), stopped at step 2 of 4 with a checkpoint."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    args = [*base, "--set", "pretrain.max_steps=4", "--set", "engine.checkpoint_every=0", "--out", str(out)]
+    p = procs.run([str(BIN / "python"), "-m", "trainer", "pretrain", *args, "--stop-at", "2"], 300, cwd=REPO, env=env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out, args
+
+
+@pytest.mark.parametrize("victim, form", [("mp_rank_00_model_states.pt", "torch.save"),
+                                          ("zero_pp_rank_0_mp_rank_00_optim_states.pt", "torch.save"),
+                                          ("mp_rank_00_model_states.pt", "raw pickle")])
+def test_a_planted_pickle_in_a_checkpoint_never_runs(stopped_run: tuple[Path, list[str]], tmp_path: Path,
+                                                     victim: str, form: str) -> None:
+    """A shard replaced by a pickle that creates a file, its size and sha256 updated in complete.json (so the
+    checkpoint verifies): --resume refuses it in one line, exit 2, and the file is never created."""
+    src, args = stopped_run
+    out = Path(shutil.copytree(src, tmp_path / "run"))
+    args = [a.replace(str(src), str(out)) for a in args]
+    created = tmp_path / "created-by-the-pickle"
+    shard = out / "checkpoints" / "step00000002" / victim
+    if form == "torch.save":
+        torch.save({"module": Planted(created)}, shard)
+    else:
+        shard.write_bytes(pickle.dumps(Planted(created)))
+    marker = out / "checkpoints" / "step00000002" / ckpt.MARKER
+    data = json.loads(marker.read_text())
+    data["files"][victim] = {"bytes": shard.stat().st_size, "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+    marker.write_text(json.dumps(data))
+    assert ckpt.find(out / "checkpoints") == "step00000002"  # the checkpoint verifies: only the content is hostile
+
+    p = procs.run([str(BIN / "python"), "-m", "trainer", "pretrain", *args, "--resume"], 300, cwd=REPO, env=env())
+    assert not created.exists(), "the planted pickle ran"
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and "Traceback" not in p.stderr and len(errors) == 1, p.stderr[-3000:]
+    assert str(shard) in errors[0] and ("posix.system" in errors[0] or "not a torch checkpoint" in errors[0])
+    assert not (out / "artifact").exists()
+
+
+def test_every_torch_load_under_the_guard_is_weights_only(tmp_path: Path) -> None:
+    """The guard DeepSpeed's loads run under (its own calls pass weights_only=False): refused, nothing runs; a
+    ZeRO optimizer-state object (LossScaler) still loads."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    from trainer import engine as eng
+
+    created = tmp_path / "created"
+    torch.save({"module": Planted(created)}, tmp_path / "planted.pt")
+    torch.save({"loss_scaler": LossScaler(1.0), "w": torch.ones(3)}, tmp_path / "ok.pt")
+    with eng.weights_only_loads():
+        with pytest.raises(pickle.UnpicklingError, match="posix.system"):
+            torch.load(tmp_path / "planted.pt", weights_only=False)
+        ok = torch.load(tmp_path / "ok.pt", weights_only=False)
+    assert not created.exists() and isinstance(ok["loss_scaler"], LossScaler) and ok["w"].sum() == 3
+    assert os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD") is None  # restored on the way out
+
+
+# ---------------------------------------------------------------------------------------------- training inputs
+
+
+def trainer_cli(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return procs.run([str(BIN / "python"), "-m", "trainer", *args], timeout, cwd=REPO, env=env())
+
+
+def one_error_line(p: subprocess.CompletedProcess[str]) -> str:
+    """The run's only `error:` line (exit 2, no traceback)."""
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and "Traceback" not in p.stderr and len(errors) == 1, (p.returncode, p.stderr[-3000:])
+    return errors[0]
+
+
+@pytest.mark.parametrize("stage, setting, message", [
+    ("pretrain", "pretrain.optim.lr=inf", "pretrain.optim.lr must be a finite number, got inf"),
+    ("finetune", "finetune.max_steps=-5", "finetune.max_steps must be >= 0, got -5"),
+])
+def test_bad_training_values_are_refused_before_any_work(base: list[str], tmp_path: Path, stage: str, setting: str,
+                                                         message: str) -> None:
+    """(The whole list of ranges is tests/test_config.py's: here the command line's answer.)"""
+    p = trainer_cli([stage, *base, "--set", setting, "--out", str(tmp_path / "run")])
+    assert one_error_line(p) == f"error: [rank 0] {message}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_diverging_run_stops_without_an_artifact_and_its_last_checkpoint_resumes(tiny_tokenizer_dir: Path,
+                                                                                      data_dir: Path,
+                                                                                      tmp_path: Path) -> None:
+    """lr 3e5 (finite, so the config accepts it): losses 4.7, 1.7e12, 1.4e12, then nan at step 4. The run stops at
+    the first non-finite loss with one line, exit 2, no artifact; the step-2 checkpoint is `latest` (the step-4 save
+    never happened), verifies, and --resume replays the same steps from it to the same stop."""
+    out = tmp_path / "run"
+    args = ["pretrain", "--preset", "tiny", "--tokenizer", str(tiny_tokenizer_dir), "--set", f"data.root={data_dir}",
+            "--set", "pretrain.max_steps=12", "--set", "engine.log_every=1", "--set", "engine.checkpoint_every=2",
+            "--set", "pretrain.optim.lr=3e5", "--out", str(out)]
+    line = one_error_line(trainer_cli(args))
+    assert line.startswith("error: [rank 0] the loss is nan at step 4: training diverged; stopped without an "
+                           f"artifact; {out / 'checkpoints' / 'step00000002'} (the last checkpoint) holds finite"), line
+    assert not (out / "artifact").exists() and ckpt.read_latest(out / "checkpoints") == "step00000002"
+    assert ckpt.find(out / "checkpoints") == "step00000002"
+    shard = torch.load(out / "checkpoints" / "step00000002" / "mp_rank_00_model_states.pt", weights_only=True)
+    assert all(bool(v.isfinite().all()) for v in shard["module"].values())
+    p = trainer_cli([*args, "--resume"])
+    assert one_error_line(p) == line and "resumed at step 2" in p.stderr
+    assert not (out / "artifact").exists() and ckpt.read_latest(out / "checkpoints") == "step00000002"
+
+
+def test_out_under_a_file_or_on_a_read_only_mount(base: list[str], tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")
+    p = trainer_cli(["pretrain", *base, "--out", str(blocker / "run")])
+    assert one_error_line(p) == f"error: [rank 0] --out {blocker / 'run'}: cannot write there: Not a directory"
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("needs root and mount(8) for the read-only case")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)]).returncode != 0:
+        pytest.skip("mount -t tmpfs not permitted here")
+    try:
+        p = trainer_cli(["finetune", *base, "--out", str(ro / "run")])
+        assert one_error_line(p) == (f"error: [rank 0] --out {ro / 'run'}: cannot write there: Read-only file "
+                                     "system")
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
 
 
 # ---------------------------------------------------------------------------------------------- randomized (slow)

@@ -1,7 +1,8 @@
 """bench/train_throughput.py on the tiny preset: one real run (plain python, 1 process, gloo), both tasks, a few steps.
 
-Checks that the two loops really train the same thing (same tokens per window, same losses from the same weights)
-and that the rows carry positive rates and the closed-form FLOPs.
+Checks that the two loops really train the same thing (same tokens per window, same losses from the same weights),
+that the tokens they count are the real (non-pad) input tokens of the batches, counted here from the data, and that
+the rows carry positive rates and the closed-form FLOPs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import procs
 from procs import REPO
 
@@ -24,7 +26,7 @@ KEYS = {"task", "loop", "processes", "threads_per_process", "device", "precision
 def test_plain_and_deepspeed_loops_train_the_same_batches(tmp_path: Path, data_dir: Path) -> None:
     out = tmp_path / "tt.json"
     cmd = [sys.executable, str(REPO / "bench" / "train_throughput.py"), "--preset", "tiny", "--task", "both",
-           "--micro-batch", "13", "--seq-len", "24", "--warmup", "1", "--windows", "2", "--steps", "2",
+           "--micro-batch", "13", "--seq-len", "40", "--warmup", "1", "--windows", "2", "--steps", "2",
            "--json", str(out)]
     env = {**os.environ, "TS_DATA": str(data_dir)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -41,8 +43,15 @@ def test_plain_and_deepspeed_loops_train_the_same_batches(tmp_path: Path, data_d
         assert r["tokens_per_s"] > 0 and all(x > 0 for x in r["tokens_per_s_windows"])
         assert len(r["tokens_per_s_windows"]) == 2 and len(r["tokens_per_window"]) == 3
         assert 0 <= r["data_wait_fraction"] < 1 and 0 <= r["pad_fraction"] < 1
-        assert r["achieved_flops"] == r["flops_per_token"] * r["tokens_per_s"]
     by = {(r["task"], r["loop"]): r for r in rows}
+    # Real tokens per window and the padding of the measured windows, counted here from the data (at 40 ids some
+    # LM windows and a few reviews are shorter than their batch: a count of padded positions would differ).
+    counted = tokens_and_positions(data_dir, steps=2, windows=3)
+    for task in ("lm", "classifier"):
+        tokens, positions = counted[task]
+        assert by[(task, "plain")]["tokens_per_window"] == by[(task, "deepspeed")]["tokens_per_window"] == tokens
+        pad = 1 - sum(tokens[1:]) / sum(positions[1:])  # after the warm-up window
+        assert pad > 0 and abs(by[(task, "deepspeed")]["pad_fraction"] - pad) < 1e-12
     for task in ("lm", "classifier"):
         plain, ds = by[(task, "plain")], by[(task, "deepspeed")]
         # Each loop counts its own tokens: equal lists mean the same batches, window by window.
@@ -53,7 +62,32 @@ def test_plain_and_deepspeed_loops_train_the_same_batches(tmp_path: Path, data_d
             assert math.isfinite(a) and math.isclose(a, b, rel_tol=1e-4), (task, plain["loss_windows"],
                                                                            ds["loss_windows"])
         assert "ratio_vs_plain" in ds and ds["ratio_vs_plain"] > 0
-    # Closed form (vocab 99, d 32, d_ff 48, 2 layers, T 24): 6 x (2 x (4 x 32^2 + 2 x 32 x 48) + 32 x 99)
-    # + 12 x 2 x 32 x 24 for the LM; the classifier has no per-token head.
-    assert by[("lm", "plain")]["flops_per_token"] == 123456
-    assert by[("classifier", "plain")]["flops_per_token"] == 123456 - 6 * 32 * 99
+    # Closed form (vocab 99, d 32, d_ff 48, 2 layers, T 40): 6 x (2 x (4 x 32^2 + 2 x 32 x 48) + 32 x 99)
+    # + 12 x 2 x 32 x 40 for the LM; the classifier has no per-token head.
+    assert by[("lm", "plain")]["flops_per_token"] == 135744
+    assert by[("classifier", "plain")]["flops_per_token"] == 135744 - 6 * 32 * 99
+
+
+def tokens_and_positions(data_dir: Path, steps: int, windows: int) -> dict[str, tuple[list[int], list[int]]]:
+    """Per window of `steps` global batches of 13, as the bench orders them: the real input tokens, and the input
+    positions with padding (13 x the longest). The tiny preset's tokenizer cut at 40 ids, cls-books-fr train
+    reviews; LM inputs are next-token windows minus their last token, classifier inputs whole (cut) reviews."""
+    from trainer.batching import bucket_batches
+    from trainer.config import override, preset
+    from trainer.corpus import encode_corpus
+    from trainer.finetune import load_split
+    from trainer.pretrain import cut_windows
+    from trainer.tokenizer import build_tokenizer
+
+    cfg = override(preset("tiny"), {"data.root": str(data_dir), "tokenizer.max_len": 40, "pretrain.seq_len": 40})
+    tok = build_tokenizer(cfg)
+    corpus = encode_corpus([cfg.data.path(cfg.data.train)], tok)
+    lm = cut_windows(np.arange(len(corpus)), corpus.lengths() + 2, 40, overlap=1).length - 1  # (W,) inputs
+    clf = load_split(cfg, cfg.data.train, tok, 0).lengths  # (N,) <sos> + pieces + <eos>, at most 40
+    out = {}
+    for task, lengths in (("lm", lm), ("classifier", clf)):
+        batches = bucket_batches(lengths, 13, cfg.seed, 0)  # one epoch holds every window's batches here
+        per = [batches[w * steps:(w + 1) * steps] for w in range(windows)]
+        out[task] = ([int(sum(lengths[b].sum() for b in bs)) for bs in per],
+                     [int(sum(len(b) * lengths[b].max() for b in bs)) for bs in per])
+    return out

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from trainer.cli import one_line_errors
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "params": ("trainer.params", "print the trainable-parameter table of a preset (the lab's question 3)"),
@@ -47,13 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     module.add_arguments(sub)
     args = sub.parse_args(rest)
-    try:
-        return int(module.main(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
-        # Our own errors (ConfigError, DataError, ArtifactError, ExportError...) are ValueErrors with a message
-        # that names the file, key or limit: show it without a traceback.
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return one_line_errors(lambda: module.main(args))
 
 
 if __name__ == "__main__":

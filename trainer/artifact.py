@@ -126,6 +126,28 @@ def save(
     return out
 
 
+def _check_max_len(path: Path, cfg: RunConfig) -> None:
+    """The cut is stored twice (config.json for the trainer, tokenizer/tokenizer.json for whoever reads the tokenizer
+    folder alone): training writes one value into both, so two values mean a hand-edited or mixed-up artifact."""
+    meta = path / "tokenizer" / "tokenizer.json"
+    try:
+        max_len = json.loads(meta.read_text(encoding="utf-8")).get("max_len")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ArtifactError(f"{meta}: unreadable ({type(e).__name__}: {e})") from None
+    if max_len != cfg.tokenizer.max_len:
+        raise ArtifactError(f"{meta}: max_len {max_len!r} but {path / 'config.json'} says tokenizer.max_len="
+                            f"{cfg.tokenizer.max_len}; the artifact was edited or assembled from two runs")
+
+
+def config_path(path: str | Path) -> Path:
+    """An artifact's config.json (read it with config.load: a stage can settle its config before the weights)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ArtifactError(f"{path}: missing config.json (not a model artifact, or an interrupted write)"
+                            if path.is_dir() else f"artifact folder not found: {path}")
+    return path / "config.json"
+
+
 def load(path: str | Path, verify: bool = True) -> Artifact:
     """Read an artifact folder; every missing piece or checksum mismatch is an ArtifactError naming the file."""
     path = Path(path)
@@ -145,6 +167,7 @@ def load(path: str | Path, verify: bool = True) -> Artifact:
     if verify and sha256_file(path / WEIGHTS) != meta.get("weights_sha256"):
         raise ArtifactError(f"{path / WEIGHTS}: checksum does not match artifact.json (corrupt or replaced)")
     cfg = config_mod.load(path / "config.json")
+    _check_max_len(path, cfg)
     try:
         state = load_file(str(path / WEIGHTS))  # safetensors: no pickle
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainer import engine as eng
 from trainer.artifact import sha256_file, write_text_atomic
 
@@ -189,18 +191,40 @@ def verify(ckpt_dir: str | Path, tag: str) -> dict[str, Any]:
     return marker
 
 
+def refuse_unsafe_pickle(path: Path) -> None:
+    """A torch.save file whose pickle names an object outside engine.SAFE_GLOBALS is refused, unread: the scan
+    parses the pickle's opcodes without executing any."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as e:  # not a torch.save zip, or a damaged one
+        raise CheckpointError(f"{path}: not a torch checkpoint file ({type(e).__name__}: {e}); not loaded") from None
+    unsafe = sorted(set(names) - eng.safe_global_names())
+    if unsafe:
+        raise CheckpointError(f"{path}: its pickle calls {', '.join(unsafe)}, which a checkpoint never holds; "
+                              "refused without unpickling it (replaced or tampered with?)")
+
+
 def load(engine: Any, ckpt_dir: str | Path, tag: str) -> tuple[LoopState, dict[str, Any]]:
-    """Restore engine (weights, optimizer, lr schedule) and return (loop state, meta) from a verified checkpoint."""
+    """Restore engine (weights, optimizer, lr schedule) and return (loop state, meta) from a verified checkpoint.
+
+    Nothing in it is unpickled but tensors, plain containers and the few DeepSpeed types of engine.SAFE_GLOBALS: each
+    file is scanned first (a refusal names the file and the object), and DeepSpeed's loads then run under
+    engine.weights_only_loads (checkpoints travel between people and machines; a pickle can run any code)."""
     marker = verify(ckpt_dir, tag)
     if marker.get("world_size") != eng.world_size():
         raise CheckpointError(
             f"{Path(ckpt_dir) / tag / MARKER}: written by {marker.get('world_size')} ranks, this run has "
             f"{eng.world_size()}; resume with the same number of processes (the global batch depends on it)"
         )
+    for name in marker["files"]:
+        if name.endswith(".pt"):
+            refuse_unsafe_pickle(Path(ckpt_dir) / tag / name)
     try:
-        path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        with eng.weights_only_loads():
+            path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     except Exception as e:  # DeepSpeed raises whatever torch.load or its own asserts raise
-        raise CheckpointError(f"{Path(ckpt_dir) / tag}: cannot load ({type(e).__name__}: {e})") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{Path(ckpt_dir) / tag}: cannot load ({type(e).__name__}: {first})") from None
     if path is None or not client or "loop" not in client:
         raise CheckpointError(f"{Path(ckpt_dir) / tag}: DeepSpeed found no loadable checkpoint with loop state")
     return LoopState.from_dict(client["loop"]), dict(client.get("meta", {}))

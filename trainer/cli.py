@@ -1,11 +1,26 @@
-"""Pieces every subcommand shares: how a config is chosen on the command line, and how errors are shown."""
+"""The command line's shared glue: how a subcommand picks its config (`--preset`, `--config`, `--set`), the run
+options of the training subcommands, and how a subcommand ends (an error in the input: one line, exit 2).
+
+Imports no torch and no DeepSpeed at module level: `params`, `tokenizer` and `export` use it too.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
 from trainer import config as config_mod
-from trainer.config import RunConfig
+
+# Errors in the user's input: config, data, checkpoint, artifact (ConfigError, DataError, CheckpointError,
+# ArtifactError, ExportError... are ValueErrors whose message names the file, key or limit).
+INPUT_ERRORS = (ValueError, FileNotFoundError)
+
+T = TypeVar("T")
 
 
 def add_config_args(parser: argparse.ArgumentParser, default_preset: str = "demo") -> None:
@@ -17,5 +32,76 @@ def add_config_args(parser: argparse.ArgumentParser, default_preset: str = "demo
                    help="override one field, e.g. --set pretrain.optim.lr=1e-3 (repeatable; lists: a,b,c)")
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    return config_mod.resolve(args.preset, args.overrides, args.config)
+def config_choice(args: argparse.Namespace) -> config_mod.Choice:
+    return config_mod.Choice(args.preset, args.config, tuple(args.overrides))
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, tokenizer_help: str) -> None:
+    """The options of `pretrain` and `finetune` (loop.RunOptions)."""
+    g = parser.add_argument_group("run")
+    g.add_argument("--out", required=True, metavar="RUN_DIR",
+                   help="run folder: config.json, env.json, metrics.csv, tb/, checkpoints/, artifact/")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
+                   help="continue from RUN_DIR/checkpoints: the latest complete checkpoint, or TAG (e.g. step00000500)")
+    g.add_argument("--deepspeed-config", metavar="FILE", default=None,
+                   help="DeepSpeed JSON whose keys override the derived ones (default: engine.deepspeed_config)")
+    g.add_argument("--stop-at", type=int, default=0, metavar="STEP",
+                   help="stop after optimizer step STEP with a checkpoint, as if interrupted (time-boxed jobs)")
+    old_spelling(g, "--deepspeed_config", "deepspeed_config")
+    old_spelling(g, "--stop_at", "stop_at", type=int)
+    g.add_argument("--tokenizer", metavar="DIR", help=tokenizer_help)
+    g.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the DeepSpeed launcher
+
+
+def old_spelling(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, dest: str,
+                 **kw: Any) -> None:
+    """Accept an option's earlier underscore spelling (scripts written for it keep working), hidden from --help."""
+    parser.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kw)
+
+
+def run_options(args: argparse.Namespace, cls: Callable[..., T], **more: Any) -> T:
+    """`cls` (loop.RunOptions or a subclass) from the options `add_run_arguments` declared, plus `more`."""
+    return cls(out=Path(args.out), resume=args.resume, deepspeed_config=args.deepspeed_config, stop_at=args.stop_at,
+               tokenizer=Path(args.tokenizer) if args.tokenizer else None, **more)
+
+
+def check_out(folder: Path, flag: str = "--out") -> None:
+    """An output folder must be one this process can write (created if missing, with the umask's modes): a file in
+    the way or a read-only mount is one line before any work, not a traceback after it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(folder) else ""
+        raise config_mod.ConfigError(f"{flag} {folder}: cannot write there: {e.strerror or type(e).__name__}{where}") \
+            from None
+
+
+def one_line_errors(main: Callable[[], int | None]) -> int:
+    """`main()`'s exit code; an error in the input is one line on stderr and exit 2, not a traceback."""
+    try:
+        return int(main() or 0)
+    except INPUT_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def on_every_rank(stage: Callable[[], object]) -> NoReturn:
+    """Run a training stage on this rank and end the process the way every rank must (engine.finish): exit 0, 2 for
+    an error in the input (one line naming the rank), 130 on Ctrl-C, 1 with a traceback for anything else."""
+    from trainer import engine as eng  # DeepSpeed: only for the training subcommands
+
+    code = 0
+    try:
+        stage()
+    except INPUT_ERRORS as e:
+        print(f"error: [rank {eng.rank()}] {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # print it, then leave through finish like every other path
+        traceback.print_exc()
+        code = 1
+    eng.finish(code)

@@ -7,7 +7,8 @@
   (`SLURM_PROCID`... mapped to `RANK`...) or plain `python` (one process, loopback defaults): NCCL on GPU, gloo on CPU.
 - `initialize()` wraps a model into a DeepSpeed engine with our learning-rate schedule.
 - `finish()` is how every rank's entry point ends: gloo ranks intermittently abort at interpreter exit
-  ("terminate called without an active exception", STACK.md), so we tear down and leave with `os._exit`.
+  ("terminate called without an active exception"), so we tear down and leave with `os._exit`.
+Importing this module sets only DS_ACCELERATOR (below); `init_distributed()` sets the rest of a rank's environment.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -31,22 +34,47 @@ from trainer.config import OptimConfig, RunConfig
 
 Stage = Literal["pretrain", "finetune"]
 
-# A checkout keeps DeepSpeed's JIT cache (ops compiled on first use) beside the code, like the Makefile does; an
-# installed package leaves DeepSpeed's default (~/.cache/torch_extensions).
-_REPO = Path(__file__).resolve().parents[1]
-if (_REPO / "pyproject.toml").exists():
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO / ".cache" / "torch_extensions"))
-# torch's JIT runs the first `ninja` on PATH. The venv's ninja (pip, 1.13) and the system's (apt, 1.11) record
-# different command hashes in the shared .ninja_log, so alternating them rebuilt the op (~30-90 s) on every switch
-# (seen here: `.venv/bin/python` without the venv on PATH vs the launcher): prefer the one beside this interpreter.
-_BIN = str(Path(sys.executable).parent)
-if (Path(_BIN) / "ninja").exists() and os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
-    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # only silences DeepSpeed's "no GPU found" warning
+    # DeepSpeed picks its accelerator while it is imported; without a GPU it would pick the CPU anyway, after a
+    # warning. The one environment default set at import, because it must precede `import deepspeed`.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402  (after the environment defaults above)
+import deepspeed  # noqa: E402  (after DS_ACCELERATOR above)
 from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # noqa: E402
+from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
+from deepspeed.utils.tensor_fragment import fragment_address  # noqa: E402
+
+# The only objects besides tensors and plain containers that a DeepSpeed checkpoint may unpickle: what ZeRO 1/2
+# optimizer-state files of deepspeed 0.19.8 hold, fp32 and bf16 (torch.serialization.get_unsafe_globals_in_checkpoint
+# on them): the loss scaler's state, the ZeRO stage enum, and a (start, numel) namedtuple (BF16_Optimizer's slice
+# mappings hold it too); the dynamic loss scaler where a user's DeepSpeed JSON turns fp16 on. Model-state files hold
+# none. All are rebuilt from plain values.
+SAFE_GLOBALS = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def process_defaults(env: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Environment defaults a training process needs before DeepSpeed compiles an op; `init_distributed` applies
+    them to os.environ. Returns the variables it set or changed.
+
+    - TORCH_EXTENSIONS_DIR: a checkout keeps DeepSpeed's JIT cache (ops compiled on first use) beside the code,
+      as the Makefile does; an installed package leaves DeepSpeed's default (~/.cache/torch_extensions).
+    - PATH: torch's JIT runs the first `ninja` on PATH. The venv's ninja (pip, 1.13) and the system's (apt, 1.11)
+      record different command hashes in the shared .ninja_log, so alternating them rebuilt the op (~30-90 s) on
+      every switch (`.venv/bin/python` run without the venv on PATH vs the launcher): the one beside this
+      interpreter goes first.
+    """
+    changed: dict[str, str] = {}
+    if (_REPO / "pyproject.toml").exists() and "TORCH_EXTENSIONS_DIR" not in env:
+        changed["TORCH_EXTENSIONS_DIR"] = str(_REPO / ".cache" / "torch_extensions")
+    here = str(Path(sys.executable).parent)
+    if (Path(here) / "ninja").exists() and env.get("PATH", "").split(os.pathsep)[0] != here:
+        changed["PATH"] = here + os.pathsep + env.get("PATH", "")
+    env.update(changed)
+    return changed
 
 
 class EngineConfigError(ValueError):
@@ -129,11 +157,14 @@ def free_port() -> int:
 
 
 def init_distributed(timeout_s: int = 1800) -> DistInfo:
-    """Start (or join) the process group: NCCL on GPU, gloo on CPU. Safe to call twice."""
+    """Make this process a rank: the environment defaults (`process_defaults`, `prepare_env`), then start (or join)
+    the process group: NCCL on GPU, gloo on CPU. Safe to call twice."""
+    process_defaults(os.environ)
     prepare_env(os.environ)
     info = dist_info()
     if info.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # Unbound ranks on a shared CPU each default to all cores and run ~2x slower (STACK.md); split the cores.
+        # Unbound ranks on one CPU each default to a thread per core, so every core runs several ranks' threads that
+        # wait on each other: split the cores between the ranks.
         # `deepspeed --bind_cores_to_rank` sets OMP_NUM_THREADS itself and pins each rank with numactl.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // info.local_size))
     if info.device.type == "cuda":
@@ -209,8 +240,8 @@ def finish(code: int = 0) -> NoReturn:
     """End a rank: barrier, destroy the process group, flush, `os._exit(code)`.
 
     With the interpreter's normal exit, gloo ranks intermittently abort ("terminate called without an active
-    exception", launcher rc 250: 4 runs in 10 here); this sequence gave 0 in 18 (STACK.md). On failure the barrier is
-    skipped (the other ranks may never reach it; the launcher stops them when one rank exits non-zero).
+    exception", launcher rc 250: 4 runs in 10 on the 2-core CPU machine); this sequence gave 0 in 18. On failure the
+    barrier is skipped (the other ranks may never reach it; the launcher stops them when one rank exits non-zero).
     """
     try:
         if dist.is_initialized():
@@ -322,7 +353,7 @@ def known_keys() -> frozenset[str]:
             seen.add(str(k))
             return k in self.d
 
-        def __iter__(self):  # noqa: ANN204
+        def __iter__(self) -> Any:
             return iter(self.d)
 
         def __len__(self) -> int:
@@ -423,6 +454,12 @@ def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, t
     return engine
 
 
+def weights_finite(engine: Any) -> bool:
+    """Every parameter of the engine's module is finite on every rank (call on every rank: one all-reduce)."""
+    ok = torch.stack([p.detach().isfinite().all() for p in engine.module.parameters()]).all()
+    return all_reduce_sum([0.0 if bool(ok) else 1.0])[0] == 0.0
+
+
 def current_lr(engine: Any) -> float:
     return float(engine.get_lr()[0])
 
@@ -444,7 +481,8 @@ def fp32_state_dict(engine: Any, ckpt_dir: str | Path | None = None, tag: str | 
             raise ValueError("bf16 under ZeRO 1/2: the fp32 weights are consolidated from a checkpoint; pass its tag")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        master = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+        with weights_only_loads():  # reads the checkpoint's files (a finished run's on --resume)
+            master = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
     else:
         from torch._utils import _unflatten_dense_tensors
 
@@ -458,7 +496,33 @@ def fp32_state_dict(engine: Any, ckpt_dir: str | Path | None = None, tag: str | 
     return {k: (master[k] if k in master else v).detach().to("cpu", torch.float32).clone() for k, v in own.items()}
 
 
-def versions() -> dict[str, str]:
+# ---------------------------------------------------------------------------------------------- loading checkpoints
+
+
+def safe_global_names() -> frozenset[str]:
+    """SAFE_GLOBALS as torch.serialization names them ("module.Class")."""
+    return frozenset(f"{t.__module__}.{t.__qualname__}" for t in SAFE_GLOBALS)
+
+
+@contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """Inside, every torch.load unpickles only tensors, plain containers and SAFE_GLOBALS, whatever its caller asks:
+    DeepSpeed's TorchCheckpointEngine.load and its zero_to_fp32 both pass weights_only=False, so a planted pickle in
+    a checkpoint would run code on --resume. torch's own switch (TORCH_FORCE_WEIGHTS_ONLY_LOAD, read at every
+    torch.load) makes weights_only=True win over the argument; it is set only for the duration."""
+    old = os.environ.get(_FORCE_WEIGHTS_ONLY)
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop(_FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[_FORCE_WEIGHTS_ONLY] = old
+
+
+def package_versions() -> dict[str, str]:
     import platform
 
     import numpy

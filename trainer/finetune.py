@@ -26,13 +26,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer import artifact, monitor, stage
+from trainer import artifact, cli, loop, monitor
 from trainer import checkpoint as ckpt
+from trainer import config as config_mod
 from trainer import engine as eng
 from trainer.artifact import ArtifactError, write_text_atomic
 from trainer.batching import bucket_batches, pad_batch
-from trainer.cli import add_config_args, config_from_args
-from trainer.config import ConfigError, RunConfig
+from trainer.config import Choice, ConfigError, RunConfig
 from trainer.data import read_labeled
 from trainer.model import Classifier, load_encoder
 from trainer.tokenizer import Tokenizer
@@ -48,16 +48,21 @@ ARCH = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions",
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, default_preset="demo")
-    stage.add_run_arguments(parser)
-    parser.add_argument("--pretrained", metavar="ARTIFACT", help="pretraining artifact (task lm) whose encoder to load")
+    cli.add_config_args(parser, default_preset="demo")
+    cli.add_run_arguments(parser, tokenizer_help="without --pretrained: use this tokenizer folder")
+    parser.add_argument("--pretrained", metavar="ARTIFACT",
+                        help="pretraining artifact (task lm) whose encoder and tokenizer to use")
     parser.add_argument("--compare", action="store_true",
                         help="train from scratch and from --pretrained (same seed, data order); write compare.*")
-    parser.add_argument("--tokenizer", metavar="DIR", help="without --pretrained: use this tokenizer folder")
 
 
 def main(args: argparse.Namespace) -> int:
-    return stage.entry(run, args)
+    def stage() -> None:
+        opts = cli.run_options(args, FinetuneOptions, pretrained=Path(args.pretrained) if args.pretrained else None,
+                               compare=args.compare)
+        run(resolve_config(cli.config_choice(args), opts.pretrained), opts)
+
+    cli.on_every_rank(stage)
 
 
 class ClassifierObjective(Classifier):
@@ -102,196 +107,214 @@ def _pick(seed: int, n: int, limit: int) -> np.ndarray:
     return np.sort(np.random.default_rng([seed, n]).permutation(n)[:limit]) if limit else np.arange(n)
 
 
-def adopt_pretrained(cfg: RunConfig, pre: artifact.Artifact) -> RunConfig:
-    """The encoder's architecture and tokenizer come from the artifact; the rest of `cfg` stays."""
-    if pre.task != "lm":
-        raise ArtifactError(f"{pre.path}: task {pre.task!r}; --pretrained needs a pretraining artifact (task 'lm')")
-    model = dataclasses.replace(cfg.model, **{k: getattr(pre.cfg.model, k) for k in ARCH})
-    return dataclasses.replace(cfg, model=model, tokenizer=pre.cfg.tokenizer)
+def pretrained_fields(pre_cfg: RunConfig) -> dict[str, Any]:
+    """The keys a pretrained artifact decides: the encoder's architecture and the whole tokenizer section."""
+    return {**{f"model.{k}": getattr(pre_cfg.model, k) for k in ARCH},
+            **{f"tokenizer.{k}": v for k, v in dataclasses.asdict(pre_cfg.tokenizer).items()}}
+
+
+def resolve_config(choice: Choice, pretrained: Path | None) -> RunConfig:
+    """The run's config: with --pretrained, the artifact's encoder architecture and tokenizer (a --set or --config
+    key that would change them is an error); finetune.dropout, when set, replaces model.dropout."""
+    if pretrained is None:
+        cfg = choice.resolve()
+    else:
+        pre_cfg = config_mod.load(artifact.config_path(pretrained))
+        cfg = choice.resolve(pretrained_fields(pre_cfg), f"--pretrained {pretrained}")
+    if cfg.finetune.dropout is not None:
+        # A config file may hold both (model.dropout is pretraining's); a --set of model.dropout here is a mistake.
+        if any(a.split("=", 1)[0].strip() == "model.dropout" for a in choice.assignments) \
+                and cfg.model.dropout != cfg.finetune.dropout:
+            raise ConfigError(f"--set model.dropout={cfg.model.dropout} would be ignored: finetune.dropout="
+                              f"{cfg.finetune.dropout} replaces it while fine-tuning; set finetune.dropout instead")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=cfg.finetune.dropout))
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------- entry
 
 
-def run(args: argparse.Namespace) -> None:
-    cfg = config_from_args(args)
-    run_dir = Path(args.out)
-    info = eng.init_distributed()
-    pre = artifact.load(args.pretrained) if args.pretrained else None
-    if args.compare and pre is None:
-        raise ConfigError("--compare needs --pretrained ARTIFACT (the encoder to compare with scratch)")
-    if pre is not None:
-        cfg = adopt_pretrained(cfg, pre)
-    if cfg.finetune.dropout is not None:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=cfg.finetune.dropout))
-    if cfg.model.num_classes != len(cfg.data.labels):
-        raise ConfigError(f"model.num_classes={cfg.model.num_classes} but data.labels has {len(cfg.data.labels)} "
-                          f"classes {cfg.data.labels}")
-    runs = [("scratch", None), ("pretrained", pre)] if args.compare else [("pretrained" if pre else "scratch", pre)]
-    sub = {name: run_dir / name if args.compare else run_dir for name, _ in runs}
-    if args.resume:
-        if not (run_dir / "config.json").is_file():
-            raise ckpt.CheckpointError(f"nothing to resume: {run_dir / 'config.json'} not found")
-        monitor.check_resume_config(run_dir, cfg)
-        found = [ckpt.find(sub[n] / "checkpoints", args.resume) for n, _ in runs if (sub[n] / "checkpoints").is_dir()]
-        if not found:  # names the folder that should have held them
-            ckpt.find(sub[runs[0][0]] / "checkpoints", args.resume)
-    else:
-        for name, _ in runs:
-            ckpt.refuse_overwrite(sub[name] / "checkpoints")
-    ds, plan = eng.ds_config(cfg, "finetune", info.world_size, args.deepspeed_config or cfg.engine.deepspeed_config)
+@dataclasses.dataclass(frozen=True)
+class FinetuneOptions(loop.RunOptions):
+    """RunOptions plus what fine-tuning starts from."""
 
-    if pre is not None:
+    pretrained: Path | None = None  # a pretraining artifact (task lm) whose encoder and tokenizer to use
+    compare: bool = False  # train from scratch and from `pretrained` (same seed and data order); write compare.*
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.compare and self.pretrained is None:
+            raise ConfigError("--compare needs --pretrained ARTIFACT (the encoder to compare with scratch)")
+
+
+def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
+    """Fine-tune into `opts.out` (`cfg` from `resolve_config`); returns the classifier artifact (None on ranks > 0,
+    or when stopped by stop_at)."""
+    run_dir = opts.out
+    info = eng.init_distributed()
+    pretrained = artifact.load(opts.pretrained) if opts.pretrained else None
+    if pretrained is not None:
+        if pretrained.task != "lm":
+            raise ArtifactError(f"{pretrained.path}: task {pretrained.task!r}; --pretrained needs a pretraining "
+                                "artifact (task 'lm')")
+        flat, want = config_mod.flatten(cfg.to_dict()), pretrained_fields(pretrained.cfg)
+        differ = [k for k in want if flat[k] != want[k]]
+        if differ:
+            raise ConfigError(f"the config differs from {pretrained.path} at {', '.join(differ)}: build it with "
+                              "finetune.resolve_config")
+    runs = [("scratch", None), ("pretrained", pretrained)] if opts.compare \
+        else [("pretrained" if pretrained else "scratch", pretrained)]
+    run_dirs = {name: run_dir / name if opts.compare else run_dir for name, _ in runs}
+    tags = dict(zip(run_dirs, loop.resume_tags(run_dir, cfg, [d / "checkpoints" for d in run_dirs.values()],
+                                               opts.resume), strict=True))
+    ds, plan = eng.ds_config(cfg, "finetune", info.world_size, opts.deepspeed_config or cfg.engine.deepspeed_config)
+    cli.check_out(run_dir)  # every rank writes its checkpoint shards there
+
+    if pretrained is not None:
         if eng.is_main() and not (run_dir / "tokenizer").exists():
-            Tokenizer.load(pre.tokenizer_dir).save(run_dir / "tokenizer")
+            Tokenizer.load(pretrained.tokenizer_dir).save(run_dir / "tokenizer")
         eng.barrier()
-    tok = stage.obtain_tokenizer(cfg, run_dir, args.tokenizer)
-    if cfg.model.max_positions < tok.max_len:
-        raise ConfigError(f"tokenizer max_len {tok.max_len} exceeds model.max_positions={cfg.model.max_positions}")
+    tok = loop.run_tokenizer(cfg, run_dir, opts.tokenizer)
     train = load_split(cfg, cfg.data.train, tok, cfg.data.max_train_examples)
     extra = {name: load_split(cfg, name, tok, 0) for name in cfg.data.extra_test}
     # The per-epoch test set is often a sample of one of the extra sets (the english preset): encode that file once.
     test = sample_split(extra[cfg.data.test], cfg.seed, cfg.data.max_test_examples) if cfg.data.test in extra \
         else load_split(cfg, cfg.data.test, tok, cfg.data.max_test_examples)
-    monitor.write_run_info(run_dir, cfg, ds, {"stage": "finetune", "pretrained": str(args.pretrained or ""),
+    monitor.write_run_info(run_dir, cfg, ds, {"stage": "finetune", "pretrained": str(opts.pretrained or ""),
                                               "train_examples": len(train.ids), "test_examples": len(test.ids)})
-    if pre is not None and pre.meta.get("objective") == "mlm" and cfg.model.classifier_causal:
-        monitor.note(f"note: {pre.path} was pretrained without a causal mask (mlm) but "
+    if pretrained is not None and pretrained.meta.get("objective") == "mlm" and cfg.model.classifier_causal:
+        monitor.note(f"note: {pretrained.path} was pretrained without a causal mask (mlm) but "
                      "model.classifier_causal=true; consider --set model.classifier_causal=false")
 
     t0 = time.perf_counter()
     results: dict[str, list[dict[str, Any]]] = {}
     for name, src in runs:
-        art = run_dir / "artifact" if (src is not None or not args.compare) else run_dir / "scratch" / "artifact"
-        resume = args.resume if args.resume and (sub[name] / "checkpoints").is_dir() else None
-        results[name] = train_classifier(cfg, name, src, tok, train, test, extra, plan, ds, sub[name], art,
-                                         resume, args.stop_at, info)
-        if results[name] is None:
-            return  # --stop_at
-    if eng.is_main():
-        if args.compare:
-            write_compare(run_dir, results, cfg, pre)
-        for name, hist in results.items():
-            accs = " ".join(f"{h['test_accuracy']:.2f}" for h in hist)
-            print(f"finetune {name}: test accuracy per epoch {accs}")
-            for file, acc in hist[-1].get("extra_accuracy", {}).items():
-                print(f"finetune {name}: accuracy on {file} {acc:.2f}")
-        print(f"finetune: {time.perf_counter() - t0:.0f} s this session; classifier artifact: {run_dir / 'artifact'}")
+        artifact_dir = run_dir / "scratch" / "artifact" if opts.compare and src is None else run_dir / "artifact"
+        history = train_classifier(cfg, name, src, tok, train, test, extra, plan, ds, run_dirs[name], artifact_dir,
+                                   tags[name], opts.stop_at, info)
+        if history is None:
+            return None  # stop_at
+        results[name] = history
+    if not eng.is_main():
+        return None
+    if opts.compare:
+        write_compare(run_dir, results, cfg, pretrained)
+    for name, hist in results.items():
+        accs = " ".join(f"{h['test_accuracy']:.2f}" for h in hist)
+        print(f"finetune {name}: test accuracy per epoch {accs}")
+        for file, acc in hist[-1].get("extra_accuracy", {}).items():
+            print(f"finetune {name}: accuracy on {file} {acc:.2f}")
+    print(f"finetune: {time.perf_counter() - t0:.0f} s this session; classifier artifact: {run_dir / 'artifact'}")
+    return run_dir / "artifact"
 
 
 # ---------------------------------------------------------------------------------------------- loop
 
 
-def train_classifier(cfg: RunConfig, name: str, pre: artifact.Artifact | None, tok: Tokenizer, train: Split,
+@dataclasses.dataclass
+class ClassifierTask:
+    """The loop's view of fine-tuning (trainer/loop.py's Task): labelled examples in, mean cross-entropy out."""
+
+    cfg: RunConfig
+    name: str  # "scratch" | "pretrained"
+    train: Split
+    test: Split  # scored at the end of every epoch
+    extra: dict[str, Split]  # scored once, with the final weights
+    plan: eng.BatchPlan
+    info: eng.DistInfo
+    total: int = 0  # optimizer steps of the run
+    log: monitor.RunLog | None = None  # where the per-epoch lines go (set once the run's log is open)
+    epoch_loss: float = 0.0  # summed loss of the epoch's log intervals (all ranks)
+    epoch_n: int = 0  # examples of those intervals
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        return loop.full_batches(bucket_batches(self.train.lengths, self.plan.global_batch, self.cfg.seed, epoch),
+                                 self.plan)
+
+    def inputs(self, part: list[int], epoch: int) -> tuple[torch.Tensor, ...]:
+        return self.train.batch(part)
+
+    def denominator(self, batch: list[int]) -> int:
+        return len(batch)
+
+    def seen(self, batch: list[int]) -> int:
+        return len(batch)
+
+    def report(self, engine: Any, state: ckpt.LoopState, interval: loop.Interval, evaluate: bool) -> dict[str, Any]:
+        self.epoch_loss += interval.loss_sum
+        self.epoch_n += interval.count
+        row: dict[str, Any] = {"epoch": state.epoch, "loss": interval.loss, "lr": eng.current_lr(engine),
+                               "examples_per_s": interval.examples_per_s, "elapsed_s": interval.elapsed_s}
+        if evaluate:  # the end of an epoch
+            acc = eval_accuracy(engine, self.test, self.info)
+            row["test_accuracy"] = acc
+            state.history.append({"epoch": state.epoch + 1, "step": state.step, "test_accuracy": acc,
+                                  "train_loss": self.epoch_loss / max(1, self.epoch_n),
+                                  "data_order_sha256": loop.order_digest(self.batches(state.epoch))})
+            assert self.log is not None
+            self.log.print(f"finetune {self.name}: epoch {state.epoch + 1} train loss "
+                           f"{state.history[-1]['train_loss']:.4f}, test accuracy {acc:.2f}%")
+            if state.step == self.total and self.extra:  # the other test sets: once, on the final weights
+                state.history[-1]["extra_accuracy"] = {f: eval_accuracy(engine, sp, self.info)
+                                                       for f, sp in self.extra.items()}
+                self.log.print(f"finetune {self.name}: " + ", ".join(
+                    f"{f} {a:.2f}%" for f, a in state.history[-1]["extra_accuracy"].items()))
+            self.epoch_loss, self.epoch_n = 0.0, 0
+        return row
+
+
+def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | None, tok: Tokenizer, train: Split,
                      test: Split, extra: dict[str, Split], plan: eng.BatchPlan, ds: dict[str, Any], run_dir: Path,
-                     art_dir: Path, resume: str | None, stop_at: int,
+                     artifact_dir: Path, resume_tag: str | None, stop_at: int,
                      info: eng.DistInfo) -> list[dict[str, Any]] | None:
-    """Train one classifier; returns its per-epoch history (None when stopped by --stop_at)."""
+    """Train one classifier; returns its per-epoch history (None when stopped by stop_at)."""
     fc, ckpt_dir = cfg.finetune, run_dir / "checkpoints"
-
-    def epoch_batches(epoch: int) -> list[list[int]]:
-        return stage.usable(bucket_batches(train.lengths, plan.global_batch, cfg.seed, epoch), plan)
-
-    per_epoch = len(epoch_batches(0))
-    if per_epoch == 0:
-        raise ConfigError(f"{len(train.ids)} training examples cannot fill one global batch of {plan.global_batch}")
-    total = fc.max_steps or fc.epochs * per_epoch
+    task = ClassifierTask(cfg, name, train, test, extra, plan, info)
+    per_epoch, task.total = loop.steps_of(task, fc.epochs, fc.max_steps, f"{len(train.ids)} training examples",
+                                          plan.global_batch)
 
     torch.manual_seed(cfg.seed)  # scratch and pretrained start from the same head (and scratch encoder) weights
     model = ClassifierObjective(cfg.model)
-    if pre is not None:
-        load_encoder(model, pre.state)
-    engine = eng.initialize(model, ds, fc.optim, total)
+    if pretrained is not None:
+        load_encoder(model, pretrained.state)
+    engine = eng.initialize(model, ds, fc.optim, task.total)
     state = ckpt.LoopState()
-    if resume:
-        state, _ = ckpt.load(engine, ckpt_dir, ckpt.find(ckpt_dir, resume))
-    log = monitor.Metrics(run_dir, total, state.step, f"finetune {name}",
-                          ["epoch", "loss", "lr", "examples_per_s", "test_accuracy", "elapsed_s"])
+    if resume_tag:
+        state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
+    task.log = log = monitor.RunLog(run_dir, task.total, state.step, f"finetune {name}",
+                                    ["epoch", "loss", "lr", "examples_per_s", "test_accuracy", "elapsed_s"])
     log.print(f"finetune {name}: {len(train.ids):,} train / {len(test.ids):,} test examples, {per_epoch} steps of "
-              f"{plan.global_batch}/epoch, {total} steps, world {info.world_size}"
-              + (f", resumed at step {state.step}" if resume else ""))
+              f"{plan.global_batch}/epoch, {task.total} steps, world {info.world_size}"
+              + (f", resumed at step {state.step}" if resume_tag else ""))
 
-    t0 = t_log = time.perf_counter()
-    loss_acc, n_acc, ex_log = torch.zeros((), device=info.device), 0, 0
-    epoch_loss, epoch_n = 0.0, 0
-    batches = epoch_batches(state.epoch)
-    while state.step < total and not state.done:
-        batch = batches[state.batch]
-        for micro, part in enumerate(stage.slots(batch, plan)[info.rank::plan.world_size]):
-            ids, pad, labels = stage.to_device(train.batch(part), info.device)
-            stage.seed_micro_step(cfg.seed, state.step, micro, info.rank)
-            loss = engine(ids, pad, labels)
-            engine.backward(loss * (plan.world_size / len(batch)), scale_wrt_gas=False)  # grad of the global mean
-            engine.step()
-            loss_acc += loss.detach()
-            ex_log += len(part)
-        n_acc += len(batch)
-        epoch_n += len(batch)
-        state.step, state.batch, state.tokens = state.step + 1, state.batch + 1, state.tokens + len(batch)
-        log.advance()
-        last = state.step == total
-        epoch_end = state.batch == len(batches) or last
-        if state.step % cfg.engine.log_every == 0 or epoch_end:
-            (loss_sum,) = eng.all_reduce_sum([float(loss_acc)])  # the one host-device sync, at log intervals
-            epoch_loss += loss_sum
-            now = time.perf_counter()
-            row: dict[str, Any] = {"epoch": state.epoch, "loss": loss_sum / max(1, n_acc),
-                                   "lr": eng.current_lr(engine), "examples_per_s": ex_log / max(1e-9, now - t_log),
-                                   "elapsed_s": now - t0}
-            if epoch_end:
-                acc = accuracy(engine, test, info)
-                row["test_accuracy"] = acc
-                state.history.append({"epoch": state.epoch + 1, "step": state.step, "test_accuracy": acc,
-                                      "train_loss": epoch_loss / max(1, epoch_n)})
-                log.print(f"finetune {name}: epoch {state.epoch + 1} train loss "
-                          f"{state.history[-1]['train_loss']:.4f}, test accuracy {acc:.2f}%")
-                if last and extra:  # the other test sets: once, on the final weights
-                    state.history[-1]["extra_accuracy"] = {f: accuracy(engine, sp, info) for f, sp in extra.items()}
-                    log.print(f"finetune {name}: " + ", ".join(
-                        f"{f} {a:.2f}%" for f, a in state.history[-1]["extra_accuracy"].items()))
-                epoch_loss, epoch_n = 0.0, 0
-            log.log(state.step, **row)
-            loss_acc.zero_()
-            n_acc, ex_log, t_log = 0, 0, time.perf_counter()
-        if state.batch == len(batches):
-            state.epoch, state.batch = state.epoch + 1, 0
-            batches = epoch_batches(state.epoch)
-        state.done = last
-        if last or (cfg.engine.checkpoint_every and state.step % cfg.engine.checkpoint_every == 0) \
-                or state.step == stop_at:
-            ckpt.save(engine, ckpt_dir, state, cfg.engine.keep_checkpoints, {"stage": "finetune", "run": name})
-        if state.step == stop_at and not last:
-            log.close()
-            log.print(f"stopped at step {state.step} (--stop_at); resume with --resume")
-            return None
-    log.close()
-
-    tag = ckpt.read_latest(ckpt_dir) or ckpt.tag_for(state.step)
-    weights = eng.fp32_state_dict(engine, ckpt_dir, tag)
-    if eng.is_main():
-        clf = Classifier(cfg.model)
-        clf.load_state_dict(weights, strict=True)
+    cadence = loop.Cadence(task.total, cfg.engine.log_every, cfg.engine.checkpoint_every, eval_epochs=True,
+                           stop_at=stop_at)
+    if not loop.train(engine, task, state, cadence, plan, info, cfg.seed, log, ckpt_dir, cfg.engine.keep_checkpoints,
+                      {"stage": "finetune", "run": name}):
+        return None
+    clf = loop.final_model(engine, ckpt_dir, state, lambda: Classifier(cfg.model))
+    if clf is not None:
         final = state.history[-1] if state.history else {}
-        artifact.save(art_dir, clf, cfg, "classifier", tok, extra={
+        artifact.save(artifact_dir, clf, cfg, "classifier", tok, extra={
             "objective": None, "run": name, "steps": state.step, "epochs": len(state.history),
             "test_accuracy": final.get("test_accuracy"), "extra_accuracy": final.get("extra_accuracy"),
             "history": state.history,
-            "pretrained_from": None if pre is None else {"path": str(pre.path),
-                                                           "weights_sha256": pre.meta.get("weights_sha256"),
-                                                           "objective": pre.meta.get("objective")},
+            "pretrained_from": None if pretrained is None else {
+                "path": str(pretrained.path), "weights_sha256": pretrained.meta.get("weights_sha256"),
+                "objective": pretrained.meta.get("objective")},
         })
     return state.history
 
 
 @torch.no_grad()
-def accuracy(engine: torch.nn.Module, split: Split, info: eng.DistInfo) -> float:
+def eval_accuracy(engine: torch.nn.Module, split: Split, info: eng.DistInfo) -> float:
     """Test accuracy in percent; each rank scores a share of the batches, counts are summed over ranks."""
     engine.eval()
     correct = torch.zeros((), dtype=torch.int64, device=info.device)
     count = 0
     batches = bucket_batches(split.lengths, EVAL_BATCH, 0, 0, shuffle=False)
     for idx in batches[info.rank::info.world_size]:
-        ids, pad, labels = stage.to_device(split.batch(idx), info.device)
+        ids, pad, labels = loop.to_device(split.batch(idx), info.device)
         correct += (engine(ids, pad).argmax(dim=-1) == labels).sum()
         count += len(idx)
     engine.train()
@@ -303,7 +326,7 @@ def accuracy(engine: torch.nn.Module, split: Split, info: eng.DistInfo) -> float
 
 
 def write_compare(run_dir: Path, results: dict[str, list[dict[str, Any]]], cfg: RunConfig,
-                  pre: artifact.Artifact | None) -> None:
+                  pretrained: artifact.Artifact | None) -> None:
     """compare.csv, compare.md and compare.png: test accuracy per epoch, scratch vs pretrained."""
     s, p = results["scratch"], results["pretrained"]
     rows = [(a["epoch"], a["test_accuracy"], b["test_accuracy"]) for a, b in zip(s, p, strict=True)]
@@ -312,9 +335,9 @@ def write_compare(run_dir: Path, results: dict[str, list[dict[str, Any]]], cfg: 
     w.writerow(["epoch", "scratch_accuracy", "pretrained_accuracy", "difference"])
     w.writerows([e, f"{a:.2f}", f"{b:.2f}", f"{b - a:+.2f}"] for e, a, b in rows)
     write_text_atomic(run_dir / "compare.csv", buf.getvalue())
-    objective = pre.meta.get("objective") if pre else None
+    objective = pretrained.meta.get("objective") if pretrained else None
     md = [f"Test accuracy (%) per epoch on `{cfg.data.test}`, preset `{cfg.preset}`, seed {cfg.seed}; "
-          f"pretrained encoder: `{pre.path if pre else ''}` (objective {objective}).", "",
+          f"pretrained encoder: `{pretrained.path if pretrained else ''}` (objective {objective}).", "",
           "| epoch | from scratch | pretrained | difference |", "|---:|---:|---:|---:|"]
     md += [f"| {e} | {a:.2f} | {b:.2f} | {b - a:+.2f} |" for e, a, b in rows]
     best_s, best_p = max(r[1] for r in rows), max(r[2] for r in rows)

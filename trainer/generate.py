@@ -1,7 +1,7 @@
 """Greedy completion of prompts with a pretrained causal LM artifact (the lab's task 5).
 
 The prompt is encoded as [<sos>] + pieces (no <eos>); the most likely next token is appended until the model emits
-<eos> or the sequence reaches --max_len ids. Needs no DeepSpeed: it reads the artifact only.
+<eos> or the sequence reaches --max-len ids. Needs no DeepSpeed: it reads the artifact only.
 """
 
 from __future__ import annotations
@@ -10,21 +10,22 @@ import argparse
 
 import torch
 
-from trainer import artifact
+from trainer import artifact, cli
 from trainer.artifact import ArtifactError
 from trainer.model import LanguageModel
 from trainer.tokenizer import Tokenizer
 
 EXAMPLES = """examples:
   python -m trainer generate runs/demo/pretrain/artifact "Ce livre est"
-  python -m trainer generate runs/demo/pretrain/artifact "Il était une fois" "Je n'ai pas aimé" --max_len 40
+  python -m trainer generate runs/demo/pretrain/artifact "Il était une fois" "Je n'ai pas aimé" --max-len 40
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact", help="pretraining artifact folder (task lm, objective clm)")
     parser.add_argument("prompts", nargs="+", help="text(s) to complete")
-    parser.add_argument("--max_len", type=int, default=64, help="stop at this many ids, prompt included (default 64)")
+    parser.add_argument("--max-len", type=int, default=64, help="stop at this many ids, prompt included (default 64)")
+    cli.old_spelling(parser, "--max_len", "max_len", type=int)
 
 
 @torch.no_grad()
@@ -51,11 +52,11 @@ def main(args: argparse.Namespace) -> int:
         raise ArtifactError(f"{art.path}: a masked-LM encoder (objective mlm) was never trained to predict the next "
                             "token; generate with a clm artifact")
     if args.max_len < 3:
-        raise ValueError(f"--max_len must be >= 3, got {args.max_len}")
+        raise ValueError(f"--max-len must be >= 3, got {args.max_len}")
     model = art.model()
     tok = Tokenizer.load(art.tokenizer_dir)
     for prompt in args.prompts:
         _, new = complete(model, tok, prompt, args.max_len)
-        ended = "<eos>" if new and new[-1] == Tokenizer.EOS else f"(max_len {args.max_len})"
+        ended = "<eos>" if new and new[-1] == Tokenizer.EOS else f"(--max-len {args.max_len})"
         print(f"{prompt} \u2192 {tok.decode(new)} {ended}")
     return 0

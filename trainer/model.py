@@ -142,7 +142,7 @@ def count_parameters(module: nn.Module) -> int:
 
 
 def parameter_formula(cfg: ModelConfig, task: str) -> dict[str, int]:
-    """Closed-form trainable parameter counts (LAB.md question 3), by part."""
+    """Closed-form trainable parameter counts, by part (`python -m trainer params` checks them against the model)."""
     d, f, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
     per_layer = {
         "attention in-proj": 3 * d * d + 3 * d,

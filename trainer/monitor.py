@@ -26,20 +26,13 @@ from trainer.config import ConfigError, RunConfig
 
 def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
     """A resumed run must use the config it started with: any differing key is an error that names it."""
-    saved = config_mod.load(run_dir / "config.json").to_dict()
-    now = cfg.to_dict()
-    diff = [k for k in _flat(now) if _flat(now).get(k) != _flat(saved).get(k)]
+    saved = config_mod.flatten(config_mod.load(run_dir / "config.json").to_dict())
+    now = config_mod.flatten(cfg.to_dict())
+    diff = [k for k in now if now.get(k) != saved.get(k)]
     if diff:
-        shown = ", ".join(f"{k}: {_flat(saved).get(k)!r} -> {_flat(now).get(k)!r}" for k in diff[:8])
+        shown = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:8])
         raise ConfigError(f"{run_dir / 'config.json'}: --resume with a different config ({shown}); "
                           "pass the same --preset/--config/--set as the first run")
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return out
 
 
 def write_run_info(run_dir: Path, cfg: RunConfig, ds: dict[str, Any] | None, extra: dict[str, Any]) -> None:
@@ -57,7 +50,7 @@ def write_run_info(run_dir: Path, cfg: RunConfig, ds: dict[str, Any] | None, ext
         "device": str(eng.dist_info().device),
         "threads_per_rank": torch.get_num_threads(),
         "argv": sys.argv,
-        "versions": eng.versions(),
+        "versions": eng.package_versions(),
         **extra,
     }
     write_text_atomic(run_dir / "env.json", json.dumps(env, indent=2) + "\n")
@@ -69,7 +62,7 @@ def note(text: str) -> None:
         print(text, file=sys.stderr)
 
 
-class Metrics:
+class RunLog:
     """metrics.csv + TensorBoard + a tqdm bar, on rank 0. `log(step, **values)` appends one row."""
 
     def __init__(self, run_dir: Path, total: int, initial: int, desc: str, columns: list[str]) -> None:

@@ -1,6 +1,7 @@
 """Print the trainable parameters of the encoder with each head, per module, and the closed-form total.
 
-At the lab's size this prints 21,018,401 (language model) and 10,968,602 (classifier): LAB.md question 3.
+At the lab's size (`--preset lab`) this prints 21,018,401 (language model) and 10,968,602 (classifier); the table in
+README.md quotes both.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections import OrderedDict
 
 from torch import nn
 
-from trainer.cli import add_config_args, config_from_args
+from trainer.cli import add_config_args, config_choice
 from trainer.config import ModelConfig
 from trainer.model import build, count_parameters, parameter_formula
 
@@ -50,7 +51,7 @@ def report(cfg: ModelConfig, task: str) -> tuple[str, int, int]:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args).model
+    cfg = config_choice(args).resolve().model
     print(f"model: vocab {cfg.vocab_size:,}, d {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, "
           f"feed-forward {cfg.d_ff}, {cfg.num_classes} classes\n")
     ok = True

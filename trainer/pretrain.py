@@ -18,17 +18,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer import artifact, monitor, stage
+from trainer import artifact, cli, loop, monitor
 from trainer import checkpoint as ckpt
 from trainer import engine as eng
 from trainer.batching import bucket_batches, pad_batch
-from trainer.cli import add_config_args, config_from_args
-from trainer.config import ConfigError, ModelConfig, RunConfig
+from trainer.config import ModelConfig, RunConfig
 from trainer.corpus import Corpus, encode_corpus
 from trainer.model import LanguageModel
 from trainer.tokenizer import Tokenizer
@@ -40,18 +40,17 @@ EXAMPLES = """examples:
   python -m trainer pretrain --preset demo --out runs/demo/pretrain --resume      # after an interruption
 """
 
-MASK = Tokenizer.OOV  # the mask token is <oov> (id 3): no extra vocabulary row (COMMON.md)
+MASK = Tokenizer.OOV  # the mask token is <oov> (id 3): the served vocabulary has no <mask> row, so none is added
 EVAL_EPOCH = 1 << 30  # seeds the eval windows' MLM masks: fixed, so every eval scores the same task
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser, default_preset="demo")
-    stage.add_run_arguments(parser)
-    parser.add_argument("--tokenizer", metavar="DIR", help="use this tokenizer folder instead of building one")
+    cli.add_config_args(parser, default_preset="demo")
+    cli.add_run_arguments(parser, tokenizer_help="use this tokenizer folder instead of building one")
 
 
 def main(args: argparse.Namespace) -> int:
-    return stage.entry(run, args)
+    cli.on_every_rank(lambda: run(cli.config_choice(args).resolve(), cli.run_options(args, loop.RunOptions)))
 
 
 class LMObjective(LanguageModel):
@@ -96,19 +95,20 @@ def cut_windows(docs: np.ndarray, full_len: np.ndarray, seq_len: int, overlap: i
     return Windows(doc, start, length)
 
 
-class Batcher:
+class WindowBatcher:
     """Window ids -> padded model inputs, targets, and the count of predicted tokens (known before the forward)."""
 
     def __init__(self, corpus: Corpus, windows: Windows, objective: str, mask_prob: float, vocab: int, seed: int):
-        self.c, self.w, self.objective, self.p = corpus, windows, objective, mask_prob
+        self.corpus, self.windows, self.objective, self.mask_prob = corpus, windows, objective, mask_prob
         self.vocab, self.seed = vocab, seed
         self.full_len = corpus.lengths() + 2
 
     def ids(self, w: int) -> np.ndarray:
-        d, s, n = int(self.w.doc[w]), int(self.w.start[w]), int(self.w.length[w])
+        d, s, n = int(self.windows.doc[w]), int(self.windows.start[w]), int(self.windows.length[w])
         p = np.arange(s, s + n)  # positions in [<sos>] + pieces + [<eos>]
         f = int(self.full_len[d])
-        out = self.c.tokens[np.clip(self.c.offsets[d] + p - 1, 0, max(0, len(self.c.tokens) - 1))].astype(np.int64)
+        tokens = self.corpus.tokens
+        out = tokens[np.clip(self.corpus.offsets[d] + p - 1, 0, max(0, len(tokens) - 1))].astype(np.int64)
         out[p == 0] = Tokenizer.SOS
         out[p == f - 1] = Tokenizer.EOS
         return out
@@ -116,11 +116,12 @@ class Batcher:
     def n_predicted(self, batch: list[int]) -> int:
         """Predicted tokens of a set of windows (clm: length - 1; mlm: round(15%) of the non-special tokens)."""
         w = np.asarray(batch, dtype=np.int64)
-        n = self.w.length[w]
+        n = self.windows.length[w]
         if self.objective == "clm":
             return int((n - 1).sum())
-        real = n - (self.w.start[w] == 0) - (self.w.start[w] + n == self.full_len[self.w.doc[w]])
-        return int(np.where(real > 0, np.maximum(1, np.rint(real * self.p)), 0).sum())
+        start = self.windows.start[w]
+        real = n - (start == 0) - (start + n == self.full_len[self.windows.doc[w]])
+        return int(np.where(real > 0, np.maximum(1, np.rint(real * self.mask_prob)), 0).sum())
 
     def make(self, batch: list[int], epoch: int) -> tuple[torch.Tensor, ...]:
         """(input_ids (B, T), padding_mask (B, T), positions (N,), targets (N,))."""
@@ -147,7 +148,7 @@ class Batcher:
         cand = np.flatnonzero((x != Tokenizer.SOS) & (x != Tokenizer.EOS))
         if len(cand) == 0:
             return x, np.zeros(0, np.int64), np.zeros(0, np.int64)
-        k = max(1, int(np.rint(len(cand) * self.p)))
+        k = max(1, int(np.rint(len(cand) * self.mask_prob)))
         chosen = np.sort(rng.choice(cand, size=k, replace=False))
         target = x[chosen].copy()
         x = x.copy()
@@ -168,26 +169,53 @@ def obtain_corpus(cfg: RunConfig, tok: Tokenizer, run_dir: Path) -> Corpus:
     return Corpus.load(path, fingerprint=tok.fingerprint)
 
 
-# ---------------------------------------------------------------------------------------------- loop
+# ---------------------------------------------------------------------------------------------- run
 
 
-def run(args: argparse.Namespace) -> None:
-    cfg = config_from_args(args)
+@dataclass
+class PretrainTask:
+    """The loop's view of pretraining (trainer/loop.py's Task): windows in, next-token or masked-token loss out."""
+
+    cfg: RunConfig
+    windows: Windows  # the training windows
+    train: WindowBatcher
+    held_out: WindowBatcher
+    plan: eng.BatchPlan
+    info: eng.DistInfo
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        return loop.full_batches(bucket_batches(self.windows.length, self.plan.global_batch, self.cfg.seed, epoch),
+                                 self.plan)
+
+    def inputs(self, part: list[int], epoch: int) -> tuple[torch.Tensor, ...]:
+        return self.train.make(part, epoch)
+
+    def denominator(self, batch: list[int]) -> int:
+        return self.train.n_predicted(batch)
+
+    def seen(self, batch: list[int]) -> int:
+        return int(self.windows.length[batch].sum())  # window tokens of the global batch (all ranks)
+
+    def report(self, engine: Any, state: ckpt.LoopState, interval: loop.Interval, evaluate: bool) -> dict[str, Any]:
+        row: dict[str, Any] = {"epoch": state.epoch, "loss": interval.loss, "ppl": _ppl(interval.loss),
+                               "lr": eng.current_lr(engine), "tokens_per_s": interval.tokens_per_s,
+                               "elapsed_s": interval.elapsed_s}
+        if evaluate:
+            row["eval_loss"] = eval_loss(engine, self.held_out, self.plan, self.info)
+            row["eval_ppl"] = _ppl(row["eval_loss"])
+            state.history.append({"step": state.step, "loss": interval.loss, "eval_loss": row["eval_loss"]})
+        return row
+
+
+def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
+    """Pretrain into `opts.out`; returns the artifact folder (None on ranks > 0, or when stopped by stop_at)."""
     pc = cfg.pretrain
-    run_dir, ckpt_dir = Path(args.out), Path(args.out) / "checkpoints"
+    run_dir, ckpt_dir = opts.out, opts.out / "checkpoints"
     info = eng.init_distributed()
-    resume_tag = None
-    if args.resume:
-        if not (run_dir / "config.json").is_file():
-            raise ckpt.CheckpointError(f"nothing to resume: {run_dir / 'config.json'} not found")
-        monitor.check_resume_config(run_dir, cfg)
-        resume_tag = ckpt.find(ckpt_dir, args.resume)
-    else:
-        ckpt.refuse_overwrite(ckpt_dir)
-    if cfg.model.max_positions < pc.seq_len:
-        raise ConfigError(f"pretrain.seq_len={pc.seq_len} exceeds model.max_positions={cfg.model.max_positions}")
-    ds, plan = eng.ds_config(cfg, "pretrain", info.world_size, args.deepspeed_config or cfg.engine.deepspeed_config)
-    tok = stage.obtain_tokenizer(cfg, run_dir, args.tokenizer)
+    (resume_tag,) = loop.resume_tags(run_dir, cfg, [ckpt_dir], opts.resume)
+    ds, plan = eng.ds_config(cfg, "pretrain", info.world_size, opts.deepspeed_config or cfg.engine.deepspeed_config)
+    cli.check_out(run_dir)  # every rank writes its checkpoint shards there
+    tok = loop.run_tokenizer(cfg, run_dir, opts.tokenizer)
     corpus = obtain_corpus(cfg, tok, run_dir)
 
     # Held-out slice: the last documents. Windows: clm overlaps them by one token (see module docstring).
@@ -196,16 +224,12 @@ def run(args: argparse.Namespace) -> None:
     overlap = 1 if pc.objective == "clm" else 0
     train_w = cut_windows(np.arange(len(corpus) - n_eval), full_len, pc.seq_len, overlap)
     eval_w = cut_windows(np.arange(len(corpus) - n_eval, len(corpus)), full_len, pc.seq_len, overlap)
-    train_b = Batcher(corpus, train_w, pc.objective, pc.mask_prob, tok.vocab_size, cfg.seed)
-    eval_b = Batcher(corpus, eval_w, pc.objective, pc.mask_prob, tok.vocab_size, cfg.seed)
-
-    def epoch_batches(epoch: int) -> list[list[int]]:
-        return stage.usable(bucket_batches(train_w.length, plan.global_batch, cfg.seed, epoch), plan)
-
-    per_epoch = len(epoch_batches(0))
-    if per_epoch == 0:
-        raise ConfigError(f"{len(train_w.doc)} training windows cannot fill one global batch of {plan.global_batch}")
-    total = pc.max_steps or pc.epochs * per_epoch
+    task = PretrainTask(cfg, train_w, WindowBatcher(corpus, train_w, pc.objective, pc.mask_prob, tok.vocab_size,
+                                                    cfg.seed),
+                        WindowBatcher(corpus, eval_w, pc.objective, pc.mask_prob, tok.vocab_size, cfg.seed),
+                        plan, info)
+    per_epoch, total = loop.steps_of(task, pc.epochs, pc.max_steps, f"{len(train_w.doc)} training windows",
+                                     plan.global_batch)
     monitor.write_run_info(run_dir, cfg, ds, {"stage": "pretrain", "documents": len(corpus), "tokens": corpus.n_tokens,
                                               "train_windows": len(train_w.doc), "eval_windows": len(eval_w.doc),
                                               "steps": total, "global_batch": plan.global_batch})
@@ -215,89 +239,41 @@ def run(args: argparse.Namespace) -> None:
     state = ckpt.LoopState()
     if resume_tag:
         state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
-    meta = {"stage": "pretrain", "objective": pc.objective}
-    log = monitor.Metrics(run_dir, total, state.step, f"pretrain {pc.objective}",
-                          ["epoch", "loss", "ppl", "lr", "tokens_per_s", "eval_loss", "eval_ppl", "elapsed_s"])
+    log = monitor.RunLog(run_dir, total, state.step, f"pretrain {pc.objective}",
+                         ["epoch", "loss", "ppl", "lr", "tokens_per_s", "eval_loss", "eval_ppl", "elapsed_s"])
     log.print(f"pretrain {pc.objective}: {len(corpus):,} documents, {corpus.n_tokens:,} pieces, {len(train_w.doc):,} "
               f"windows ({per_epoch:,} global batches of {plan.global_batch}/epoch), {total:,} steps, "
               f"world {info.world_size}, ZeRO {cfg.engine.zero_stage}, {cfg.engine.precision}"
               + (f", resumed at step {state.step}" if resume_tag else ""))
 
     t0 = time.perf_counter()
-    t_log, tok_log = t0, 0  # this process's real input tokens since the last log line
-    loss_acc = torch.zeros((), device=info.device)  # summed loss since the last log (stays on device: no sync)
-    n_acc = 0  # predicted tokens (all ranks) since the last log
-    batches = epoch_batches(state.epoch)
-    while state.step < total and not state.done:
-        if state.batch >= len(batches):
-            state.epoch, state.batch = state.epoch + 1, 0
-            batches = epoch_batches(state.epoch)
-        batch = batches[state.batch]
-        n_global = train_b.n_predicted(batch)  # the whole global batch's count: every rank knows it
-        for micro, part in enumerate(stage.slots(batch, plan)[info.rank::plan.world_size]):
-            ids, pad, pos, tgt = train_b.make(part, state.epoch)
-            tok_log += ids.numel() - int(pad.sum())  # CPU tensors: no device sync
-            ids, pad, pos, tgt = stage.to_device((ids, pad, pos, tgt), info.device)
-            stage.seed_micro_step(cfg.seed, state.step, micro, info.rank)
-            loss = engine(ids, pad, pos, tgt)
-            # DeepSpeed averages gradients over ranks: scale so the gradient is that of sum / n_global.
-            engine.backward(loss * (plan.world_size / max(1, n_global)), scale_wrt_gas=False)
-            engine.step()
-            loss_acc += loss.detach()
-        n_acc += n_global
-        state.step, state.batch = state.step + 1, state.batch + 1
-        state.tokens += int(train_w.length[batch].sum())  # window tokens of the global batch (all ranks)
-        log.advance()
-        last = state.step == total
-        eval_now = last or (pc.eval_every and state.step % pc.eval_every == 0)
-        if state.step % cfg.engine.log_every == 0 or last or eval_now:
-            (loss_sum,) = eng.all_reduce_sum([float(loss_acc)])  # the one host-device sync, at log intervals
-            mean = loss_sum / max(1, n_acc)
-            now = time.perf_counter()
-            row = {"epoch": state.epoch, "loss": mean, "ppl": _ppl(mean), "lr": eng.current_lr(engine),
-                   "tokens_per_s": tok_log / max(1e-9, now - t_log), "elapsed_s": now - t0}
-            if eval_now:
-                row["eval_loss"] = evaluate(engine, eval_b, plan, info)
-                row["eval_ppl"] = _ppl(row["eval_loss"])
-                state.history.append({"step": state.step, "loss": mean, "eval_loss": row["eval_loss"]})
-            log.log(state.step, **row)
-            loss_acc.zero_()
-            n_acc, tok_log, t_log = 0, 0, time.perf_counter()
-        if last:
-            state.done = True
-        if last or (cfg.engine.checkpoint_every and state.step % cfg.engine.checkpoint_every == 0) \
-                or state.step == args.stop_at:
-            tag = ckpt.save(engine, ckpt_dir, state, cfg.engine.keep_checkpoints, meta)
-        if state.step == args.stop_at and not last:
-            log.close()
-            log.print(f"stopped at step {state.step} (--stop_at); checkpoint {ckpt_dir / tag}")
-            return
-    log.close()
-
-    tag = ckpt.read_latest(ckpt_dir) or ckpt.tag_for(state.step)
-    weights = eng.fp32_state_dict(engine, ckpt_dir, tag)
-    if eng.is_main():
-        lm = LanguageModel(cfg.model)
-        lm.load_state_dict(weights, strict=True)
-        final = {"loss": float("nan"), "eval_loss": float("nan"), **(state.history[-1] if state.history else {})}
-        out = artifact.save(run_dir / "artifact", lm, cfg, "lm", tok, extra={
-            "objective": pc.objective, "steps": state.step, "tokens": state.tokens,
-            "train_loss": final.get("loss"), "eval_loss": final.get("eval_loss"), "world_size": info.world_size,
-        })
-        wall = time.perf_counter() - t0
-        print(f"pretrain {pc.objective}: {state.step} steps, loss {final['loss']:.4f}, eval loss "
-              f"{final['eval_loss']:.4f} (perplexity {_ppl(final['eval_loss']):.1f}), "
-              f"{wall:.0f} s this session; artifact: {out}", file=sys.stdout)
+    cadence = loop.Cadence(total, cfg.engine.log_every, cfg.engine.checkpoint_every, eval_every=pc.eval_every,
+                           stop_at=opts.stop_at)
+    if not loop.train(engine, task, state, cadence, plan, info, cfg.seed, log, ckpt_dir, cfg.engine.keep_checkpoints,
+                      {"stage": "pretrain", "objective": pc.objective}):
+        return None
+    lm = loop.final_model(engine, ckpt_dir, state, lambda: LanguageModel(cfg.model))
+    if lm is None:
+        return None
+    final = {"loss": float("nan"), "eval_loss": float("nan"), **(state.history[-1] if state.history else {})}
+    out = artifact.save(run_dir / "artifact", lm, cfg, "lm", tok, extra={
+        "objective": pc.objective, "steps": state.step, "tokens": state.tokens,
+        "train_loss": final.get("loss"), "eval_loss": final.get("eval_loss"), "world_size": info.world_size,
+    })
+    print(f"pretrain {pc.objective}: {state.step} steps, loss {final['loss']:.4f}, eval loss "
+          f"{final['eval_loss']:.4f} (perplexity {_ppl(final['eval_loss']):.1f}), "
+          f"{time.perf_counter() - t0:.0f} s this session; artifact: {out}", file=sys.stdout)
+    return out
 
 
 @torch.no_grad()
-def evaluate(engine: torch.nn.Module, batcher: Batcher, plan: eng.BatchPlan, info: eng.DistInfo) -> float:
+def eval_loss(engine: torch.nn.Module, batcher: WindowBatcher, plan: eng.BatchPlan, info: eng.DistInfo) -> float:
     """Mean loss per predicted token on the held-out windows (each rank scores a share; summed over ranks)."""
     engine.eval()
     total, count = torch.zeros((), dtype=torch.float64, device=info.device), 0  # summed on the device: one sync
-    batches = bucket_batches(batcher.w.length, plan.micro_batch, batcher.seed, 0, shuffle=False)
+    batches = bucket_batches(batcher.windows.length, plan.micro_batch, batcher.seed, 0, shuffle=False)
     for batch in batches[info.rank::info.world_size]:
-        ids, pad, pos, tgt = stage.to_device(batcher.make(batch, EVAL_EPOCH), info.device)
+        ids, pad, pos, tgt = loop.to_device(batcher.make(batch, EVAL_EPOCH), info.device)
         total += engine(ids, pad, pos, tgt).double()
         count += len(tgt)
     engine.train()

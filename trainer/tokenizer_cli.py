@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
-from trainer.cli import add_config_args, config_from_args
+from trainer.cli import add_config_args, check_out, config_choice
 from trainer.tokenizer import build_tokenizer
 
 EXAMPLES = """examples:
@@ -23,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    cfg = config_choice(args).resolve()
+    check_out(Path(args.out).parent, "the folder of --out")
     t0 = time.perf_counter()
     tok = build_tokenizer(cfg)
     tok.save(args.out)

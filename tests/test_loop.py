@@ -1,0 +1,51 @@
+"""trainer/loop.py in-process: when the cadence logs, evaluates, checkpoints and stops, and the typed run options.
+The loop itself runs in every training test (tests/test_training.py); resumed == uninterrupted is checked there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainer.config import ConfigError
+from trainer.loop import Cadence, RunOptions, order_digest
+
+
+def steps(cadence: Cadence, question: str, epoch_ends: frozenset[int] = frozenset()) -> list[int]:
+    ask = getattr(cadence, question)
+    if question in ("evaluate", "log"):
+        return [s for s in range(1, cadence.total + 1) if ask(s, s in epoch_ends)]
+    return [s for s in range(1, cadence.total + 1) if ask(s)]
+
+
+def test_pretraining_cadence() -> None:
+    """Eval every 4 steps and at the end; a log row at every 3rd step and with every eval; checkpoints every 5
+    steps, at the end and at the stop step."""
+    c = Cadence(total=10, log_every=3, checkpoint_every=5, eval_every=4, stop_at=7)
+    assert steps(c, "evaluate", frozenset({6})) == [4, 8, 10]  # epoch ends do not evaluate pretraining
+    assert steps(c, "log") == [3, 4, 6, 8, 9, 10]
+    assert steps(c, "checkpoint") == [5, 7, 10]
+    assert steps(c, "stop") == [7]
+
+
+def test_finetuning_cadence_scores_every_epoch() -> None:
+    c = Cadence(total=12, log_every=5, eval_epochs=True)
+    assert steps(c, "evaluate", frozenset({4, 8, 12})) == [4, 8, 12]
+    assert steps(c, "log", frozenset({4, 8, 12})) == [4, 5, 8, 10, 12]
+    assert steps(c, "checkpoint") == [12] and steps(c, "stop") == []
+
+
+def test_stopping_at_the_last_step_is_finishing() -> None:
+    c = Cadence(total=6, log_every=10, stop_at=6)
+    assert steps(c, "stop") == [] and steps(c, "checkpoint") == [6] and steps(c, "log") == [6]
+
+
+def test_run_options_are_checked() -> None:
+    assert RunOptions(Path("run")).stop_at == 0
+    with pytest.raises(ConfigError, match="--stop-at must be >= 0"):
+        RunOptions(Path("run"), stop_at=-1)
+
+
+def test_order_digest_tells_orders_apart() -> None:
+    assert order_digest([[3, 1], [4]]) == order_digest([[3, 1], [4]])
+    assert len({order_digest([[3, 1], [4]]), order_digest([[1, 3], [4]]), order_digest([[3], [1, 4]])}) == 3
