@@ -56,6 +56,13 @@ class Cancelled(ServingError):
     code = "CANCELLED"
 
 
+class BodyTimeout(ServingError):
+    """A request message did not arrive within body_timeout_s of its call's start: the call was cancelled (its
+    client sees CANCELLED)."""
+
+    code = "CANCELLED"
+
+
 class BundleError(ValueError):
     """A model bundle is missing, incomplete, corrupt or tampered with; the message names the file."""
 

@@ -2,7 +2,7 @@
 
 Input "TEXT": BYTES, shape [n] or [n, 1], UTF-8 texts, carried either in raw_input_contents (each element
 prefixed by its byte length as a little-endian uint32, what tritonclient sends) or in contents.bytes_contents.
-Outputs (all unless the request names some): "probabilities" FP32 [n, C], "label" BYTES [n],
+Outputs (all unless the request names some, each at most once): "probabilities" FP32 [n, C], "label" BYTES [n],
 "token_count" INT32 [n], "truncated" BOOL [n]; returned in raw_output_contents, as Triton does.
 """
 
@@ -103,12 +103,15 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._check_model(request.model_name, request.model_version)
         texts = self._texts(request)
         wanted = [o.name for o in request.outputs] or list(OUTPUTS)
-        for o in request.outputs:
+        for o in request.outputs:  # all checked before computing: a request's answer holds each output once
             if o.name not in OUTPUTS:
                 raise InvalidInput(f"unknown output {o.name!r}; outputs: {list(OUTPUTS)}")
             if "classification" in o.parameters:
                 raise InvalidInput(f"output {o.name!r}: the classification extension is not supported; "
                                    "read 'label' and 'probabilities'")
+        if len(set(wanted)) != len(wanted):
+            twice = sorted({name for name in wanted if wanted.count(name) > 1})
+            raise InvalidInput(f"outputs {twice} requested more than once; name each output at most once")
         preds = self.core.classify(texts, deadline_of(context), cancelled_of(context))
         n, C = len(preds), len(self.core.predictor.labels)
         tensors = {
