@@ -1,0 +1,314 @@
+"""Hostile clients against the real server (docs/RELIABILITY.md, "Attacks"): each test is one attack, built by hand
+where a library client would behave (tests/hostile.py: HTTP/2 streams that never send their body, connections that
+never read their answers; raw sockets that half-send HTTP requests).
+
+  - half-open unauthenticated streams, more than every limit, on plain text and TLS: health says SERVING and an
+    authorised Classify answers within 1 s while they are held;
+  - without a token (auth off): the body timeout frees the held slots, and health answers throughout; the same
+    attack against health itself leaves the health port answering;
+  - unread answers: duplicated outputs are refused before computing, answers held for clients are bounded, and
+    RSS is back within 10% of its level before the attack once the client has gone;
+  - Health/List answers, and 200 internal errors write a bounded log;
+  - the metrics endpoint: /metrics only, half-sent requests closed, ports checked before anything listens,
+    its own host;
+  - reflection v1 with a real reflection client (yagrc).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import struct
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hostile import HalfOpen, Unread
+from serving_fixtures import ServerProcess, certs, running_server, secure_channel, target, wait_until
+
+from serving.gen.inference import grpc_service_pb2 as kpb
+from serving.gen.inference import grpc_service_pb2_grpc as kpb_grpc
+from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
+from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
+from serving.server import SentimentServer
+
+__all__ = ["certs"]  # the fixture, imported for the TLS case
+
+TOKEN = "attack-token-0123456789abcdef"
+GOOD = [("authorization", f"Bearer {TOKEN}")]
+CLASSIFY = "/sentiment.v1.SentimentService/Classify"
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+CHECK = "/grpc.health.v1.Health/Check"
+OK, RESOURCE_EXHAUSTED, UNAUTHENTICATED, INVALID_ARGUMENT = "0", "8", "16", "3"
+
+
+def _health_and_classify(channel: grpc.Channel, metadata: list[tuple[str, str]] | None) -> float:
+    """Health says SERVING and a Classify is answered; returns the Classify's latency in seconds."""
+    status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    start = time.monotonic()
+    answer = pb_grpc.SentimentServiceStub(channel).Classify(pb.ClassifyRequest(texts=["Un bon livre."]), timeout=5,
+                                                            metadata=metadata)
+    assert len(answer.results) == 1
+    return time.monotonic() - start
+
+
+# ------------------------------------------------------------------------------------- denial of service
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
+def test_half_open_unauthenticated_streams_hold_nothing(tiny_bundle: Path, certs: dict[str, Path],
+                                                        tls: bool) -> None:
+    """6 connections x 100 streams (the per-connection limit), headers only, no token, no deadline: 600 calls,
+    more than the model slots (4), the threads (12), the health threads (2) and gRPC's backstop (526). Each is
+    refused UNAUTHENTICATED from its metadata, without waiting for its body; while the connections stay open,
+    health says SERVING and an authorised Classify answers within 1 s."""
+    options = {"tls_cert": str(certs["server"]), "tls_key": str(certs["server_key"])} if tls else {}
+    with running_server(tiny_bundle, device="cpu", auth_token=TOKEN, max_workers=4, health_workers=2,
+                        body_timeout_s=600, **options) as s:
+        channel = secure_channel(s, certs) if tls else grpc.insecure_channel(target(s))
+        _health_and_classify(channel, GOOD)
+        attackers = [HalfOpen(s.port, CLASSIFY if i % 2 else INFER, 100, tls_ca=certs["ca"] if tls else None)
+                     for i in range(6)]
+        try:
+            for a in attackers:
+                assert a.wait(lambda a=a: a.open_count == 0, 30), f"{a.open_count} streams still held"
+                assert set(a.ended.values()) == {UNAUTHENTICATED}, Counter(a.ended.values())
+            assert not any(a.closed.is_set() for a in attackers)  # the attacker still holds its connections
+            for _ in range(3):
+                assert _health_and_classify(channel, GOOD) < 1.0
+        finally:
+            for a in attackers:
+                a.close()
+        refused = sum(s.metrics.registry.get_sample_value("sentiment_requests_total", {"method": m.lstrip("/"),
+                      "code": "UNAUTHENTICATED"}) or 0 for m in (CLASSIFY, INFER))
+        assert refused == 600
+
+
+def test_without_a_token_the_body_timeout_frees_half_open_streams(tiny_bundle: Path) -> None:
+    """Auth off: every caller is authorised, so half-open streams take model slots. The bounds: at most
+    max_streams_per_connection per connection (the rest reset by HTTP/2), slots held at most body_timeout_s,
+    health on threads of its own. Health answers throughout; once the body timeout has cancelled the held calls,
+    Classify answers again."""
+    with running_server(tiny_bundle, device="cpu", max_workers=4, health_workers=2, body_timeout_s=3,
+                        max_streams_per_connection=16) as s, grpc.insecure_channel(target(s)) as channel:
+        _health_and_classify(channel, None)
+        attackers = [HalfOpen(s.port, CLASSIFY, 40) for _ in range(2)]
+        try:
+            for a in attackers:  # past the per-connection limit, streams are reset at once
+                assert a.wait(lambda a=a: sum(v.startswith("RST") for v in a.ended.values()) >= 24, 20)
+                assert a.max_streams == 16
+            wait_until(lambda: s.gate.model_slots.used == 4, what="the 4 model slots taken by the attacker")
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            for a in attackers:
+                assert a.wait(lambda a=a: a.open_count == 0, 30), "the body timeout did not end the held streams"
+            assert _health_and_classify(channel, None) < 1.0
+            assert s.metrics.registry.get_sample_value("sentiment_body_timeouts_total") >= 4
+        finally:
+            for a in attackers:
+                a.close()
+
+
+def test_the_health_port_answers_while_health_on_the_main_port_is_held(tiny_bundle: Path) -> None:
+    """Health is open without a token, so half-open health calls can fill its threads on the main port; the health
+    port (what probes should target) has threads and limits of its own."""
+    with running_server(tiny_bundle, device="cpu", health_workers=2, health_port=0, body_timeout_s=600) as s:
+        attacker = HalfOpen(s.port, CHECK, 50)
+        try:
+            wait_until(lambda: s.gate.health_slots.used == 2, what="the main port's health threads held")
+            with grpc.insecure_channel(f"127.0.0.1:{s.health_port}") as probe:
+                start = time.monotonic()
+                status = health_pb2_grpc.HealthStub(probe).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                assert status == health_pb2.HealthCheckResponse.SERVING and time.monotonic() - start < 1.0
+                statuses = health_pb2_grpc.HealthStub(probe).List(health_pb2.HealthListRequest(), timeout=5).statuses
+                assert set(statuses) == {"", "sentiment.v1.SentimentService", "inference.GRPCInferenceService"}
+                with pytest.raises(grpc.RpcError) as info:  # only health there
+                    pb_grpc.SentimentServiceStub(probe).Classify(pb.ClassifyRequest(texts=["x"]), timeout=5)
+                assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            attacker.close()
+
+
+# ------------------------------------------------------------------------------------- memory per call
+
+
+def _infer(n: int, outputs: int = 0) -> kpb.ModelInferRequest:
+    req = kpb.ModelInferRequest(model_name="sentiment")
+    req.inputs.add(name="TEXT", datatype="BYTES", shape=[n])
+    req.raw_input_contents.append(b"".join(struct.pack("<I", 9) + b"bien bien" for _ in range(n)))
+    for _ in range(outputs):
+        req.outputs.add(name="probabilities")
+    return req
+
+
+def _rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+
+
+def test_unread_answers_are_bounded_and_memory_returns_after_the_client_leaves(tiny_bundle: Path) -> None:
+    """A real server subprocess, warmed up by 96 ordinary calls from 32 callers (its threads and allocator at their
+    working size). Then one connection that never reads: 100 ModelInfer calls that list 'probabilities' 7,400
+    times (a 3.8 MB answer each before the fix: 92 -> 827 MiB RSS, 471 MiB after the client left), then 100 calls
+    of 512 texts (13 KB answers) against a 1 MiB budget of answers in flight. The first are refused before
+    computing, the second are answered or refused past the budget; after the client has gone, RSS is back within
+    10% of its level before the attack within 30 s."""
+    n = 512
+    server = ServerProcess(tiny_bundle, "--device", "cpu", "--max-workers", "32", "--max-texts", str(n),
+                           "--max-queue", str(32 * n), "--max-message-bytes", str(1 << 20),
+                           "--max-response-bytes-in-flight", str(1 << 20))
+    try:
+        port = server.wait_listening()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, ThreadPoolExecutor(32) as pool:
+            stub = kpb_grpc.GRPCInferenceServiceStub(channel)
+            sizes = list(pool.map(lambda _: stub.ModelInfer(_infer(n), timeout=120).ByteSize(), range(96)))
+        assert min(sizes) > 12_000
+        before = _rss_mib(server.proc.pid)
+        for request, allowed in ((_infer(64, 7400), {INVALID_ARGUMENT}), (_infer(n), {RESOURCE_EXHAUSTED})):
+            attacker = Unread(port)
+            message = request.SerializeToString()
+            streams = [attacker.call(INFER, message) for _ in range(100)]
+            if allowed == {INVALID_ARGUMENT}:
+                assert attacker.wait(lambda a=attacker: len(a.ended) == 100, 60), len(attacker.ended)
+            else:  # answered calls stay open (their answer unread); the others are refused past the budget
+                assert attacker.wait(lambda a=attacker: len(a.ended) >= 100 - (1 << 20) // min(sizes), 60)
+            assert set(attacker.ended.values()) <= allowed, Counter(attacker.ended.values())
+            assert len(streams) == 100
+            attacker.close()
+        assert server.proc.poll() is None
+        deadline = time.monotonic() + 30
+        while (rss := _rss_mib(server.proc.pid)) > 1.1 * before and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert rss <= 1.1 * before, f"RSS {rss:.1f} MiB > 110% of {before:.1f} MiB before the attack"
+    finally:
+        server.close()
+
+
+# ------------------------------------------------------------------------------------- errors and logs
+
+
+def test_health_list_answers(tiny_bundle: Path) -> None:
+    with running_server(tiny_bundle, device="cpu") as s, grpc.insecure_channel(target(s)) as channel:
+        statuses = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5).statuses
+        assert {name: v.status for name, v in statuses.items()} == {
+            name: health_pb2.HealthCheckResponse.SERVING
+            for name in ("", "sentiment.v1.SentimentService", "inference.GRPCInferenceService")}
+
+
+def test_200_internal_errors_write_a_bounded_log(tiny_bundle: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """onnxruntime failing on every run (a fault injected around the real infer): every call answers INTERNAL, and
+    the log holds a few tracebacks and a count, not 200 of them (97 KB before)."""
+    with running_server(tiny_bundle, device="cpu") as s, grpc.insecure_channel(target(s)) as channel:
+        def broken(rows: object) -> object:
+            raise RuntimeError("onnxruntime failed (injected)")
+
+        s.batcher.infer = broken
+        stub = pb_grpc.SentimentServiceStub(channel)
+        caplog.clear()
+        with caplog.at_level(logging.ERROR):
+            for i in range(200):
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Classify(pb.ClassifyRequest(texts=[f"texte {i}"]), timeout=10)
+                assert info.value.code() == grpc.StatusCode.INTERNAL
+        logged = sum(len(r.getMessage()) + len(r.exc_text or caplog.handler.format(r)) for r in caplog.records)
+        assert 1 <= len(caplog.records) <= 3 and logged < 10_000, (len(caplog.records), logged)
+        assert s.metrics.registry.get_sample_value("sentiment_suppressed_tracebacks_total") == 200 - len(
+            caplog.records)
+
+
+# ------------------------------------------------------------------------------------- metrics endpoint
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+
+
+def test_metrics_endpoint_serves_metrics_only_and_closes_half_sent_requests(tiny_bundle: Path) -> None:
+    with running_server(tiny_bundle, device="cpu", metrics_port=0) as s:
+        base = f"http://127.0.0.1:{s.metrics_port}"
+        status, page = _get(f"{base}/metrics")
+        assert status == 200 and "process_resident_memory_bytes" in page
+        for path in ("/", "/v2/health/ready", "/v2/health/live", "/metrics/x", "/favicon.ico"):
+            assert _get(base + path)[0] == 404, path
+        # 300 requests whose headers never end: each connection is closed by the server within its header timeout
+        half = []
+        for _ in range(300):
+            sock = socket.create_connection(("127.0.0.1", s.metrics_port), timeout=30)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            half.append(sock)
+        try:
+            for sock in half:
+                try:
+                    while sock.recv(1024):  # anything sent back, then the end: the server closed it
+                        pass
+                except ConnectionResetError:
+                    pass
+        finally:
+            for sock in half:
+                sock.close()
+        assert _get(f"{base}/metrics")[0] == 200
+
+
+@pytest.mark.parametrize("taken", ["--port", "--metrics-port", "--health-port"])
+def test_a_taken_port_exits_2_before_anything_listens(tiny_bundle: Path, taken: str) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        args = {"--port": "0", "--metrics-port": "0", "--health-port": "0", taken: str(port)}
+        server = ServerProcess(tiny_bundle, "--device", "cpu", *[x for kv in args.items() for x in kv])
+        rc = server.wait_exit(60)
+    lines = [line for line in server.log.splitlines() if "error" in line]
+    assert rc == 2 and len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], server.log
+    assert "listening" not in server.log and "Traceback" not in server.log
+
+
+def test_metrics_host_is_its_own(tiny_bundle: Path) -> None:
+    """Metrics on 127.0.0.2 (another loopback address), gRPC on 127.0.0.1: each answers only on its own."""
+    with running_server(tiny_bundle, device="cpu", metrics_port=0, metrics_host="127.0.0.2") as s:
+        assert _get(f"http://127.0.0.2:{s.metrics_port}/metrics")[0] == 200
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=5)
+
+
+# ------------------------------------------------------------------------------------- reflection
+
+
+def test_reflection_v1_with_a_real_reflection_client(server_for_reflection: SentimentServer) -> None:
+    """yagrc asks grpc.reflection.v1 first (and v1alpha only after UNIMPLEMENTED): the server's own count shows
+    that v1 answered; the reflected types then make a real Classify call."""
+    from yagrc import reflector
+
+    with grpc.insecure_channel(target(server_for_reflection)) as channel:
+        services = set(reflector.list_services(channel))
+        assert {"sentiment.v1.SentimentService", "inference.GRPCInferenceService", "grpc.health.v1.Health",
+                "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= services
+        client = reflector.GrpcReflectionClient()
+        client.load_protocols(channel, symbols=["sentiment.v1.SentimentService"])
+        request_type = client.message_class("sentiment.v1.ClassifyRequest")
+        stub = client.service_stub_class("sentiment.v1.SentimentService")(channel)
+        assert len(stub.Classify(request_type(texts=["Réfléchi."]), timeout=10).results) == 1
+    registry = server_for_reflection.metrics.registry
+    v1 = registry.get_sample_value("sentiment_requests_total", {
+        "method": "grpc.reflection.v1.ServerReflection/ServerReflectionInfo", "code": "OK"})
+    assert v1 and v1 >= 2
+    assert registry.get_sample_value("sentiment_requests_total", {
+        "method": "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "code": "OK"}) is None
+
+
+@pytest.fixture
+def server_for_reflection(tiny_bundle: Path):
+    with running_server(tiny_bundle, device="cpu") as s:
+        yield s
