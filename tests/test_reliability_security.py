@@ -28,11 +28,10 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from serving_fixtures import REPO_ROOT, certs, reviews, running_server, target
+from serving_fixtures import REPO_ROOT, reviews, running_server, target
 from serving_fixtures import secure_channel as _secure
 
 from serving.client import SentimentClient
-
 from serving.errors import BundleError
 from serving.gen.inference import grpc_service_pb2 as kpb
 from serving.gen.inference import grpc_service_pb2_grpc as kpb_grpc
