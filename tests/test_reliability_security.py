@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from serving_fixtures import REPO_ROOT, reviews, running_server, target
+from serving_fixtures import REPO_ROOT, certs, reviews, running_server, target
 from serving_fixtures import secure_channel as _secure
 
 from serving.client import SentimentClient
@@ -40,6 +40,8 @@ from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 from serving.kserve import decode_bytes, encode_bytes
 from serving.predictor import Predictor
 from serving.server import SentimentServer
+
+__all__ = ["certs"]  # the session fixture of tests/serving_fixtures.py, used by the TLS tests
 
 TOKEN = "reliability-token-0123456789abcdef"
 
