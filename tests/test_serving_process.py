@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from serving_fixtures import REPO_ROOT, ServerProcess, reviews, running_server, target
+from serving_fixtures import REPO_ROOT, ServerProcess, reviews, running_server, target, wait_until
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
@@ -53,7 +53,7 @@ def test_sigterm_under_load_completes_accepted_requests_and_exits_0(tiny_bundle:
         threads = [threading.Thread(target=hammer) for _ in range(12)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
+        wait_until(lambda: len(outcomes) >= len(threads), 60, what="answers to the callers")  # load is flowing
         sigterm_at = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         for t in threads:
