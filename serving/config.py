@@ -20,9 +20,9 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus exporter port (0 = any free port, None = off); the CLI's
     # default is 8002, the port Triton serves its metrics on (9090 is Prometheus' own port)
     metrics_host: str | None = None  # bind address of the metrics exporter (None = `host`)
-    health_port: int | None = None  # a second, plain-text listener serving only grpc.health.v1 (own threads and
-    # limits; 0 = any free port, None = off): what Kubernetes' gRPC probes (which speak no TLS) should target.
-    # grpc.health.v1 stays on `port` too
+    health_port: int | None = None  # a second, plain-text listener serving only grpc.health.v1, by an asyncio
+    # server whose half-open calls hold no thread (serving/health_port.py; 0 = any free port, None = off): what
+    # Kubernetes' gRPC probes (which speak no TLS) should target. grpc.health.v1 stays on `port` too
     # Model
     model_name: str = "sentiment"  # the model's name in KServe v2 requests and in metadata
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when it really loads, else CPU
@@ -57,7 +57,10 @@ class ServerConfig:
     # Hostile clients: per-call and per-connection bounds (serving/gate.py, docs/RELIABILITY.md "Attacks")
     body_timeout_s: float = 10.0  # a request message must arrive within this long after its call's headers (or
     # after the previous message of a stream), else the call is cancelled and its thread and slot freed
-    health_workers: int = 4  # threads (and calls at once) for grpc.health.v1, apart from max_workers
+    memory_reclaim_idle_s: float = 5.0  # once no model call has been in progress (nor an answer held) for this
+    # long after a burst, unreachable cycles are collected and glibc's free pages given back (serving/memory.py);
+    # at most every 10 s, never under steady load or traffic with shorter pauses. 0 = never
+    health_workers: int = 4  # threads (and calls at once) for grpc.health.v1 on `port`, apart from max_workers
     max_streams_per_connection: int = 100  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: calls at once on one
     # connection (100: the floor RFC 9113 recommends); a client's further calls wait in the client
     handshake_timeout_s: float = 10.0  # a connection must finish its TLS/HTTP/2 handshake within this
@@ -111,6 +114,7 @@ class ServerConfig:
             _in_range("max_concurrent_rpcs", self.max_concurrent_rpcs, 1, 1_000_000)
         _in_range("max_response_bytes_in_flight", self.max_response_bytes_in_flight, self.max_message_bytes, 1 << 40)
         _in_range("body_timeout_s", self.body_timeout_s, 0.01, 3600.0, integer=False)
+        _in_range("memory_reclaim_idle_s", self.memory_reclaim_idle_s, 0.0, 3600.0, integer=False)
         _in_range("health_workers", self.health_workers, 1, 1024)
         _in_range("max_streams_per_connection", self.max_streams_per_connection, 1, 1_000_000)
         _in_range("handshake_timeout_s", self.handshake_timeout_s, 0.1, 3600.0, integer=False)

@@ -12,16 +12,17 @@ So every handler is re-made here as request-streaming: a call without a valid to
 before its body is read (the refusal runs on a small pool of its own); every other call takes a slot (its own
 limit for model calls, another for health), then reads its message under a watchdog that cancels the call when
 the body has not arrived within `body_timeout_s`. Health runs on a pool of its own threads
-(`experimental_thread_pool`, gRPC's per-handler pool), so no model traffic can starve it.
+(`experimental_thread_pool`, gRPC's per-handler pool), so no model traffic can starve it. Model calls in progress
+and the answers they hold count as work for the memory reclaimer (serving/memory.py).
 
-Errors become status codes here and only here (ServingError subclasses; anything else is a bug: INTERNAL, and
-its traceback is logged with a rate limit, so that no client can make the log grow without bound). Every call is
+Errors become status codes here (ServingError subclasses; anything else is a bug: INTERNAL, and its traceback is
+logged with a rate limit, so that no client can make the log grow without bound); the health port, an asyncio
+server of its own, maps its few refusals itself (serving/health_port.py). Every call is
 counted with the code its client really got, also when a handler sets a code without raising.
 """
 
 from __future__ import annotations
 
-import ctypes
 import heapq
 import hmac
 import logging
@@ -36,6 +37,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from serving.errors import BodyTimeout, InvalidInput, Overloaded, ServingError, Unauthenticated
+from serving.memory import Reclaimer
 from serving.metrics import Metrics
 
 log = logging.getLogger("serving.server")
@@ -126,37 +128,17 @@ class Watchdog:
         self._thread.join(5)
 
 
-def _malloc_trim() -> Callable[[], object] | None:
-    """glibc's malloc_trim(0), or None where the C library is not glibc."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
 class ResponseBudget:
     """Bytes of answers built and not yet delivered: reserved when an answer is built, released when its call
     ends (delivered, or cancelled by its client). gRPC keeps an answer that its client does not read in memory;
-    this bounds the sum.
+    this bounds the sum. A held answer counts as work in progress for the reclaimer (serving/memory.py)."""
 
-    When the answers held go back to none after at least TRIM_AFTER bytes were held, glibc is asked to give its
-    free memory back to the system (malloc_trim, at most every TRIM_EVERY_S, in a thread of its own): glibc keeps
-    the pages of freed buffers in its per-thread arenas, and 100 unread answers left the server 31% above its
-    pre-attack RSS after their clients had gone, 8-11% with the trim (tests/test_reliability_attacks.py). Arena
-    settings (MALLOC_ARENA_MAX=2) gained 2 points more and are left to the deployment: fewer arenas serialise
-    the allocations of 100+ threads, which this machine could not time."""
-
-    TRIM_AFTER = 1 << 20
-    TRIM_EVERY_S = 5.0
-
-    def __init__(self, limit: int, metrics: Metrics) -> None:
+    def __init__(self, limit: int, metrics: Metrics, reclaimer: Reclaimer | None = None) -> None:
         self.limit = limit
         self.used = 0
         self._lock = threading.Lock()
         self._gauge = metrics.response_bytes
-        self._peak = 0  # most bytes held since the last trim
-        self._trimmed = 0.0  # time.monotonic() of the last trim
-        self._trim = _malloc_trim()
+        self._reclaimer = reclaimer
 
     @property
     def spent(self) -> bool:
@@ -169,20 +151,17 @@ class ResponseBudget:
                 raise Overloaded(f"{self.used} bytes of answers wait for their clients + {size} > "
                                  f"max_response_bytes_in_flight {self.limit}; retry later")
             self.used += size
-            self._peak = max(self._peak, self.used)
             self._gauge.set(self.used)
+        if self._reclaimer is not None:
+            self._reclaimer.enter()
 
     def release(self, size: int) -> None:
+        """Runs in gRPC's polling thread (a call's done-callback): a lock and a notify, nothing more."""
         with self._lock:
             self.used -= size
             self._gauge.set(self.used)
-            now = time.monotonic()
-            trim = (self.used == 0 and self._peak >= min(self.TRIM_AFTER, self.limit // 2) and self._trim is not None
-                    and now - self._trimmed >= self.TRIM_EVERY_S)
-            if trim:
-                self._peak, self._trimmed = 0, now
-        if trim:  # not in gRPC's polling thread, which runs this callback
-            threading.Thread(target=self._trim, args=(0,), name="malloc-trim", daemon=True).start()
+        if self._reclaimer is not None:
+            self._reclaimer.leave()
 
 
 class _Throttle:
@@ -209,12 +188,14 @@ class _Throttle:
 
 
 class Slots:
-    """Calls in progress at once, up to `limit`; `take` refuses at once past it (no queue)."""
+    """Calls in progress at once, up to `limit`; `take` refuses at once past it (no queue). A slot taken counts as
+    work in progress for `reclaimer` (serving/memory.py), when given."""
 
-    def __init__(self, limit: int, what: str) -> None:
+    def __init__(self, limit: int, what: str, reclaimer: Reclaimer | None = None) -> None:
         self.limit, self.what = limit, what
         self.used = 0
         self._lock = threading.Lock()
+        self._reclaimer = reclaimer
 
     @contextmanager
     def take(self) -> Iterator[None]:
@@ -223,28 +204,33 @@ class Slots:
                 raise Overloaded(f"server busy: {self.used} {self.what} calls in progress (limit {self.limit}); "
                                  "retry later")
             self.used += 1
+        if self._reclaimer is not None:
+            self._reclaimer.enter()
         try:
             yield
         finally:
             with self._lock:
                 self.used -= 1
+            if self._reclaimer is not None:
+                self._reclaimer.leave()
 
 
 class Gate(grpc.ServerInterceptor):
     """See the module docstring."""
 
     def __init__(self, metrics: Metrics, *, auth_token: str | None, max_calls: int, health_workers: int,
-                 body_timeout_s: float, max_message_bytes: int, max_response_bytes: int) -> None:
+                 body_timeout_s: float, max_message_bytes: int, max_response_bytes: int,
+                 reclaimer: Reclaimer | None = None) -> None:
         self.metrics = metrics
         self.expected = f"Bearer {auth_token}".encode() if auth_token else None
         self.body_timeout_s = body_timeout_s
-        self.model_slots = Slots(max_calls, "model")
+        self.model_slots = Slots(max_calls, "model", reclaimer)
         self.health_slots = Slots(health_workers, "health")
         self.health_pool = futures.ThreadPoolExecutor(health_workers, thread_name_prefix="health")
         # Refusals only abort: two threads keep up with any rate the polling thread can hand them.
         self.refusal_pool = futures.ThreadPoolExecutor(2, thread_name_prefix="refuse")
         self.watchdog = Watchdog(body_timeout_s, on_fire=metrics.body_timeouts.inc)
-        self.budget = ResponseBudget(max_response_bytes, metrics)
+        self.budget = ResponseBudget(max_response_bytes, metrics, reclaimer)
         self.max_message_bytes = max_message_bytes
         self.throttle = _Throttle()
 

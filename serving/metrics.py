@@ -53,6 +53,9 @@ class Metrics:
                                     "bytes of answers built and not yet delivered to their clients", registry=r)
         self.body_timeouts = Counter("sentiment_body_timeouts", "calls cancelled because their request message "
                                      "did not arrive within body_timeout_s", registry=r)
+        self.memory_reclaim_seconds = Histogram("sentiment_memory_reclaim_seconds", "collections of unreachable "
+                                                "objects + glibc trims after a burst of model calls, and how long "
+                                                "each took (serving/memory.py)", buckets=_SECONDS, registry=r)
         self.suppressed_logs = Counter("sentiment_suppressed_tracebacks", "internal-error tracebacks not logged "
                                        "(rate limit)", registry=r)
 

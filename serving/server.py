@@ -8,7 +8,8 @@ A threaded grpc server: handlers block on the batcher's futures while onnxruntim
 machine (health Check p50 0.40 vs 0.46 ms alone, 2,100 vs 1,300 calls/s at 64 callers; docs/
 BENCHMARKS.md, Serving), and blocking code stays simple. What a thread-per-call server owes to hostile clients
 (a token checked before the body is read, a bound on the time to send it, slots, answers held for slow readers,
-per-connection limits) is in serving/gate.py and the transport options below.
+per-connection limits) is in serving/gate.py and the transport options below. The health port alone is served by
+grpc.aio (serving/health_port.py): probes need answers while half-open calls wait there, not throughput.
 
 Lifecycle: the bundle is loaded and verified, and every port (gRPC, health, metrics) is checked free, before
 anything listens (a bad bundle or a taken port exits 2 with one line). SIGTERM or SIGINT: health goes NOT_SERVING
@@ -43,7 +44,9 @@ from serving.gen.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from serving.gen.sentiment.v1 import sentiment_service_pb2, sentiment_service_pb2_grpc
 from serving.health import SERVICE_NAME as HEALTH_SERVICE
 from serving.health import Health
+from serving.health_port import HealthPort
 from serving.kserve import KServeServicer
+from serving.memory import Reclaimer
 from serving.metrics import Metrics, MetricsServer
 from serving.predictor import Predictor
 from serving.servicer import SentimentServicer, ServingCore
@@ -102,9 +105,14 @@ class SentimentServer:
         self.core = ServingCore(self.predictor, self.batcher, cfg)
         self.health = Health()
         limit = cfg.max_concurrent_rpcs or cfg.max_workers
+        # Memory freed by a burst of model calls goes back to the system once they are over (serving/memory.py).
+        self.reclaimer: Reclaimer | None = None
+        if cfg.memory_reclaim_idle_s > 0:
+            self.reclaimer = Reclaimer(settle_s=cfg.memory_reclaim_idle_s,
+                                       on_reclaim=self.metrics.memory_reclaim_seconds.observe)
         self.gate = Gate(self.metrics, auth_token=cfg.auth_token, max_calls=limit, health_workers=cfg.health_workers,
                          body_timeout_s=cfg.body_timeout_s, max_message_bytes=cfg.max_message_bytes,
-                         max_response_bytes=cfg.max_response_bytes_in_flight)
+                         max_response_bytes=cfg.max_response_bytes_in_flight, reclaimer=self.reclaimer)
         # The gate counts a call until its behaviour returns; the thread then still sends the answer, so a caller
         # that sends its next request at once can need a second thread. Without spare threads, 128 closed-loop
         # callers at max_workers 128 were refused 184 times in 159k requests (bench/soak.py, docs/RELIABILITY.md):
@@ -122,26 +130,16 @@ class SentimentServer:
         reflection.enable(self.grpc_server, {SENTIMENT_SERVICE: sentiment_service_pb2.DESCRIPTOR,
                                              KSERVE_SERVICE: grpc_service_pb2.DESCRIPTOR,
                                              HEALTH_SERVICE: health_pb2.DESCRIPTOR})
-        self.health_server: grpc.Server | None = None
-        self._health_gate: Gate | None = None
+        self.health_server: HealthPort | None = None
         self.health_port: int | None = None
         self._metrics_server: MetricsServer | None = None
         self.metrics_port: int | None = None
         try:
             self.port = _add_port(self.grpc_server, cfg.host, cfg.port, _server_credentials(cfg), "gRPC")
-            if cfg.health_port is not None:
-                # Health alone, plain text (Kubernetes' gRPC probes speak no TLS; health carries no data), no
-                # token, its own threads and limits: a flood of the main port cannot fail the probes.
-                gate = Gate(self.metrics, auth_token=None, max_calls=1, health_workers=cfg.health_workers,
-                            body_timeout_s=cfg.body_timeout_s, max_message_bytes=cfg.max_message_bytes,
-                            max_response_bytes=cfg.max_response_bytes_in_flight)
-                self.health_server = grpc.server(
-                    futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="health-port"),
-                    interceptors=[gate], options=transport_options(cfg),
-                    maximum_concurrent_rpcs=cfg.health_workers + _BACKSTOP)
-                self._health_gate = gate
-                health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-                self.health_port = _add_port(self.health_server, cfg.host, cfg.health_port, None, "health")
+            if cfg.health_port is not None:  # health alone, for probes: serving/health_port.py
+                self.health_server = HealthPort(self.health, self.metrics, cfg.host, cfg.health_port,
+                                                transport_options(cfg), cfg.body_timeout_s, self.reclaimer)
+                self.health_port = self.health_server.port
             if cfg.metrics_port is not None:
                 try:
                     self._metrics_server = MetricsServer(self.metrics.registry, metrics_host, cfg.metrics_port)
@@ -199,12 +197,12 @@ class SentimentServer:
 
     def _close_listeners(self) -> None:
         if self.health_server is not None:
-            self.health_server.stop(0).wait()
-        if self._health_gate is not None:
-            self._health_gate.close()
+            self.health_server.stop()
         if self._metrics_server is not None:
             self._metrics_server.close()
         self.gate.close()
+        if self.reclaimer is not None:
+            self.reclaimer.close()
 
     def __enter__(self) -> SentimentServer:
         return self.start()

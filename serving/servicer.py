@@ -106,6 +106,11 @@ class ServingCore:
             probs = future.result(timeout)  # (n, C)
         except FutureTimeout:
             raise DeadlineExpired("deadline passed while the texts waited for a batch") from None
+        finally:
+            # A failed future holds its exception, whose traceback holds this frame, which holds the future: a
+            # cycle that kept every refused or cancelled call's texts, tokens and request message alive until
+            # Python's cyclic collector ran, which an idle server never does (31 calls of 512 texts, 13 MB).
+            del future
         return self.predictor.predictions(encoded, probs)
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from prometheus_client.parser import text_string_to_metric_families
 
 from serving.batcher import Batcher
 from serving.config import ServerConfig
@@ -32,6 +34,7 @@ from serving.server import SentimentServer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+METRICS_ON = re.compile(r"metrics on ([\d.]+):(\d+)")
 
 
 def reviews(data_dir: Path, n: int, split: str = "test") -> list[str]:
@@ -125,6 +128,7 @@ class ServerProcess:
                                      text=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self.port: int | None = None
+        self.metrics_port: int | None = None  # when its args turn metrics on
         self._found = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -135,6 +139,8 @@ class ServerProcess:
             self.lines.append(line)
             m = LISTENING.search(line)
             if m and self.port is None:
+                metrics = METRICS_ON.search(line)
+                self.metrics_port = int(metrics.group(2)) if metrics else None
                 self.port = int(m.group(2))
                 self._found.set()
         self._found.set()  # exited
@@ -153,6 +159,17 @@ class ServerProcess:
     @property
     def log(self) -> str:
         return "".join(self.lines)
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """One sample of its Prometheus page (None when absent); needs --metrics-port."""
+        assert self.metrics_port is not None, "started without --metrics-port"
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            page = r.read().decode()
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == (labels or {}):
+                    return sample.value
+        return None
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -196,6 +196,9 @@ def _bad_cases() -> dict[str, tuple[Callable[[grpc.Channel], object], grpc.Statu
     twice = infer_request(["x"])
     for name in ("label", "probabilities", "label"):
         twice.outputs.add(name=name)
+    many = infer_request(["x"])  # counted without reading the entries (each read is a Python object)
+    for _ in range(3000):
+        many.outputs.add(name="probabilities")
     return {
         "empty list": (classify([]), INVALID, "empty list"),
         "empty text": (classify(["ok", ""]), INVALID, "texts[1]: empty"),
@@ -213,6 +216,7 @@ def _bad_cases() -> dict[str, tuple[Callable[[grpc.Channel], object], grpc.Statu
         "kserve wrong input name": (infer(infer_request(["x"], name="INPUT0")), INVALID, "named 'TEXT'"),
         "kserve unknown output": (infer(unknown_output), INVALID, "unknown output 'logits'"),
         "kserve output requested twice": (infer(twice), INVALID, "outputs ['label'] requested more than once"),
+        "kserve 3,000 outputs": (infer(many), INVALID, "3000 outputs requested; the model has 4"),
         "zero-width space alone": (classify(["ok", "\u200b"]), INVALID, "texts[1]: no tokens"),
         "byte-order mark alone": (classify(["\ufeff"]), INVALID, "texts[0]: no tokens"),
         "kserve zero-width space alone": (infer(infer_request(["\u200b\u200b"])), INVALID, "texts[0]: no tokens"),
