@@ -81,6 +81,10 @@ class MetricsServer:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # Connections the kernel holds for accept(): socketserver's 5 made a flood of connections wait for SYN
+    # retransmits (1, 3, 7 s...) before the cap below could close them (300 half-sent requests took 55 s to be
+    # accepted and closed, 6 s with this)
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
