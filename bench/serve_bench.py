@@ -127,7 +127,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            m = re.search(r"listening on [\d.]+:(\d+).*metrics on :(\d+)", line)
+            m = re.search(r"listening on [\d.]+:(\d+).*metrics on [\d.]*:(\d+)", line)
             if m:
                 self.port, self.metrics_port = int(m.group(1)), int(m.group(2))
                 break

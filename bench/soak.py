@@ -98,7 +98,7 @@ class ServerProcess:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            m = re.search(r"listening on 127\.0\.0\.1:(\d+).*metrics on :(\d+)", line)
+            m = re.search(r"listening on 127\.0\.0\.1:(\d+).*metrics on [\d.]*:(\d+)", line)
             if m:
                 self.port, self.metrics_port = int(m.group(1)), int(m.group(2))
                 break
