@@ -67,8 +67,8 @@ def _swapped_labels(bundle: Path) -> None:
 def _vocabulary_beyond_the_embedding(bundle: Path) -> None:
     with open(bundle / "tokenizer/vocab.txt", "a", encoding="utf-8") as f:
         f.write("".join(f"extra{i}\n" for i in range(5)))
-    meta = json.loads((bundle / "tokenizer/tokenizer.json").read_text())
-    (bundle / "tokenizer/tokenizer.json").write_text(json.dumps({**meta, "vocab_size": meta["vocab_size"] + 5}))
+    meta = json.loads((bundle / "tokenizer/meta.json").read_text())
+    (bundle / "tokenizer/meta.json").write_text(json.dumps({**meta, "vocab_size": meta["vocab_size"] + 5}))
     reseal(bundle)
 
 
@@ -117,7 +117,7 @@ ATTACKS: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "labels swapped in manifest.json": (_swapped_labels, "manifest.json",
                                         "bundle_sha256 does not match the manifest's content"),
     "vocabulary beyond the embedding rows": (_vocabulary_beyond_the_embedding, "model.onnx",
-                                             "token embedding has 99 rows but tokenizer/tokenizer.json gives 104 ids"),
+                                             "token embedding has 99 rows but tokenizer/meta.json gives 104 ids"),
     "max_len beyond the positional table": (_max_len_beyond_positions, "manifest.json",
                                             "max_len 65 exceeds the 64 positions"),
     "FIFO listed in the manifest": (_fifo, "tokenizer/vocab.txt", "a FIFO, not a regular file"),
