@@ -18,7 +18,8 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def reseal(bundle: Path) -> None:
+def reseal(bundle: Path, graphs: bool = True) -> None:
+    """graphs=False: leave the graphs' metadata_props as they are (only their checksums follow)."""
     m = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
     for rel in TOKENIZER_BUNDLE_FILES:
         if rel in m["files"] and (bundle / rel).is_file():
@@ -30,12 +31,13 @@ def reseal(bundle: Path) -> None:
             continue
         if name not in m["files"]:
             continue
-        model = onnx.load(str(path))
-        del model.metadata_props[:]
-        for key, value in graph_metadata(m["labels"], m["label_values"], m["max_len"], m["special_ids"], tokenizer,
-                                         graph["precision"]).items():
-            model.metadata_props.add(key=key, value=value)
-        onnx.save(model, str(path))
+        if graphs:
+            model = onnx.load(str(path))
+            del model.metadata_props[:]
+            for key, value in graph_metadata(m["labels"], m["label_values"], m["max_len"], m["special_ids"],
+                                             tokenizer, graph["precision"]).items():
+                model.metadata_props.add(key=key, value=value)
+            onnx.save(model, str(path))
         m["files"][name] = _sha256(path)
     m[DIGEST_KEY] = manifest_digest(m)
     (bundle / "manifest.json").write_text(json.dumps(m, indent=2), encoding="utf-8")
