@@ -109,7 +109,8 @@ def graph_metadata(label_names: list[str], label_values: list[str], max_len: int
 class Manifest:
     label_names: list[str]  # "labels": what the server answers, in logit order
     label_values: list[str]  # "label_values": the training data's raw label values, in logit order
-    max_len: int  # longest id sequence served, <sos> and <eos> included (the bundle's one stored copy)
+    max_len: int  # longest id sequence served, <sos> and <eos> included (the bundle's one stored copy; the server's
+    # GetModelMetadata calls it max_tokens, the published proto's name)
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     files: dict[str, str]  # bundle-relative path -> sha256 (hex) of its bytes
