@@ -197,6 +197,9 @@ class Manifest:
             raise BundleError(f"{path}: {DIGEST_KEY} does not match the manifest's content: manifest.json was edited "
                               "after export (export the bundle again)")
         graphs = _graphs(m.get("graphs"), path)
+        cpu_int8 = m.get("cpu_int8")
+        if not (cpu_int8 is None or isinstance(cpu_int8, dict)):
+            raise BundleError(f"{path}: field 'cpu_int8' must be an object or null, got {cpu_int8!r}")
         return cls(
             label_names=list(names),
             label_values=list(values),
@@ -210,7 +213,7 @@ class Manifest:
             special_ids=dict(SPECIALS),
             opset=m.get("opset"),
             opset_imports=m.get("opset_imports") or {},
-            cpu_int8=m.get("cpu_int8"),
+            cpu_int8=cpu_int8,
             source_artifact=m.get("source_artifact") or {},
             versions=m.get("versions") or {},
             created=str(m.get("created", "")),

@@ -22,6 +22,7 @@ from serving_fixtures import reviews
 
 from contract.bundle import verify_bundle
 from contract.errors import BundleError
+from contract.runtime import cuda_driver_present
 from serving.predictor import Predictor
 from trainer import artifact
 from trainer.__main__ import main as cli
@@ -209,3 +210,13 @@ def test_the_same_artifact_gives_the_same_bytes(default_bundle: Path, tiny_class
         {k: v for k, v in second.items() if k not in volatile}
     assert dataclasses.asdict(INT8_CPU_BOUND) == first["cpu_int8"]["bound"]
     assert artifact.load(tiny_classifier_artifact).meta["weights_sha256"] == first["source_artifact"]["weights_sha256"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_driver_present(), reason="needs a CUDA GPU")
+def test_cuda_runs_the_cuda_graph(default_bundle: Path, tiny_classifier_artifact: Path, tmp_path: Path) -> None:
+    gpu = Predictor(default_bundle, device="cuda")
+    assert (gpu.graph, gpu.precision, gpu.provider) == ("model.onnx", "fp32", "CUDAExecutionProvider")
+    fp16 = export_bundle(tiny_classifier_artifact, tmp_path / "fp16", ExportOptions(gpu_precision="fp16"))
+    assert (Predictor(fp16, device="auto").graph, Predictor(fp16, device="cpu").graph) == (
+        "model.fp16.onnx", "model.int8.onnx")

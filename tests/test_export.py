@@ -426,6 +426,11 @@ def test_int8_and_fp16_are_exclusive(tiny_classifier_artifact, tmp_path, capsys)
         ExportOptions(precision="fp16", per_channel=True)
     with pytest.raises(ExportError, match="precision='fp32' writes that one graph only"):
         ExportOptions(precision="fp32", gpu_precision="fp16")
+    rc = cli(["export", str(tiny_classifier_artifact), "--out", str(tmp_path / "b"), "--int8-min-agreement", "150"])
+    assert rc == 2 and "--int8-min-agreement 150.0: must be between 0 and 100" in capsys.readouterr().err
+    rc = cli(["export", str(tiny_classifier_artifact), "--out", str(tmp_path / "b"), "--precision", "fp32",
+              "--int8-max-drop", "1"])
+    assert rc == 2 and "writes that one graph only" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
 
 

@@ -105,6 +105,11 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         precision = value
     if args.quantize and args.fp16:
         raise ExportError("--quantize int8 and --fp16 are exclusive: choose one precision")
+    for flag, value, top in (("--int8-max-logit-diff", args.int8_max_logit_diff, float("inf")),
+                             ("--int8-min-agreement", args.int8_min_agreement, 100.0),
+                             ("--int8-max-drop", args.int8_max_drop, 100.0)):
+        if value is not None and not 0 <= value <= top:  # also refuses NaN
+            raise ExportError(f"{flag} {value}: must be between 0 and {top:g}")
     b = INT8_CPU_BOUND
     bound = Tolerance(
         max_abs_diff=b.max_abs_diff if args.int8_max_logit_diff is None else args.int8_max_logit_diff,
