@@ -372,7 +372,7 @@ def test_a_planted_pickle_is_refused_and_never_executed(tiny_classifier_artifact
 
 
 @pytest.mark.parametrize("rel", ["model.onnx", "tokenizer/spm.model", "tokenizer/vocab.txt",
-                                 "tokenizer/tokenizer.json"])
+                                 "tokenizer/meta.json"])
 @pytest.mark.parametrize("damage", ["flip a byte", "append a byte", "truncate"])
 def test_a_bundle_file_not_matching_its_manifest_is_refused(tiny_bundle: Path, tmp_path: Path, rel: str,
                                                             damage: str) -> None:

@@ -115,8 +115,8 @@ def test_train_tiny_is_deterministic_and_round_trips(tiny_tokenizer: Tokenizer, 
     assert again.pieces == tok.pieces and again.fingerprint == tok.fingerprint  # same input, same model
 
     folder = tok.save(tmp_path / "tokenizer")
-    assert sorted(p.name for p in folder.iterdir()) == ["spm.model", "tokenizer.json", "vocab.txt"]
-    meta = json.loads((folder / "tokenizer.json").read_text())
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "spm.model", "vocab.txt"]
+    meta = json.loads((folder / "meta.json").read_text())
     assert meta == {"format": 1, "kind": "train", "max_len": 48, "vocab_size": 99,
                     "specials": {"sos": 0, "pad": 1, "eos": 2, "oov": 3}}
     assert (folder / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1] == tok.pieces
@@ -152,14 +152,14 @@ def test_load_errors_name_the_problem(tiny_tokenizer: Tokenizer, tmp_path: Path)
         Tokenizer.load(missing)
 
     size = shutil.copytree(good, tmp_path / "size")
-    meta = json.loads((size / "tokenizer.json").read_text())
-    (size / "tokenizer.json").write_text(json.dumps({**meta, "vocab_size": 120}))
-    with pytest.raises(TokenizerError, match=r"95 pieces .* 99 ids\) but tokenizer.json says vocab_size 120"):
+    meta = json.loads((size / "meta.json").read_text())
+    (size / "meta.json").write_text(json.dumps({**meta, "vocab_size": 120}))
+    with pytest.raises(TokenizerError, match=r"95 pieces .* 99 ids\) but meta.json says vocab_size 120"):
         Tokenizer.load(size)
 
     bad_json = shutil.copytree(good, tmp_path / "bad_json")
-    (bad_json / "tokenizer.json").write_text('{"format": 1,')
-    with pytest.raises(TokenizerError, match="tokenizer.json: invalid JSON"):
+    (bad_json / "meta.json").write_text('{"format": 1,')
+    with pytest.raises(TokenizerError, match="meta.json: invalid JSON"):
         Tokenizer.load(bad_json)
 
     corrupt = shutil.copytree(good, tmp_path / "corrupt")

@@ -295,7 +295,7 @@ def test_artifact_is_the_engines_fp32_weights_and_loads_without_pickle(runs: dic
 
 
 def test_an_artifact_with_two_cuts_is_refused(tiny_classifier_artifact: Path, tmp_path: Path) -> None:
-    """tokenizer.max_len lives in config.json and in tokenizer/tokenizer.json: training writes one value into both,
+    """tokenizer.max_len lives in config.json and in tokenizer/meta.json: training writes one value into both,
     and a reader refuses an artifact where they differ instead of picking one."""
     import shutil
 
@@ -303,9 +303,9 @@ def test_an_artifact_with_two_cuts_is_refused(tiny_classifier_artifact: Path, tm
 
     art = Path(shutil.copytree(tiny_classifier_artifact, tmp_path / "art"))
     assert artifact.load(art).cfg.tokenizer.max_len == 48
-    meta = art / "tokenizer" / "tokenizer.json"
+    meta = art / "tokenizer" / "meta.json"
     meta.write_text(meta.read_text().replace('"max_len": 48', '"max_len": 40'))
-    with pytest.raises(artifact.ArtifactError, match=r"tokenizer.json: max_len 40 but .*config.json says "
+    with pytest.raises(artifact.ArtifactError, match=r"meta.json: max_len 40 but .*config.json says "
                                                      r"tokenizer.max_len=48"):
         artifact.load(art)
 

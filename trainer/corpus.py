@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.atomic import temp_file
 from trainer.data import DataError, Example, detokenize, iter_texts
 from trainer.tokenizer import Tokenizer
 
@@ -52,7 +53,7 @@ class Corpus:
         path = Path(path)
         if path.suffix != ".npz":
             raise DataError(f"{path}: a corpus is saved as .npz")
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
+        fd, tmp = temp_file(path.parent, f".{path.name}.", ".npz")
         try:
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, tokens=self.tokens, offsets=self.offsets, vocab_size=np.int64(self.vocab_size),
