@@ -47,6 +47,8 @@ class ExportOptions:
     opset: int | None = None  # None: the exporter's default
     data_file: Path | None = None  # labelled file whose accuracy change is recorded and held to the tolerance
     data_limit: int = 0  # score only the first N examples of data_file (0: all)
+    text_field: str | None = None  # data_file's text field (.jsonl key, .tsv column); None: the artifact's
+    label_field: str | None = None  # data_file's label field; None: the artifact's data.label_field
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -99,12 +101,7 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
     if art.task != "classifier":
         raise ExportError(f"{art.path}: task {art.task!r}; only classifier artifacts are exported")
     mcfg = art.cfg.model
-    # artifact.json's "labels" are the raw values of the data (data.labels); the names (data.label_names) are what
-    # the server answers: manifest.json keeps those under "labels".
-    label_names, label_values = list(art.cfg.data.label_names), list(art.cfg.data.labels)
-    if len(label_names) != mcfg.num_classes:
-        raise ExportError(f"{art.path}: {len(label_names)} label names {label_names} for a head of "
-                          f"model.num_classes={mcfg.num_classes}")
+    label_values, label_names = check_labels(art)
     tok = Tokenizer.load(art.tokenizer_dir)
     max_len = tok.max_len if opt.max_len is None else opt.max_len
     if max_len > mcfg.max_positions:
@@ -126,7 +123,9 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
                                     mcfg.pad_id)
         if opt.data_file is not None:
             validation["data"] = data_check(model, final, opt.precision, opt.optimize, tok, Path(opt.data_file),
-                                            label_values, max_len, mcfg.pad_id, opt.data_limit)
+                                            label_values, max_len, mcfg.pad_id, opt.data_limit,
+                                            (opt.text_field or art.cfg.data.text_field,
+                                             opt.label_field or art.cfg.data.label_field))
         inputs, outputs = expected_io(mcfg.num_classes)
         manifest = Manifest(
             label_names=label_names,
@@ -159,6 +158,22 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_labels(art: artifact_mod.Artifact) -> tuple[list[str], list[str]]:
+    """The label values (data.labels: what the data says, in logit order) and the names served for them
+    (data.label_names, else the values): one per logit, distinct, and the same in artifact.json as in config.json."""
+    data, classes = art.cfg.data, art.cfg.model.num_classes
+    values, names = list(data.labels), data.names
+    if len(values) != classes or len(set(values)) != len(values) or len(set(names)) != len(names) \
+            or not all(n.strip() for n in names):
+        raise ExportError(f"{art.path}: labels {values} named {names} for a head of model.num_classes={classes}: "
+                          "need one distinct value and one distinct non-empty name per class")
+    for key, want in (("labels", values), ("label_names", names)):
+        if key in art.meta and art.meta[key] != want:
+            raise ExportError(f"{art.path / 'artifact.json'}: {key} {art.meta[key]} but config.json gives {want}: "
+                              "the artifact was edited or assembled from two runs")
+    return values, names
 
 
 def _write_graph(model: torch.nn.Module, tmp: Path, max_len: int, opt: ExportOptions,

@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="labelled file (.spm + .label, .tsv, .jsonl): record the accuracy change on export; "
                              "required with --check")
     parser.add_argument("--limit", type=int, default=0, help="score only the first N examples of --data")
+    parser.add_argument("--text-field", metavar="NAME",
+                        help="--data: the .jsonl key / .tsv column of the text (default: the artifact's "
+                             "data.text_field, else 'text')")
+    parser.add_argument("--label-field", metavar="NAME",
+                        help="--data: the .jsonl key / .tsv column of the label (default: the artifact's "
+                             "data.label_field, else 'label')")
     parser.add_argument("--check", metavar="BUNDLE", help="verify BUNDLE and report its accuracy on --data")
     parser.add_argument("--artifact", dest="check_artifact", metavar="ARTIFACT",
                         help="--check: PyTorch model to compare with (default: the manifest's source artifact)")
@@ -60,6 +66,8 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         max_len=args.max_len,
         data_file=Path(args.data) if args.data else None,
         data_limit=args.limit,
+        text_field=args.text_field,
+        label_field=args.label_field,
     )
 
 
@@ -67,7 +75,8 @@ def main(args: argparse.Namespace) -> int:
     if args.check:
         if not args.data:
             raise ExportError("--check needs --data FILE (a labelled file)")
-        report = check_bundle(args.check, args.data, args.check_artifact or args.artifact, limit=args.limit)
+        report = check_bundle(args.check, args.data, args.check_artifact or args.artifact, limit=args.limit,
+                              text_field=args.text_field, label_field=args.label_field)
         line = f"{report['bundle']} ({report['precision']}, {report['provider']}, bundle_sha256 " \
                f"{report['bundle_sha256'][:16]}...): accuracy " \
                f"{report['bundle_accuracy']:.2f}% on {report['examples']} examples of {report['file']}"
@@ -77,6 +86,8 @@ def main(args: argparse.Namespace) -> int:
         else:
             line += "; no source artifact found: pass --artifact to compare with PyTorch"
         print(line)
+        print("labels (value in the data -> name served): "
+              + ", ".join(f"{v!r} -> {n!r}" for v, n in report["labels"].items()))
         return 0
     if not args.artifact or not args.out:
         raise ExportError("export needs ARTIFACT and --out BUNDLE (or --check BUNDLE --data FILE)")
@@ -86,6 +97,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"wrote {out} ({manifest.precision}, opset {manifest.opset}, max_len {manifest.max_len}, "
           f"{(out / MODEL_FILE).stat().st_size / 1e6:.1f} MB) in {manifest.export_seconds} s")
     print(f"bundle_sha256 {manifest.bundle_sha256} (the server reports it in GetModelMetadata)")
+    print("labels (value in the data -> name served): "
+          + ", ".join(f"{v!r} -> {n!r}" for v, n in zip(manifest.label_values, manifest.label_names, strict=True)))
     if v.get("passed"):
         print(f"validated on {v['provider']}: {len(v['cases'])} batches, max |logit diff| {v['max_abs_diff']:.3g} "
               f"(tolerance {v['tolerance']['max_abs_diff']:g}), label agreement {v['label_agreement']:.2%}")

@@ -18,10 +18,10 @@ from trainer.export.validate import ort_logits, torch_logits
 from trainer.tokenizer import Tokenizer
 
 
-def encode_file(tok: Tokenizer, data_file: Path, label_values: list[str], max_len: int,
-                limit: int = 0) -> tuple[list[list[int]], np.ndarray]:
+def encode_file(tok: Tokenizer, data_file: Path, label_values: list[str], max_len: int, limit: int = 0,
+                text_field: str = "text", label_field: str = "label") -> tuple[list[list[int]], np.ndarray]:
     """Ids (cut to max_len, <eos> kept) and label indices of a labelled file, read with the project's readers."""
-    examples = read_labeled(data_file, label_values)
+    examples = read_labeled(data_file, label_values, text_field, label_field)
     if limit:
         examples = examples[:limit]
     seqs = [tok.encode_example(ex, max_len) for ex in examples]
@@ -71,10 +71,11 @@ def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
 
 
 def data_check(model: nn.Module, path: Path, precision: str, level: str, tok: Tokenizer, data_file: Path,
-                label_values: list[str], max_len: int, pad_id: int, limit: int) -> dict[str, Any]:
-    """Accuracy change on a labelled file, held to the precision's tolerance."""
+               label_values: list[str], max_len: int, pad_id: int, limit: int,
+               fields: tuple[str, str] = ("text", "label")) -> dict[str, Any]:
+    """Accuracy change on a labelled file (`fields`: its text and label fields), held to the precision's tolerance."""
     tol = TOLERANCES[precision]
-    seqs, labels = encode_file(tok, data_file, label_values, max_len, limit)
+    seqs, labels = encode_file(tok, data_file, label_values, max_len, limit, *fields)
     session = open_session(path, level, prefer_gpu=False)
     report = score_data(session, model, seqs, labels, pad_id)
     report["file"] = str(data_file)
