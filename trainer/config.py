@@ -4,7 +4,7 @@ A run is described by a `RunConfig`; `--set section.field=value` overrides a fie
 is written as `config.json` into every run folder and artifact. Every stage reads a config that passed every rule
 below: ranges are declared next to their field, rules between fields of a section in its `__post_init__`, rules
 across sections in RunConfig's. A bad value or an unknown key is a ConfigError: one line naming the key, the value
-and what is allowed (trainer/config_errors.py). Each field's comment is its description (`python -m trainer config`
+and what is allowed (trainer/config_fields.py). Each field's comment is its description (`python -m trainer config`
 prints them: trainer/config_cli.py), so every field has one.
 
 Why pydantic (its dataclasses; installed with DeepSpeed, which validates its own JSON with it): it coerces the
@@ -18,57 +18,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import typing
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
-from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic import BeforeValidator, Field
 
 from contract.tokens import N_SPECIALS
-from trainer.config_errors import ConfigError, explain, keys_of, unknown_key
-
-
-def _comma_list(value: Any) -> Any:
-    """`--set data.labels=neg,pos`: a string becomes the list of its comma-separated items."""
-    return [v for v in value.split(",") if v != ""] if isinstance(value, str) else value
-
-
-def _none_word(value: Any) -> Any:
-    """`--set finetune.dropout=none` (or null): no value."""
-    return None if isinstance(value, str) and value.lower() in ("none", "null") else value
-
-
-# Field types with their ranges. Floats are finite (inf and nan are refused wherever a float is read).
-Float = Annotated[float, Field(allow_inf_nan=False)]
-Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Probability = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]  # [0, 1)
-Count = Annotated[int, Field(ge=0)]  # 0 allowed (0 usually means "off" or "all": see the field's comment)
-Size = Annotated[int, Field(ge=1)]
-StrList = Annotated[list[str], BeforeValidator(_comma_list)]
-
-_PYDANTIC = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-def section(name: str) -> typing.Callable[[type], type]:
-    """A config section: a pydantic dataclass whose constructor raises ConfigError (one line, keys under `name`)."""
-
-    def wrap(cls: type) -> type:
-        cls = pydantic_dataclass(config=_PYDANTIC)(cls)
-        init = cls.__init__
-
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            try:
-                init(self, *args, **kwargs)
-            except ValidationError as e:
-                raise ConfigError(explain(e, cls, name)) from None
-
-        cls.__init__ = __init__  # type: ignore[method-assign]
-        return cls
-
-    return wrap
+from trainer.config_fields import (  # noqa: F401 (ConfigError: the other modules import it from here)
+    ConfigError,
+    Count,
+    NonNegative,
+    Positive,
+    Probability,
+    Size,
+    StrList,
+    comma_list,
+    keys_of,
+    none_word,
+    section,
+    unknown_key,
+)
 
 
 @section("model")
@@ -167,11 +137,11 @@ class DataConfig:
 class OptimConfig:
     """Optimizer and schedule for one training stage."""
 
-    name: Literal["adam", "adamw"] = "adam"
-    lr: Positive = 3e-4
-    weight_decay: NonNegative = 0.0
-    betas: Annotated[list[Probability], BeforeValidator(_comma_list), Field(min_length=2, max_length=2)] = field(
-        default_factory=lambda: [0.9, 0.999])
+    name: Literal["adam", "adamw"] = "adam"  # adamw: weight decay decoupled from the gradient
+    lr: Positive = 3e-4  # peak learning rate
+    weight_decay: NonNegative = 0.0  # L2 penalty (adam) or decoupled decay (adamw)
+    betas: Annotated[list[Probability], BeforeValidator(comma_list), Field(min_length=2, max_length=2)] = field(
+        default_factory=lambda: [0.9, 0.999])  # Adam's moment decays
     grad_clip: Positive = 0.5  # max global gradient norm (the lab's 0.5); a large value effectively turns it off
     warmup_steps: Count = 0  # linear warm-up from lr / warmup_steps
     schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup; decay ends at lr * 0.1
@@ -182,7 +152,7 @@ class EngineConfig:
     """How DeepSpeed runs the model (trainer/engine.py derives its JSON from this)."""
 
     zero_stage: Annotated[int, Field(ge=0, le=2)] = 0  # ZeRO 0, 1 or 2
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 weights and activations, fp32 master weights
     grad_accum: Size = 1  # micro-batches per optimizer step
     deepspeed_config: str = ""  # a user's DeepSpeed JSON whose keys override the derived ones
     checkpoint_every: Count = 0  # steps between resumable checkpoints (0 = only at the end)
@@ -198,7 +168,7 @@ class PretrainConfig:
     mask_prob: Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)] = 0.15  # mlm: share of real tokens predicted
     micro_batch: Size = 16  # sequences per rank per micro-step
     seq_len: Annotated[int, Field(ge=2)] = 128  # pretraining window in ids
-    epochs: Size = 2
+    epochs: Size = 2  # passes over the pretraining windows
     max_steps: Count = 0  # 0 = run the epochs; else stop after this many optimizer steps
     eval_every: Count = 0  # steps between eval-loss passes (0 = at the end only)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -208,12 +178,12 @@ class PretrainConfig:
 class FinetuneConfig:
     """Classification fine-tuning (a new head on the encoder)."""
 
-    micro_batch: Size = 8
-    epochs: Size = 15
+    micro_batch: Size = 8  # labelled examples per rank per micro-step
+    epochs: Size = 15  # passes over the training split (each ends with validation and test scores)
     max_steps: Count = 0  # 0 = run the epochs
     # Dropout while fine-tuning only (None: model.dropout). A pretrained encoder fits a small labeled set in a few
     # epochs; dropout here regularises it without changing how it was pretrained.
-    dropout: Annotated[Probability | None, BeforeValidator(_none_word)] = None
+    dropout: Annotated[Probability | None, BeforeValidator(none_word)] = None
     select_metric: Literal["accuracy", "macro_f1"] = "accuracy"  # validation score that picks the epoch kept
     patience: Count = 0  # stop after this many epochs without a better validation score (0: run every epoch)
     class_weights: Literal["none", "balanced"] = "none"  # balanced: loss weight n / (classes x n_class) per class
@@ -224,7 +194,7 @@ class FinetuneConfig:
 class RunConfig:
     """Everything one run needs; `config.json` in a run folder is this, resolved."""
 
-    preset: str = "lab"
+    preset: str = "lab"  # the preset the run started from (its data section is replaced when you name a data file)
     seed: Count = 0  # data order, initial weights, dropout and MLM masks all derive from it
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

@@ -1,21 +1,63 @@
-"""A bad config as one line: pydantic's multi-line ValidationError, and unknown keys with the closest valid one.
-
-Imports nothing of trainer/ (trainer/config.py builds on it)."""
+"""The building blocks of trainer/config.py: field types with their ranges, the `section` decorator (a pydantic
+dataclass), and a bad config as one line: pydantic's multi-line ValidationError, and unknown keys with the closest
+valid one. Imports nothing of trainer/."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import typing
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import ValidationError
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 HELP = "every key, with its type and meaning: python -m trainer config"
 
 
 class ConfigError(ValueError):
     """A config value or key is invalid; the message names it and what is allowed."""
+
+
+def comma_list(value: Any) -> Any:
+    """`--set data.labels=neg,pos`: a string becomes the list of its comma-separated items."""
+    return [v for v in value.split(",") if v != ""] if isinstance(value, str) else value
+
+
+def none_word(value: Any) -> Any:
+    """`--set finetune.dropout=none` (or null): no value."""
+    return None if isinstance(value, str) and value.lower() in ("none", "null") else value
+
+
+# Field types with their ranges. Floats are finite (inf and nan are refused wherever a float is read).
+Float = Annotated[float, Field(allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Probability = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]  # [0, 1)
+Count = Annotated[int, Field(ge=0)]  # 0 allowed (0 usually means "off" or "all": see the field's comment)
+Size = Annotated[int, Field(ge=1)]
+StrList = Annotated[list[str], BeforeValidator(comma_list)]
+
+_PYDANTIC = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def section(name: str) -> typing.Callable[[type], type]:
+    """A config section: a pydantic dataclass whose constructor raises ConfigError (one line, keys under `name`)."""
+
+    def wrap(cls: type) -> type:
+        cls = pydantic_dataclass(config=_PYDANTIC)(cls)
+        init = cls.__init__
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                init(self, *args, **kwargs)
+            except ValidationError as e:
+                raise ConfigError(explain(e, cls, name)) from None
+
+        cls.__init__ = __init__  # type: ignore[method-assign]
+        return cls
+
+    return wrap
 
 
 def keys_of(cls: type, prefix: str = "") -> list[str]:
