@@ -2,24 +2,21 @@
 --set) and its meaning; or that config as config.json (`--json`).
 
 The meanings are the comments beside each field in trainer/config.py (the one place they are written), read from the
-source with the tokenizer module.
+source (contract/comments.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
-import io
 import os
 import re
 import sys
-import textwrap
-import tokenize
 import types
 import typing
 from typing import Annotated, Any, Literal
 
+from contract.comments import comments
 from trainer import cli
 from trainer.config import RunConfig, flatten
 
@@ -76,27 +73,6 @@ def fields(cls: type, prefix: str = "") -> dict[str, tuple[Any, str]]:
             out.update(fields(tp, f"{prefix}{f.name}."))  # type: ignore[arg-type]
         else:
             out[prefix + f.name] = (tp, notes.get(f.name, ""))
-    return out
-
-
-def comments(cls: type) -> dict[str, str]:
-    """field -> its comment: the full-line comments just above it, then the one(s) at the end of its lines."""
-    src = textwrap.dedent(inspect.getsource(cls))
-    lines = src.splitlines()
-    names = {f.name for f in dataclasses.fields(cls)}
-    out: dict[str, str] = {}
-    above: list[str] = []
-    start, trailing = None, []  # the logical line in progress: its first row, its comments
-    for t in tokenize.generate_tokens(io.StringIO(src).readline):
-        if t.type == tokenize.COMMENT:
-            (above if start is None else trailing).append(t.string.lstrip("#").strip())
-        elif t.type == tokenize.NEWLINE and start is not None:
-            m = re.match(r"    (\w+)\s*:", lines[start - 1])  # a field of the class body (4 spaces after dedent)
-            if m and m.group(1) in names:
-                out[m.group(1)] = " ".join(above + trailing)
-            above, start, trailing = [], None, []
-        elif t.type not in (tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING) and start is None:
-            start = t.start[0]
     return out
 
 

@@ -59,10 +59,11 @@ def warning(m: dict[str, Any], where: str) -> str | None:
     """A warning when the model never predicts a class, else None."""
     if not m["never_predicted"]:
         return None
-    return (f"warning: the model never predicts {', '.join(repr(x) for x in m['never_predicted'])} on {where}: its "
-            f"accuracy {m['accuracy']:.2f}% is that of always answering the majority class "
-            f"({m['majority_baseline']:.2f}%) or close to it; try finetune.class_weights=balanced, more epochs or "
-            "more data")
+    answers = [f"{name!r} {n}" for name, n in m["predicted_counts"].items() if n]
+    return (f"warning: the model never predicts {', '.join(repr(x) for x in m['never_predicted'])} on {where} (its "
+            f"answers: {', '.join(answers)} of {m['examples']}); accuracy {m['accuracy']:.2f}% against "
+            f"{m['majority_baseline']:.2f}% for always answering the majority class; try "
+            "finetune.class_weights=balanced, more epochs or more data")
 
 
 def table(m: dict[str, Any]) -> list[str]:
