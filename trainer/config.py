@@ -327,8 +327,10 @@ class Choice:
         settings = self.settings()
         own = self.run is None and any(k in settings for k in OWN_DATA)
         cfg = load(self.run) if self.run else preset(self.preset)
-        if own:
-            cfg = dataclasses.replace(cfg, data=DataConfig())
+        if own:  # the preset's files go, the lab tokenizer's too (unused by a trained one, refused below)
+            tc = cfg.tokenizer
+            cfg = dataclasses.replace(cfg, data=DataConfig(), tokenizer=tc if tc.kind == "lab" else
+                                      dataclasses.replace(tc, model="", vocab=""))
         if fixed:
             cfg = override(cfg, fixed)
         if self.file:

@@ -342,7 +342,8 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
     state = ckpt.LoopState()
     if resume_tag:
         state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
-        if task.improved(state) and _kept_step(task.kept_path) != state.step:  # killed between checkpoint and keep
+        kept_step = state.history[task.best(state)]["step"] if state.history else None
+        if kept_step == state.step and _kept_step(task.kept_path) != state.step:  # killed between checkpoint, keep
             task.keep(engine, ckpt_dir, resume_tag, state)
     task.log = log = monitor.RunLog(run_dir, task.total, state.step, f"finetune {name}",
                                     ["epoch", "loss", "lr", "examples_per_s", "valid_accuracy", "valid_macro_f1",
