@@ -201,21 +201,25 @@ class Interrupted(KeyboardInterrupt):
 
 class StopSignals:
     """SIGINT/SIGTERM during training: note the signal; every step, `agreed()` tells every rank whether any rank got
-    one, so they all stop after the same step and write one checkpoint. A second signal stops at once.
+    one, so they all stop after the same step and write one checkpoint. A second Ctrl-C stops at once.
 
     The agreement is an all-reduce (max) of one int per step over a gloo group: on CPU the run's own group, on GPU a
     side group, so the flag never waits on a CUDA stream (the loop's one host-device sync stays the log row)."""
 
     def __init__(self) -> None:
-        self.signum = 0
+        self.signum, self.at = 0, 0.0
         self.old: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum:  # the second one: stop now, without a checkpoint
-            raise Interrupted(signum)
-        self.signum = signum
+        if self.signum:
+            # Ctrl-C pressed again stops at once, without a checkpoint. Not a signal within the first second: under
+            # the DeepSpeed launcher one Ctrl-C brings SIGINT from the terminal and SIGTERM from the launcher.
+            if signum == signal.SIGINT and time.monotonic() - self.at > 1.0:
+                raise Interrupted(signum)
+            return
+        self.signum, self.at = signum, time.monotonic()
         if eng.is_main():
-            os.write(2, f"{SIGNALS[signum]}: stopping after this step with a checkpoint (again: stop at once, "
+            os.write(2, f"{SIGNALS[signum]}: stopping after this step with a checkpoint (Ctrl-C again: at once, "
                         "without one)\n".encode())
 
     def __enter__(self) -> StopSignals:
