@@ -76,6 +76,9 @@ def verify_bundle(folder: str | Path) -> Bundle:
     """Read and check a bundle folder; BundleError names the first problem's file."""
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
+    if not manifest_path.exists() and (folder / "artifact.json").is_file():  # the step before a bundle
+        raise BundleError(f"{folder} is a training artifact (artifact.json, model.safetensors), not a bundle: export "
+                          f"it first: python -m trainer export {folder} --out BUNDLE, then serve BUNDLE")
     with Folder(folder) as f:
         manifest = read_manifest(f.read(MANIFEST_FILE, MAX_BYTES[MANIFEST_FILE]), manifest_path)
         files = {}

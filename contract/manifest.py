@@ -182,8 +182,10 @@ class Manifest:
                 or len(set(names)) != len(names)):
             raise BundleError(f"{path}: field 'labels' must list at least 2 distinct non-empty names, got {names!r}")
         values = m.get("label_values", [str(i) for i in range(len(names))])
-        if not isinstance(values, list) or len(values) != len(names) or not all(isinstance(x, str) for x in values):
-            raise BundleError(f"{path}: field 'label_values' must list {len(names)} strings, got {values!r}")
+        if not isinstance(values, list) or len(values) != len(names) or not all(isinstance(x, str) for x in values) \
+                or len(set(values)) != len(values):
+            raise BundleError(f"{path}: field 'label_values' must list {len(names)} distinct strings (the data's "
+                              f"label value of each name in 'labels'), got {values!r}")
         max_len = m.get("max_len")
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 3:
             raise BundleError(f"{path}: field 'max_len' must be an int >= 3, got {max_len!r}")

@@ -81,6 +81,7 @@ class Predictor:
         self.manifest = b.manifest
         self.bundle_sha256 = b.bundle_sha256  # the manifest's own digest, over every file: GetModelMetadata says it
         self.labels: list[str] = list(b.manifest.label_names)  # what clients get: the manifest's "labels"
+        self.label_values: list[str] = list(b.manifest.label_values)  # the data's value of each label, same order
         self.max_len: int = b.manifest.max_len
         self.tokenizer = Encoder.from_files(b.tokenizer, max_len=self.max_len)
         self.optimization: str = optimization or b.manifest.runtime.graph_optimization_level

@@ -35,6 +35,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from contract.comments import comments
 from serving import reflection
 from serving.batcher import Batcher
 from serving.config import ServerConfig
@@ -253,33 +254,50 @@ def _server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
+EXAMPLES = """examples:
+  python -m serving.server runs/demo/bundle                              # 127.0.0.1:50051, metrics on :8002
+  python -m serving.server runs/demo/bundle --host 0.0.0.0 --port 50051 --device cuda
+  python -m serving.server runs/demo/bundle --max-texts 16 --long-text refuse --auth-token-file token.txt
+  python -m serving.client --target 127.0.0.1:50051 "Un livre magnifique."   # then, from another shell
+
+A bundle is the folder `python -m trainer export ARTIFACT --out BUNDLE` writes (not the training artifact).
+SIGTERM or Ctrl-C: NOT_SERVING, --drain-delay-s of serving, --grace-s for requests in flight, exit 0.
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
-    """One flag per ServerConfig field (`max_texts` -> `--max-texts`), typed from its annotation."""
-    p = argparse.ArgumentParser(prog="sentiment-server", description="Serve a sentiment bundle over gRPC.")
+    """One flag per ServerConfig field (`max_texts` -> `--max-texts`), typed from its annotation, its help the
+    field's comment in serving/config.py."""
+    p = argparse.ArgumentParser(prog="sentiment-server", description="Serve a sentiment bundle over gRPC.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
     p.add_argument("bundle", type=Path, help="bundle folder written by `python -m trainer export`")
     hints = typing.get_type_hints(ServerConfig)
     defaults = ServerConfig()
+    meaning = comments(ServerConfig)
     for f in dataclasses.fields(ServerConfig):
         if f.name in ("auth_token", "metrics_port", "batching"):
             continue
         tp, flag = hints[f.name], "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
+        text = meaning.get(f.name, "").replace("%", "%%")
         if tp is bool:  # every bool option is off by default: the flag turns it on
-            p.add_argument(flag, action="store_true")
+            p.add_argument(flag, action="store_true", help=f"{text} (default: off)")
             continue
+        text += f" (default: {'none' if default is None else default})"
         if typing.get_origin(tp) in (typing.Union, types.UnionType):  # X | None: the flag takes an X
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
         if typing.get_origin(tp) is typing.Literal:
-            p.add_argument(flag, choices=typing.get_args(tp), default=default, help=f"default {default}")
+            p.add_argument(flag, choices=typing.get_args(tp), default=default, help=text)
         else:
-            p.add_argument(flag, type=tp, default=default, help=f"default {default}")
-    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (0 = any free port)")
+            p.add_argument(flag, type=tp, default=default, help=text)
+    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (0 = any free port) (default: 8002)")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus exporter")
     p.add_argument("--no-batching", action="store_true", help="run every request alone (benchmark baseline)")
     p.add_argument("--auth-token-file", type=Path,
                    help="require 'authorization: Bearer <token>' with the token in this file (also: the "
                         "SENTIMENT_AUTH_TOKEN variable); never on the command line, where `ps` shows it")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="(default: INFO)")
     return p
 
 

@@ -147,4 +147,5 @@ class SentimentServicer(pb_grpc.SentimentServiceServicer):
             max_texts=cfg.max_texts,
             max_chars=cfg.max_chars,
             long_text_policy=policy,
+            label_values=p.label_values,
         )

@@ -88,8 +88,8 @@ def save(
         meta = {
             "format": FORMAT,
             "task": task,
-            "labels": cfg.data.labels,
-            "label_names": cfg.data.label_names,
+            "labels": cfg.data.labels,  # the data's label values, in logit order
+            "label_names": cfg.data.names,  # what the server answers for each
             "weights_sha256": sha256_file(tmp / WEIGHTS),
             "parameters": sum(v.numel() for v in state.values()),
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

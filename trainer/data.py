@@ -109,43 +109,63 @@ def _records(path: Path, text_field: str, label_field: str, labeled: bool) -> It
             if line.strip():
                 yield n, line, None
     elif fmt == ".jsonl":
-        for n, line in lines:
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: malformed JSON at column {e.colno}: {e.msg}") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
-            for key in (text_field, label_field) if labeled else (text_field,):
-                if key not in obj:
-                    raise DataError(f"{path}:{n}: no field {key!r} (fields: {sorted(obj)})")
-            text = obj[text_field]
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{n}: field {text_field!r} must be a string, got {type(text).__name__}")
-            label = obj[label_field] if labeled else None
-            if label is not None and not isinstance(label, str):
-                label = json.dumps(label)  # 1 -> "1", true -> "true": compared with the declared label strings
-            yield n, text, label
+        yield from _jsonl(path, lines, text_field, label_field, labeled)
     else:  # .tsv
-        header = next(lines, None)
-        if header is None:
-            raise DataError(f"{path}: file is empty (expected a header row)")
-        columns = header[1].split("\t")
-        text_col = _text_column(path, columns, text_field, label_field)
-        label_col = None
-        if labeled:
-            if label_field not in columns:
-                raise DataError(f"{path}:1: no column {label_field!r} in the header {columns}")
-            label_col = columns.index(label_field)
-        for n, line in lines:
-            if not line.strip():
-                continue
-            fields = line.split("\t")
-            if len(fields) != len(columns):
-                raise DataError(f"{path}:{n}: {len(fields)} tab-separated fields, the header has {len(columns)}")
-            yield n, fields[text_col], (fields[label_col] if label_col is not None else None)
+        rows = ((n, line.split("\t")) for n, line in lines if line.strip())
+        yield from _table(path, rows, text_field, label_field, labeled, "tab-separated")
+
+
+def _jsonl(path: Path, lines: Iterator[tuple[int, str]], text_field: str, label_field: str,
+           labeled: bool) -> Iterator[tuple[int, str, object]]:
+    for n, line in lines:
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: malformed JSON at column {e.colno}: {e.msg}") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+        for key, option in ((text_field, "text_field"), (label_field, "label_field"))[:2 if labeled else 1]:
+            if key not in obj:
+                raise DataError(f"{path}:{n}: no field {key!r} (fields: {sorted(obj)}); {_name_it(option)}")
+        text = obj[text_field]
+        if not isinstance(text, str):
+            raise DataError(f"{path}:{n}: field {text_field!r} must be a string, got {type(text).__name__}")
+        label = obj[label_field] if labeled else None
+        if label is not None and not isinstance(label, str):
+            label = json.dumps(label)  # 1 -> "1", true -> "true": compared with the declared label strings
+        yield n, text, label
+
+
+def _name_it(option: str) -> str:
+    """How a user names a field: the config key when training, the flag of `predict` and `export`."""
+    return f"name yours with data.{option}=NAME (predict, export: --{option.replace('_', '-')} NAME)"
+
+
+def _table(path: Path, rows: Iterator[tuple[int, list[str]]], text_field: str, label_field: str, labeled: bool,
+           kind: str) -> Iterator[tuple[int, str, str | None]]:
+    """Records of a table whose first row is a header naming its columns (.tsv; any reader of rows of fields)."""
+    first = next(rows, None)
+    if first is None:
+        raise DataError(f"{path}: file is empty (expected a header row)")
+    _, columns = first
+    if text_field not in columns and label_field not in columns and any(len(c) > 40 or len(c.split()) > 3
+                                                                        for c in columns):
+        shown = [c if len(c) <= 24 else c[:21] + "..." for c in columns[:4]]
+        raise DataError(f"{path}:1: no header row: the first line reads like data ({shown}); add a first line "
+                        f"that names the columns ({label_field!r} and {text_field!r}, or set data.label_field and "
+                        "data.text_field to its names)")
+    text_col = _text_column(path, columns, text_field, label_field)
+    label_col = None
+    if labeled:
+        if label_field not in columns:
+            raise DataError(f"{path}:1: no column {label_field!r} in the header {columns}; {_name_it('label_field')}")
+        label_col = columns.index(label_field)
+    for n, fields in rows:
+        if len(fields) != len(columns):
+            raise DataError(f"{path}:{n}: {len(fields)} {kind} fields, the header has {len(columns)}")
+        yield n, fields[text_col], (fields[label_col] if label_col is not None else None)
 
 
 def _text_column(path: Path, columns: list[str], text_field: str, label_field: str) -> int:
@@ -154,7 +174,7 @@ def _text_column(path: Path, columns: list[str], text_field: str, label_field: s
     others = [i for i, c in enumerate(columns) if c != label_field]
     if len(others) == 1 and label_field in columns:
         return others[0]
-    raise DataError(f"{path}:1: no column {text_field!r} in the header {columns} (set data.text_field)")
+    raise DataError(f"{path}:1: no column {text_field!r} in the header {columns}; {_name_it('text_field')}")
 
 
 def _example(path: Path, fmt: str, n: int, text: str, label: int | None) -> Example:
@@ -193,24 +213,59 @@ def read_labeled(
     """All examples of a labeled file; each label must be one of `labels` (its index becomes `Example.label`)."""
     path = Path(path)
     fmt = file_format(path)
-    if not path.is_file():  # before looking for a sibling .label file
-        raise DataError(f"{path}: file not found")
     index = {str(lab): i for i, lab in enumerate(labels)}
-
-    def label_id(raw: object, where: str) -> int:
-        value = str(raw).strip()
+    out: list[Example] = []
+    for n, text, value, where in _labelled(path, text_field, label_field):
         if value not in index:
             raise DataError(f"{where}: unknown label {value!r}; the declared labels (data.labels) are {list(index)}")
-        return index[value]
+        out.append(_example(path, fmt, n, text, index[value]))
+    return out
 
-    out: list[Example] = []
+
+def label_values(path: str | Path, text_field: str = "text", label_field: str = "label") -> list[str]:
+    """The distinct label values of a labeled file, sorted: numerically when all are numbers ("2" < "10")."""
+    values = {value for _, _, value, _ in _labelled(Path(path), text_field, label_field)}
+    try:
+        return sorted(values, key=float)
+    except ValueError:
+        return sorted(values)
+
+
+def has_labels(path: str | Path, label_field: str = "label") -> bool:
+    """Whether a file carries labels: a sibling .label file (.txt/.spm), else `label_field` in its first record."""
+    path = Path(path)
+    fmt = file_format(path)
+    if fmt in (".txt", ".spm"):
+        try:
+            return _label_path(path) is not None
+        except DataError:
+            return False
+    for _, line in _lines(path):
+        if not line.strip():
+            continue
+        if fmt == ".jsonl":
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                return True  # malformed: let the labeled reader name the line
+            return not isinstance(obj, dict) or label_field in obj
+        return label_field in line.split("\t")
+    return False
+
+
+def _labelled(path: Path, text_field: str, label_field: str) -> Iterator[tuple[int, str, str, str]]:
+    """(line, text or pieces line, label value stripped, "file:line" of the label) of every example."""
+    fmt = file_format(path)
+    if not path.is_file():  # before looking for a sibling .label file
+        raise DataError(f"{path}: file not found")
+    count = 0
     if fmt in (".spm", ".txt"):
         label_path = _label_path(path)
         texts, tags = _lines(path), _lines(label_path)
         for pair in itertools.zip_longest(texts, tags):
             if pair[0] is None or pair[1] is None:  # one file ended first: count the rest of the other
-                n_texts = len(out) + (pair[0] is not None) + sum(1 for _ in texts)
-                n_tags = len(out) + (pair[1] is not None) + sum(1 for _ in tags)
+                n_texts = count + (pair[0] is not None) + sum(1 for _ in texts)
+                n_tags = count + (pair[1] is not None) + sum(1 for _ in tags)
                 raise DataError(
                     f"{label_path} has {n_tags} lines but {path} has {n_texts}: "
                     f"the label file is {'shorter' if n_tags < n_texts else 'longer'} than its text file"
@@ -218,10 +273,11 @@ def read_labeled(
             (n, text), (m, tag) = pair
             if not text.strip():
                 raise DataError(f"{path}:{n}: empty document (it pairs with line {m} of {label_path})")
-            out.append(_example(path, fmt, n, text, label_id(tag, f"{label_path}:{m}")))
+            count += 1
+            yield n, text, tag.strip(), f"{label_path}:{m}"
     else:
         for n, text, raw in _records(path, text_field, label_field, labeled=True):
-            out.append(_example(path, fmt, n, text, label_id(raw, f"{path}:{n}")))
-    if not out:
+            count += 1
+            yield n, text, str(raw).strip(), f"{path}:{n}"
+    if not count:
         raise DataError(f"{path}: file is empty (no examples)")
-    return out

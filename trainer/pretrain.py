@@ -1,8 +1,8 @@
 """Pretrain the encoder as a language model with DeepSpeed: next-token (the lab) or masked LM (BERT-style).
 
 Documents of `data.pretrain` become [<sos>] + pieces + [<eos>] and are cut into windows of `pretrain.seq_len`
-tokens; the last `data.pretrain_eval_lines` documents are held out for the eval loss. The loss is the mean over
-predicted tokens (padding never counts) of the whole global batch, so 2 ranks x B equal 1 rank x 2B.
+tokens; the last `data.pretrain_eval_lines` documents (at most a tenth) are held out for the eval loss. The loss is
+the mean over predicted tokens (padding never counts) of the whole global batch, so 2 ranks x B equal 1 rank x 2B.
   clm: input window[:-1] predicts window[1:] under the causal mask (windows overlap by one token, so every token
        but a document's <sos> is predicted once).
   mlm: 15% of the real tokens of a window (at least one; never <sos>/<eos>) are predicted, no causal mask;
@@ -28,7 +28,7 @@ from trainer import artifact, cli, loop, monitor
 from trainer import checkpoint as ckpt
 from trainer import engine as eng
 from trainer.batching import bucket_batches, pad_batch
-from trainer.config import ModelConfig, RunConfig
+from trainer.config import ConfigError, ModelConfig, RunConfig
 from trainer.corpus import Corpus, encode_corpus
 from trainer.model import LanguageModel
 from trainer.tokenizer import Tokenizer
@@ -45,7 +45,7 @@ EVAL_EPOCH = 1 << 30  # seeds the eval windows' MLM masks: fixed, so every eval 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    cli.add_config_args(parser, default_preset="demo")
+    cli.add_config_args(parser, default_preset="demo", resumable=True)
     cli.add_run_arguments(parser, tokenizer_help="use this tokenizer folder instead of building one")
 
 
@@ -206,6 +206,15 @@ class PretrainTask:
             state.history.append({"step": state.step, "loss": interval.loss, "eval_loss": row["eval_loss"]})
         return row
 
+    def improved(self, state: ckpt.LoopState) -> bool:
+        return False  # the artifact holds the last step's weights
+
+    def keep(self, engine: Any, ckpt_dir: Path, tag: str, state: ckpt.LoopState) -> None:
+        raise AssertionError("pretraining keeps the last weights")
+
+    def stop_early(self, state: ckpt.LoopState) -> bool:
+        return False
+
 
 def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     """Pretrain into `opts.out`; returns the artifact folder (None on ranks > 0, or when stopped by stop_at)."""
@@ -215,11 +224,15 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     (resume_tag,) = loop.resume_tags(run_dir, cfg, [ckpt_dir], opts.resume)
     ds, plan = eng.ds_config(cfg, "pretrain", info.world_size, opts.deepspeed_config or cfg.engine.deepspeed_config)
     cli.check_out(run_dir)  # every rank writes its checkpoint shards there
+    if not cfg.data.pretrain:
+        raise ConfigError("data.pretrain is empty: name your unlabelled text files (--set data.pretrain=FILE,FILE)")
+    monitor.note(f"data: pretrain: {', '.join(str(cfg.data.path(p)) for p in cfg.data.pretrain)}")
     tok = loop.run_tokenizer(cfg, run_dir, opts.tokenizer)
     corpus = obtain_corpus(cfg, tok, run_dir)
 
-    # Held-out slice: the last documents. Windows: clm overlaps them by one token (see module docstring).
-    n_eval = min(cfg.data.pretrain_eval_lines, len(corpus) - 1)
+    # Held-out slice: the last documents (at most a tenth of them). Windows: clm overlaps them by one token (see
+    # module docstring).
+    n_eval = min(cfg.data.pretrain_eval_lines, max(1, len(corpus) // 10), len(corpus) - 1)
     full_len = corpus.lengths() + 2
     overlap = 1 if pc.objective == "clm" else 0
     train_w = cut_windows(np.arange(len(corpus) - n_eval), full_len, pc.seq_len, overlap)
@@ -241,8 +254,9 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
         state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
     log = monitor.RunLog(run_dir, total, state.step, f"pretrain {pc.objective}",
                          ["epoch", "loss", "ppl", "lr", "tokens_per_s", "eval_loss", "eval_ppl", "elapsed_s"])
-    log.print(f"pretrain {pc.objective}: {len(corpus):,} documents, {corpus.n_tokens:,} pieces, {len(train_w.doc):,} "
-              f"windows ({per_epoch:,} global batches of {plan.global_batch}/epoch), {total:,} steps, "
+    log.print(f"pretrain {pc.objective}: {len(corpus):,} documents ({n_eval:,} held out for the eval loss), "
+              f"{corpus.n_tokens:,} pieces, {len(train_w.doc):,} training windows ({per_epoch:,} global batches of "
+              f"{plan.global_batch}/epoch), {total:,} steps, "
               f"world {info.world_size}, ZeRO {cfg.engine.zero_stage}, {cfg.engine.precision}"
               + (f", resumed at step {state.step}" if resume_tag else ""))
 

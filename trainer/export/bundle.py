@@ -70,6 +70,8 @@ class ExportOptions:
     opset: int | None = None  # None: the exporter's default
     data_file: Path | None = None  # labelled file whose accuracy change is recorded and held to the tolerance
     data_limit: int = 0  # score only the first N examples of data_file (0: all)
+    text_field: str | None = None  # data_file's text field (.jsonl key, .tsv column); None: the artifact's
+    label_field: str | None = None  # data_file's label field; None: the artifact's data.label_field
 
     def __post_init__(self) -> None:
         if self.precision not in (AUTO, *PRECISIONS):
@@ -136,10 +138,7 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
     mcfg = art.cfg.model
     # artifact.json's "labels" are the raw values of the data (data.labels); the names (data.label_names) are what
     # the server answers: manifest.json keeps those under "labels".
-    label_names, label_values = list(art.cfg.data.label_names), list(art.cfg.data.labels)
-    if len(label_names) != mcfg.num_classes:
-        raise ExportError(f"{art.path}: {len(label_names)} label names {label_names} for a head of "
-                          f"model.num_classes={mcfg.num_classes}")
+    label_values, label_names = check_labels(art)
     tok = Tokenizer.load(art.tokenizer_dir)
     max_len = tok.max_len if opt.max_len is None else opt.max_len
     if max_len > mcfg.max_positions:
@@ -163,7 +162,9 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
             _write_graph(fp32, tmp, name, precision, opt, meta, mcfg.num_classes)
         fp32.unlink()
 
-        graphs, cpu_int8 = _validate(model, tmp, opt, tok, label_values, max_len, mcfg.vocab_size, mcfg.pad_id)
+        graphs, cpu_int8 = _validate(model, tmp, opt, tok, label_values, max_len, mcfg.vocab_size, mcfg.pad_id,
+                                     (opt.text_field or art.cfg.data.text_field,
+                                      opt.label_field or art.cfg.data.label_field))
         cpu = EXTRA_GRAPH_FILES["int8"] if EXTRA_GRAPH_FILES["int8"] in graphs and opt.precision == AUTO else MODEL_FILE
         cuda = EXTRA_GRAPH_FILES["fp16"] if EXTRA_GRAPH_FILES["fp16"] in graphs else MODEL_FILE
         inputs, outputs = expected_io(mcfg.num_classes)
@@ -199,6 +200,22 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_labels(art: artifact_mod.Artifact) -> tuple[list[str], list[str]]:
+    """The label values (data.labels: what the data says, in logit order) and the names served for them
+    (data.label_names, else the values): one per logit, distinct, and the same in artifact.json as in config.json."""
+    data, classes = art.cfg.data, art.cfg.model.num_classes
+    values, names = list(data.labels), data.names
+    if len(values) != classes or len(set(values)) != len(values) or len(set(names)) != len(names) \
+            or not all(n.strip() for n in names):
+        raise ExportError(f"{art.path}: labels {values} named {names} for a head of model.num_classes={classes}: "
+                          "need one distinct value and one distinct non-empty name per class")
+    for key, want in (("labels", values), ("label_names", names)):
+        if key in art.meta and art.meta[key] != want:
+            raise ExportError(f"{art.path / 'artifact.json'}: {key} {art.meta[key]} but config.json gives {want}: "
+                              "the artifact was edited or assembled from two runs")
+    return values, names
 
 
 def _write_tokenizer(src: Path, tok: Tokenizer, tmp: Path) -> None:
@@ -242,13 +259,14 @@ def _write_graph(fp32: Path, tmp: Path, name: str, precision: str, opt: ExportOp
 
 
 def _validate(model: torch.nn.Module, tmp: Path, opt: ExportOptions, tok: Tokenizer, label_values: list[str],
-              max_len: int, vocab_size: int, pad_id: int) -> tuple[dict[str, Graph], dict[str, object] | None]:
+              max_len: int, vocab_size: int, pad_id: int,
+              fields: tuple[str, str]) -> tuple[dict[str, Graph], dict[str, object] | None]:
     """Each graph against PyTorch (and on --data); returns the graphs kept and, for the default export, the int8
     decision. Beyond its tolerance a graph fails the export, except the default's int8 graph: it is left out."""
     references: dict[str, np.ndarray] = {}
     data = None
     if opt.data_file is not None:
-        seqs, labels = encode_file(tok, Path(opt.data_file), label_values, max_len, opt.data_limit)
+        seqs, labels = encode_file(tok, Path(opt.data_file), label_values, max_len, opt.data_limit, *fields)
         data = (seqs, labels, torch_reference(model, seqs, pad_id))
     graphs: dict[str, Graph] = {}
     cpu_int8: dict[str, object] | None = None

@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="labelled file (.spm + .label, .tsv, .jsonl): record the accuracy change on export; "
                              "required with --check")
     parser.add_argument("--limit", type=int, default=0, help="score only the first N examples of --data")
+    parser.add_argument("--text-field", metavar="NAME",
+                        help="--data: the .jsonl key / .tsv column of the text (default: the artifact's "
+                             "data.text_field, else 'text')")
+    parser.add_argument("--label-field", metavar="NAME",
+                        help="--data: the .jsonl key / .tsv column of the label (default: the artifact's "
+                             "data.label_field, else 'label')")
 
     t = parser.add_argument_group("Triton model repository")
     t.add_argument("--triton-repo", metavar="DIR",
@@ -129,6 +135,8 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         max_len=args.max_len,
         data_file=Path(args.data) if args.data else None,
         data_limit=args.limit,
+        text_field=args.text_field,
+        label_field=args.label_field,
     )
 
 
@@ -142,10 +150,12 @@ def check(args: argparse.Namespace) -> int:
     if not args.data:
         raise ExportError("--check needs --data FILE (a labelled file)")
     gates = gates_from_args(args)
-    report = check_bundle(args.check, args.data, args.check_artifact or args.artifact, limit=args.limit)
+    report = check_bundle(args.check, args.data, args.check_artifact or args.artifact, limit=args.limit,
+                          text_field=args.text_field, label_field=args.label_field)
     baseline = None
     if gates.baseline is not None:
-        baseline = check_bundle(gates.baseline, args.data, limit=args.limit, compare_torch=False)
+        baseline = check_bundle(gates.baseline, args.data, limit=args.limit, compare_torch=False,
+                                text_field=args.text_field, label_field=args.label_field)
     results = evaluate(report, gates, baseline)
     full = full_report(report, results, baseline)
     print(f"{report['bundle']} (bundle_sha256 {report['bundle_sha256'][:16]}...): {report['examples']} examples of "
@@ -159,6 +169,8 @@ def check(args: argparse.Namespace) -> int:
         print(line)
     if report["artifact"] is None:
         print("  no source artifact found: pass --artifact to compare with PyTorch")
+    print("labels (value in the data -> name served): "
+          + ", ".join(f"{v!r} -> {n!r}" for v, n in report["labels"].items()))
     for r in results:
         print(f"{'PASS' if r.passed else 'FAIL'} {r.gate}: {r.message}")
     if args.json:
@@ -188,6 +200,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"wrote {out} (opset {m.opset}, max_len {m.max_len}; {sizes}) in {m.export_seconds} s")
     print("serves: " + ", ".join(f"{d} -> {n} ({m.graphs[n].precision})" for d, n in m.serve.items()))
     print(f"bundle_sha256 {m.bundle_sha256} (the server reports it in GetModelMetadata)")
+    print("labels (value in the data -> name served): "
+          + ", ".join(f"{v!r} -> {n!r}" for v, n in zip(m.label_values, m.label_names, strict=True)))
     for name, g in m.graphs.items():
         v = g.validation
         if v.get("passed"):

@@ -18,10 +18,10 @@ from trainer.export.validate import ort_logits, torch_logits
 from trainer.tokenizer import Tokenizer
 
 
-def encode_file(tok: Tokenizer, data_file: Path, label_values: list[str], max_len: int,
-                limit: int = 0) -> tuple[list[list[int]], np.ndarray]:
+def encode_file(tok: Tokenizer, data_file: Path, label_values: list[str], max_len: int, limit: int = 0,
+                text_field: str = "text", label_field: str = "label") -> tuple[list[list[int]], np.ndarray]:
     """Ids (cut to max_len, <eos> kept) and label indices of a labelled file, read with the project's readers."""
-    examples = read_labeled(data_file, label_values)
+    examples = read_labeled(data_file, label_values, text_field, label_field)
     if limit:
         examples = examples[:limit]
     seqs = [tok.encode_example(ex, max_len) for ex in examples]
