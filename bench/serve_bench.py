@@ -47,9 +47,10 @@ def make_bundle(out: Path, data_root: Path, precision: str = "auto") -> Path:
     import torch
 
     from trainer import artifact
-    from trainer.config import lab, override
+    from trainer.config import override
     from trainer.export import ExportOptions, export_bundle
     from trainer.model import build
+    from trainer.presets import lab
     from trainer.tokenizer import Tokenizer
 
     cfg = override(lab(), {"data.root": str(data_root)})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.config import ModelConfig, lab, tiny
+from trainer.config import ModelConfig
 from trainer.model import (
     Classifier,
     LanguageModel,
@@ -15,6 +15,7 @@ from trainer.model import (
     parameter_formula,
 )
 from trainer.params import report
+from trainer.presets import lab, tiny
 
 
 def test_lab_parameter_counts_match_the_lab_exactly():

@@ -73,9 +73,10 @@ def tokens_and_positions(data_dir: Path, steps: int, windows: int) -> dict[str, 
     positions with padding (13 x the longest). The tiny preset's tokenizer cut at 40 ids, cls-books-fr train
     reviews; LM inputs are next-token windows minus their last token, classifier inputs whole (cut) reviews."""
     from trainer.batching import bucket_batches
-    from trainer.config import override, preset
+    from trainer.config import override
     from trainer.corpus import encode_corpus
     from trainer.finetune import load_split
+    from trainer.presets import preset
     from trainer.pretrain import cut_windows
     from trainer.tokenizer import build_tokenizer
 

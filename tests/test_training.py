@@ -112,8 +112,8 @@ def two_ranks_7(runs: dict[str, Path], base: list[str], zero: int) -> Path:
 def test_two_ranks_equal_one_rank_with_twice_the_batch(runs: dict[str, Path], base: list[str], zero: int) -> None:
     one, two = weights(one_rank_14(runs, base, zero)), weights(two_ranks_7(runs, base, zero))
     assert max_diff(one, two) < 1e-5
-    from trainer.config import tiny
     from trainer.model import LanguageModel
+    from trainer.presets import tiny
 
     torch.manual_seed(0)  # what pretrain builds before the engine: the step really moved the weights
     init = LanguageModel(tiny().model).state_dict()
@@ -226,7 +226,7 @@ def test_missing_resume_folder(base: list[str], tmp_path: Path) -> None:
 
 def test_a_setting_pretrained_would_replace_is_refused(base: list[str], tmp_path: Path) -> None:
     """--pretrained fixes the tokenizer and the encoder's shape: a --set of one of them is an error, not dropped."""
-    from trainer.config import tiny
+    from trainer.presets import tiny
 
     art = tmp_path / "lm"  # only its config.json is read before the refusal
     art.mkdir()
@@ -243,7 +243,8 @@ def test_a_setting_pretrained_would_replace_is_refused(base: list[str], tmp_path
 
 
 def test_a_model_dropout_that_finetune_dropout_replaces_is_refused() -> None:
-    from trainer.config import Choice, ConfigError
+    from trainer.choice import Choice
+    from trainer.config import ConfigError
     from trainer.finetune import resolve_config
 
     assert resolve_config(Choice("demo"), None).model.dropout == 0.1  # finetune.dropout while fine-tuning
@@ -410,8 +411,9 @@ def test_gpu_bf16_two_ranks_nccl(base: list[str], tmp_path: Path) -> None:
 
 def test_a_test_sample_taken_from_an_encoded_extra_set_equals_the_one_loaded_alone(tiny_tokenizer, data_dir) -> None:
     """finetune encodes a file once when it is both data.test (sampled) and in data.extra_test (whole)."""
-    from trainer.config import override, tiny
+    from trainer.config import override
     from trainer.finetune import load_split, sample_split
+    from trainer.presets import tiny
 
     cfg = override(tiny(), {"data.root": str(data_dir)})
     name = "cls-books-fr/test.review.txt"

@@ -39,7 +39,8 @@ from trainer import config as config_mod
 from trainer import engine as eng
 from trainer.artifact import ArtifactError
 from trainer.batching import bucket_batches
-from trainer.config import Choice, ConfigError, ModelConfig, RunConfig
+from trainer.choice import Choice
+from trainer.config import ConfigError, ModelConfig, RunConfig
 from trainer.labelled import Split, encode, load_split, sample_split  # noqa: F401 (load_split: tests, bench)
 from trainer.metrics import balanced_weights, one_line, summarize, warning
 from trainer.model import Classifier, load_encoder
