@@ -112,7 +112,7 @@ class _DeadlineReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:  # noqa: ANN001
+    def readinto(self, buffer) -> int:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("request headers not received in time")
@@ -128,10 +128,10 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
         self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + HEADER_TIMEOUT_S))
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's names)
+    def do_GET(self) -> None:
         self._answer(body=True)
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._answer(body=False)
 
     def _answer(self, body: bool) -> None:
@@ -146,5 +146,5 @@ class _Handler(BaseHTTPRequestHandler):
         if body:
             self.wfile.write(page)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass  # one log line per scrape (or per probe of a scanner) is noise

@@ -325,7 +325,7 @@ class _Planted:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
 
-    def __reduce__(self):  # noqa: ANN204
+    def __reduce__(self):
         return (open, (str(self.marker), "w"))
 
 

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field
 
 from contract.tokens import N_SPECIALS
-from trainer.config_fields import (  # noqa: F401 (ConfigError: the other modules import it from here)
+from trainer.config_fields import (
     ConfigError,
     Count,
     NonNegative,

@@ -312,7 +312,7 @@ class ClassifierTask:
                                        f"of step {record['step']} (epoch {record['epoch']}): it was replaced or "
                                        "removed; fine-tune again into a new --out")
         with safe_open(str(self.kept_path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def _kept_step(path: Path) -> int | None:
