@@ -3,6 +3,11 @@ request costs the server's processes outside onnxruntime.
 
     python bench/soak.py --make-bundle /tmp/tiny-bundle --size tiny     # once: the tests' tiny model
     python bench/workers_bench.py --bundle /tmp/tiny-bundle [--workers 1 2] [--seconds 5] [--json out.json]
+    python bench/workers_bench.py --bundle /tmp/tiny-bundle --workers 1 --profile /tmp/request-path.txt
+
+--profile FILE samples the (first) worker with py-spy (a dev dependency) during the measured seconds, writes the
+stacks to FILE (py-spy's raw format: one collapsed stack and its count a line) and prints where the thread
+holding the interpreter lock spent its samples: by function, and by area (gRPC, protobuf, tokenizer, batcher...).
 
 With the tiny model (vocab 99, width 32, 2 layers) onnxruntime costs next to nothing: what is measured is the
 request path (gRPC, protobuf, tokenization, batching, futures) in Python. The load generator is h2load (Debian:
@@ -60,11 +65,48 @@ def ok_calls(server: Server) -> float:
 def h2load(port: int, body: Path, seconds: float, connections: int, streams: int) -> tuple[str, float]:
     """h2load's report and the CPU seconds it used."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run(["h2load", "-D", str(seconds), "-c", str(connections), "-m", str(streams), "-t", "1",
-                          "-d", str(body), "-H", "content-type: application/grpc", "-H", "te: trailers",
+    out = subprocess.run(["h2load", "-D", f"{max(1, round(seconds))}s", "-c", str(connections), "-m", str(streams),
+                          "-t", "1", "-d", str(body), "-H", "content-type: application/grpc", "-H", "te: trailers",
                           f"http://127.0.0.1:{port}{CLASSIFY}"], capture_output=True, text=True, check=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return out.stdout, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
+AREAS = [  # (area, substring of a frame's file), first match wins
+    ("onnxruntime run", "onnxruntime"), ("tokenizer (sentencepiece, contract/tokens.py)", "sentencepiece"),
+    ("tokenizer (sentencepiece, contract/tokens.py)", "contract/tokens.py"), ("protobuf", "protobuf"),
+    ("prometheus_client", "prometheus_client"), ("gRPC Python (grpc/)", "grpc/"), ("batcher", "serving/batcher.py"),
+    ("gate", "serving/gate.py"), ("servicer", "serving/servicer.py"), ("predictor", "serving/predictor.py"),
+    ("numpy", "numpy"), ("threading / futures", "threading.py"), ("threading / futures", "concurrent/futures"),
+]
+
+
+def profile_summary(raw: Path, top: int = 15) -> str:
+    """Samples by leaf function and by area, as shares of all samples (py-spy --gil: of the thread holding the
+    interpreter lock, the Python that one process runs one thread at a time)."""
+    by_leaf: dict[str, int] = {}
+    by_area: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        leaf = re.sub(r":\d+\)$", ")", frames[-1])
+        by_leaf[leaf] = by_leaf.get(leaf, 0) + n
+        area = next((name for name, key in AREAS if key in frames[-1]), "other")
+        # A leaf in a library called from our code counts as that library; a leaf in the standard library (a
+        # lock, a queue) counts as the caller's area when one of ours is in the stack.
+        if area == "other":
+            area = next((name for f in reversed(frames) for name, key in AREAS if key in f), "other")
+        by_area[area] = by_area.get(area, 0) + n
+        total += n
+    out = [f"{total} samples of the thread holding the GIL", "", "| function (leaf frame) | share |", "|---|---|"]
+    out += [f"| `{k}` | {100 * v / total:.1f}% |" for k, v in sorted(by_leaf.items(), key=lambda x: -x[1])[:top]]
+    out += ["", "| area (leaf frame's, else the nearest caller's) | share |", "|---|---|"]
+    out += [f"| {k} | {100 * v / total:.1f}% |" for k, v in sorted(by_area.items(), key=lambda x: -x[1])]
+    return "\n".join(out)
 
 
 def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace) -> dict:
@@ -73,7 +115,15 @@ def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace) ->
         h2load(server.port, body, min(2.0, args.seconds / 2), args.connections, args.streams)  # warm-up
         calls0, runs0 = ok_calls(server), server.metric("sentiment_inference_seconds_sum")
         cpu0, t0 = cpu_seconds(server.pids), time.perf_counter()
+        spy = None
+        if args.profile:
+            spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(server.pids[0]),
+                                    "-d", str(max(1, int(args.seconds) - 1)), "-r", "200", "-f", "raw", "-o",
+                                    str(args.profile), "--nonblocking", "--gil"], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
         report, client_cpu = h2load(server.port, body, args.seconds, args.connections, args.streams)
+        if spy is not None:
+            spy.wait(60)
         elapsed, cpu1 = time.perf_counter() - t0, cpu_seconds(server.pids)
         calls1, runs1 = ok_calls(server), server.metric("sentiment_inference_seconds_sum")
         sent = re.search(r"requests: (\d+) total", report)
@@ -96,11 +146,13 @@ def main() -> int:
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder holding cls-books-fr/")
     ap.add_argument("--server-args", default="", help="extra server options")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument("--profile", type=Path, help="py-spy the first worker during the measure; stacks to this file")
     args = ap.parse_args()
     if shutil.which("h2load") is None:
         ap.error("h2load not found: install it (Debian/Ubuntu: apt-get install nghttp2-client)")
     lines = (args.data / "cls-books-fr" / "test.review.txt").read_text(encoding="utf-8").split("\n")
-    text = next(t for t in lines if t.strip())
+    reviews = sorted((t for t in lines if t.strip()), key=len)
+    text = reviews[len(reviews) // 2]  # the median length
     with tempfile.TemporaryDirectory() as tmp:
         body = Path(tmp) / "classify.grpc"
         body.write_bytes(grpc_body(text))
@@ -114,8 +166,10 @@ def main() -> int:
     base = rows[0]["requests_per_s"]
     for r in rows[1:]:
         print(f"{r['workers']} workers / {rows[0]['workers']}: {r['requests_per_s'] / base:.2f}x")
-    print(f"one review of {len(text)} characters per call; {args.connections} connections x {args.streams} streams; "
-          f"machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}")
+    print(f"one review of {len(text)} characters (the median) per call; {args.connections} connections x "
+          f"{args.streams} streams; machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}")
+    if args.profile:
+        print("\n" + profile_summary(args.profile))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "args": sys.argv[1:]}, indent=2))
     return 0
