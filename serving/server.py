@@ -14,6 +14,7 @@ grpc.aio (serving/health_port.py): probes need answers while half-open calls wai
 Lifecycle: the bundle is loaded and verified, and every port (gRPC, health, metrics) is checked free, before
 anything listens (a bad bundle or a taken port exits 2 with one line). SIGTERM or SIGINT: health goes NOT_SERVING
 and new requests get UNAVAILABLE, in-flight requests finish (up to grace_s), the batcher drains, exit 0.
+`--workers N` runs N such servers on one port under a parent process (serving/workers.py).
 """
 
 from __future__ import annotations

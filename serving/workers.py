@@ -139,14 +139,14 @@ class _Parent:
     def run(self, health: Health, services: tuple[str, ...], where: str) -> int:
         previous = {sig: signal.signal(sig, lambda signum, frame: self._stop.set())
                     for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
+        try:  # the handlers stay through the drain: a second SIGTERM must not kill the parent under its workers
             for slot in self.slots:
                 self._start(slot)
             code = self._watch(health, services, where)
+            return self._drain(health) if code is None else self._kill_all(code)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        return self._drain(health) if code is None else self._kill_all(code)
 
     def _start(self, slot: _Slot) -> None:
         parent_end, child_end = self._context.Pipe(duplex=False)
