@@ -1,7 +1,6 @@
 """Dynamic batching: texts of concurrent requests share onnxruntime runs.
 
-Callers `submit` a request's encoded rows and get an Answer (a future) of its (n, C) probabilities, rows in request
-order.
+Callers `submit` a request's encoded rows and get a Future of its (n, C) probabilities, rows in request order.
 `workers` threads (each one onnxruntime run at a time) form batches:
   - a batch holds at most `max_batch_size` texts and `max_batch_tokens` padded ids (texts x longest text);
   - it always includes the oldest waiting text (no starvation), then the texts whose lengths are closest to it,
@@ -21,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,57 +31,13 @@ from serving.metrics import Metrics
 Infer = Callable[[Sequence[np.ndarray]], np.ndarray]  # rows of ids -> (n, C) probabilities, one run
 
 
-class Answer:
-    """The result of one `submit`: `result(timeout)` waits for it. A one-shot latch (a lock held until the result is
-    set) rather than a concurrent.futures.Future, whose Condition, RLock and notify_all per request took 21% of the
-    interpreter lock's samples of a loaded server (py-spy; docs/BENCHMARKS.md, Serving). Set once, by the batcher
-    under its lock; any number of threads may wait."""
-
-    __slots__ = ("_latch", "_set", "_value", "_error")
-
-    def __init__(self) -> None:
-        self._latch = threading.Lock()
-        self._latch.acquire()  # released once, when set
-        self._set = False
-        self._value: np.ndarray | None = None
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        return self._set
-
-    def set_result(self, value: np.ndarray) -> None:
-        self._value, self._set = value, True
-        self._latch.release()
-
-    def set_exception(self, error: BaseException) -> None:
-        self._error, self._set = error, True
-        self._latch.release()
-
-    def result(self, timeout: float | None = None) -> np.ndarray:
-        """The (n, C) probabilities, or the ServingError the request failed with; concurrent.futures.TimeoutError
-        after `timeout` seconds."""
-        if not self._set:
-            if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
-                raise FutureTimeout()
-            self._latch.release()  # for the next waiter
-        if self._error is not None:
-            try:
-                raise self._error
-            finally:
-                # The traceback holds this frame: without this, frame -> self -> error -> traceback -> frame, a
-                # cycle that keeps a failed call's texts alive until the cyclic collector runs (as Future does).
-                self = None  # noqa: PLW0642
-        assert self._value is not None
-        return self._value
-
-
 @dataclass(eq=False)
 class _Request:
     rows: Sequence[np.ndarray]  # each (t,) int64
     deadline: float | None  # time.monotonic() seconds, None = no deadline
     cancelled: Callable[[], bool] | None  # True once the client has gone away
     enqueued: float  # time.monotonic() at submit
-    future: Answer = field(default_factory=Answer)
+    future: Future = field(default_factory=Future)
     out: np.ndarray | None = None  # (n, C), allocated at the first computed row
     remaining: int = 0  # rows not computed yet
 
@@ -144,8 +99,8 @@ class Batcher:
         rows: Sequence[np.ndarray],
         deadline: float | None = None,
         cancelled: Callable[[], bool] | None = None,
-    ) -> Answer:
-        """Queue one request's rows; the Answer gives (n, C) probabilities or raises a ServingError."""
+    ) -> Future:
+        """Queue one request's rows; the Future gives (n, C) probabilities or raises a ServingError."""
         now = time.monotonic()
         req = _Request(rows, deadline, cancelled, now, remaining=len(rows))
         with self._cond:
