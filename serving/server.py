@@ -14,6 +14,7 @@ grpc.aio (serving/health_port.py): probes need answers while half-open calls wai
 Lifecycle: the bundle is loaded and verified, and every port (gRPC, health, metrics) is checked free, before
 anything listens (a bad bundle or a taken port exits 2 with one line). SIGTERM or SIGINT: health goes NOT_SERVING
 and new requests get UNAVAILABLE, in-flight requests finish (up to grace_s), the batcher drains, exit 0.
+`--workers N` runs N such servers on one port under a parent process (serving/workers.py).
 """
 
 from __future__ import annotations
@@ -61,13 +62,14 @@ KSERVE_SERVICE = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceServ
 _BACKSTOP = 512
 
 
-def transport_options(cfg: ServerConfig) -> list[tuple[str, int]]:
-    """gRPC core's per-connection bounds, from the config (each field's comment says why its default)."""
+def transport_options(cfg: ServerConfig, shared_port: bool = False) -> list[tuple[str, int]]:
+    """gRPC core's per-connection bounds, from the config (each field's comment says why its default).
+    shared_port: the port is shared with the other workers of serving/workers.py (SO_REUSEPORT)."""
     ms = lambda seconds: int(seconds * 1000)  # noqa: E731
     return [
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
-        ("grpc.so_reuseport", 0),  # a taken port is an error, not a silently shared one
+        ("grpc.so_reuseport", int(shared_port)),  # else a taken port is an error, not a silently shared one
         ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
         ("grpc.server_handshake_timeout_ms", ms(cfg.handshake_timeout_s)),
         ("grpc.max_connection_idle_ms", ms(cfg.max_connection_idle_s)),
@@ -82,16 +84,19 @@ def transport_options(cfg: ServerConfig) -> list[tuple[str, int]]:
 class SentimentServer:
     """Load a bundle, serve it. `start()`, then `stop()` (or `with SentimentServer(...) as s:`)."""
 
-    def __init__(self, bundle: str | Path, cfg: ServerConfig | None = None) -> None:
+    def __init__(self, bundle: str | Path, cfg: ServerConfig | None = None, *, shared_port: bool = False) -> None:
+        """shared_port: one worker of serving/workers.py, whose parent holds `cfg.port` (SO_REUSEPORT) and serves
+        health and metrics for all."""
         self.cfg = cfg = cfg or ServerConfig()
+        self.shared_port = shared_port
         self.predictor = Predictor(bundle, device=cfg.device, intra_op_threads=cfg.intra_op_threads,
                                    inter_op_threads=cfg.inter_op_threads, optimization=cfg.optimization,
                                    spinning=cfg.ort_spinning)
         cfg.check_bundle_fit(self.predictor.max_len)
         metrics_host = cfg.metrics_host or cfg.host
-        check_ports_free([("gRPC", cfg.host, cfg.port), ("health", cfg.host, cfg.health_port),
+        check_ports_free([("gRPC", cfg.host, None if shared_port else cfg.port), ("health", cfg.host, cfg.health_port),
                           ("metrics", metrics_host, cfg.metrics_port)])
-        self.metrics = Metrics()
+        self.metrics = Metrics(per_worker=shared_port)
         self.batcher = Batcher(
             self.predictor.infer,
             max_batch_size=cfg.max_batch_size,
@@ -121,7 +126,7 @@ class SentimentServer:
         threads = cfg.max_workers + max(8, limit // 4)
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
-            interceptors=[self.gate], options=transport_options(cfg),
+            interceptors=[self.gate], options=transport_options(cfg, shared_port),
             maximum_concurrent_rpcs=threads + cfg.health_workers + _BACKSTOP,
         )
         sentiment_service_pb2_grpc.add_SentimentServiceServicer_to_server(SentimentServicer(self.core),
@@ -163,8 +168,9 @@ class SentimentServer:
         for service in ("", SENTIMENT_SERVICE, KSERVE_SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.core.ready = True
-        log.info("listening on %s:%d (%s%s), model %r on %s, batching %s, health port %s, metrics %s",
-                 self.cfg.host, self.port,
+        # A worker's line must not read as the server's "listening on" (scripts wait for that one, the parent's).
+        log.info("%s %s:%d (%s%s), model %r on %s, batching %s, health port %s, metrics %s",
+                 "worker serving on" if self.shared_port else "listening on", self.cfg.host, self.port,
                  "mutual TLS" if self.cfg.tls_client_ca else "TLS" if self.cfg.tls_cert else "plaintext",
                  ", token auth" if self.cfg.auth_token else "", self.cfg.model_name, self.predictor.provider,
                  "on" if self.cfg.batching else "off",
@@ -324,7 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        server = SentimentServer(args.bundle, config_from_args(args))
+        cfg = config_from_args(args)
+        if cfg.workers > 1:
+            from serving import workers  # the parent of several processes: its own module
+
+            return workers.serve(args.bundle, cfg, args.log_level)
+        server = SentimentServer(args.bundle, cfg)
     except (BundleError, ServerConfigError) as e:
         print(f"sentiment-server: error: {e}", file=sys.stderr)
         return 2
