@@ -166,7 +166,8 @@ class EngineConfig:
     """How DeepSpeed runs the model (trainer/engine.py derives its JSON from this)."""
 
     zero_stage: Annotated[int, Field(ge=0, le=2)] = 0  # ZeRO 0, 1 or 2
-    precision: Literal["fp32", "bf16"] = "fp32"
+    # fp32, bf16, or auto: bf16 where the device has native bf16 units (trainer/precision.py), fp32 elsewhere
+    precision: Literal["fp32", "bf16", "auto"] = "fp32"
     grad_accum: Size = 1  # micro-batches per optimizer step
     deepspeed_config: str = ""  # a user's DeepSpeed JSON whose keys override the derived ones
     checkpoint_every: Count = 0  # steps between resumable checkpoints (0 = only at the end)
