@@ -121,9 +121,16 @@ class DataConfig:
     """Where the text lives. Relative paths are under `root`; any file may be gzipped."""
 
     root: str = DEFAULT_DATA_ROOT  # folder of the data sets (../shared/data beside the checkout)
-    # Unlabeled text for pretraining: .txt (a document a line), .jsonl, .tsv or the lab's .spm.
+    # Unlabeled text for pretraining: .txt (a document a line), .jsonl, .tsv, .csv, .parquet or the lab's .spm;
+    # globs too (part-*.txt.gz: matches sorted).
     pretrain: StrList = field(default_factory=lambda: ["eltec-fr/eltec_fra.txt.gz", "cls-books-fr/train.review.spm"])
     pretrain_eval_lines: Count = 500  # the last lines of the corpus held out for eval loss
+    # A folder written by `python -m trainer prepare` (absolute, or relative to the working directory like --out):
+    # pretraining reads it instead of tokenizing data.pretrain. Empty: the run prepares RUN/prepared itself.
+    prepared: str = ""
+    # How each node checks its copy of the prepared folder at start: sha256 of every file (a share per local rank),
+    # or size only (instant; for copies already checked).
+    verify: Literal["sha256", "size"] = "sha256"
     train: str = "cls-books-fr/train.review.spm"  # labeled training set (.spm + sibling .label, .tsv, .jsonl)
     test: str = "cls-books-fr/test.review.spm"  # labeled set scored after every fine-tuning epoch
     extra_test: StrList = field(default_factory=list)  # more labeled sets, scored once after the last epoch

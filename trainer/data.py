@@ -8,22 +8,36 @@ Formats, chosen by the file name (a trailing .gz means gzip, any format):
           text (SST-2's train/dev call it "sentence", its test "content").
   .spm    the lab's pre-tokenized sentencepiece pieces, space-separated; labels in the sibling .label file
           (train.review.spm -> train.label).
-Every problem raises `DataError` naming the file and line. Lines are split on "\\n" only and decoded one at a
-time, so a non-UTF-8 byte is reported with its line number and large files are streamed.
+  .csv    comma-separated with a header row (RFC 4180: fields quoted with ", which may hold commas, newlines and
+          doubled quotes ""); `text_field` / `label_field` name the columns as for .tsv. A record's number is the
+          line it starts on.
+  .parquet  columns `text_field` (a string column) and `label_field`, read one row group at a time (a file is never
+          loaded whole; pyarrow, imported only for these files). A record's number is its row in the file, from 1.
+          Not gzipped (parquet compresses its own pages).
+Every problem raises `DataError` naming the file and line (or row). Lines are split on "\\n" only and decoded one
+at a time, so a non-UTF-8 byte is reported with its line number and large files are streamed.
+
+Blocks: `block_texts` parses raw whole lines of a file that one reader cut (trainer/blocks.py) and another process
+received (trainer/prepare.py's workers); `parquet_texts` reads one row group (`parquet_row_groups` lists them).
 """
 
 from __future__ import annotations
 
+import csv
+import glob
 import gzip
 import itertools
 import json
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-FORMATS = (".txt", ".jsonl", ".tsv", ".spm")
+FORMATS = (".txt", ".jsonl", ".tsv", ".spm", ".csv", ".parquet")
 LABEL_SUFFIX = ".label"
+CSV_FIELD_CHARS = 1 << 28  # csv's default limit (131,072 characters) is shorter than one long document
+PARQUET_BATCH_ROWS = 4096  # rows decoded at a time inside a row group
 
 
 class DataError(ValueError):
@@ -68,21 +82,25 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
     try:
         with opener(path, "rb") as f:
             for n, raw in enumerate(f, 1):  # binary iteration splits on b"\n" only
-                if raw.endswith(b"\n"):
-                    raw = raw[:-1]
-                if raw.endswith(b"\r"):
-                    raw = raw[:-1]
-                if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
-                    raw = raw[3:]
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(
-                        f"{path}:{n}: line {n} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
-                    ) from None
-                yield n, line
+                yield n, _decode_line(path, n, raw)
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise DataError(f"{path}: corrupt gzip data after line {n}: {e}") from None
+
+
+def _decode_line(path: Path, n: int, raw: bytes) -> str:
+    """Line n of `path` as bytes (with or without its "\\n" / "\\r\\n") -> text."""
+    if raw.endswith(b"\n"):
+        raw = raw[:-1]
+    if raw.endswith(b"\r"):
+        raw = raw[:-1]
+    if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{path}:{n}: line {n} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+        ) from None
 
 
 def _label_path(path: Path) -> Path:
@@ -100,11 +118,18 @@ def _label_path(path: Path) -> Path:
 # ---------------------------------------------------------------------------------------------- records
 
 
-def _records(path: Path, text_field: str, label_field: str, labeled: bool) -> Iterator[tuple[int, str, object]]:
-    """(line, text or pieces line, raw label or None) for non-blank records of a .txt/.spm/.jsonl/.tsv file."""
+def _records(path: Path, text_field: str, label_field: str, labeled: bool,
+             lines: Iterator[tuple[int, str]] | None = None) -> Iterator[tuple[int, str, object]]:
+    """(line, text or pieces line, raw label or None) for non-blank records of a file; `lines`: parse these
+    (numbered) lines of it instead of reading it (a block, after its header: `block_texts`)."""
     fmt = file_format(path)
-    lines = _lines(path)
-    if fmt in (".txt", ".spm"):
+    if fmt == ".parquet":
+        yield from _parquet_records(path, text_field, label_field, labeled)
+        return
+    lines = _lines(path) if lines is None else lines
+    if fmt == ".csv":
+        yield from _csv_records(path, lines, text_field, label_field, labeled)
+    elif fmt in (".txt", ".spm"):
         for n, line in lines:
             if line.strip():
                 yield n, line, None
@@ -225,3 +250,162 @@ def read_labeled(
     if not out:
         raise DataError(f"{path}: file is empty (no examples)")
     return out
+
+
+def expand_inputs(patterns: Sequence[str | Path]) -> list[Path]:
+    """Paths and globs -> files, in the given order, each glob's matches sorted. A glob matching nothing is an error."""
+    out: list[Path] = []
+    for p in patterns:
+        if glob.has_magic(str(p)):
+            hits = sorted(glob.glob(str(p), recursive=True))
+            if not hits:
+                raise DataError(f"{p}: no file matches this pattern")
+            out += [Path(h) for h in hits]
+        else:
+            out.append(Path(p))
+    for p in out:
+        file_format(p)  # an unsupported name fails before any work
+        if not p.is_file():
+            raise DataError(f"{p}: file not found")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- csv, parquet
+
+
+def _csv_records(path: Path, lines: Iterator[tuple[int, str]], text_field: str, label_field: str,
+                 labeled: bool) -> Iterator[tuple[int, str, object]]:
+    """(line a record starts on, text, raw label or None) of a .csv file's numbered lines, header first."""
+    csv.field_size_limit(max(csv.field_size_limit(), CSV_FIELD_CHARS))
+    pulled: list[int] = []  # numbers of the lines the reader took for the record it is reading
+
+    def feed() -> Iterator[str]:
+        for n, line in lines:
+            pulled.append(n)
+            yield line + "\n"  # a quoted field's newlines come back as "\n" (CRLF inside a field too)
+
+    reader = csv.reader(feed(), strict=True)  # strict: a stray quote is an error, not a silently merged field
+    rows = 0
+    columns: list[str] | None = None
+    text_col = label_col = 0
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:
+            start = pulled[0] if pulled else 1
+            raise DataError(f"{path}:{start}: malformed CSV record starting on line {start}: {e}") from None
+        start = pulled[0]
+        pulled.clear()
+        if columns is None:
+            columns = row
+            text_col = _text_column(path, columns, text_field, label_field)
+            if labeled:
+                if label_field not in columns:
+                    raise DataError(f"{path}:1: no column {label_field!r} in the header {columns}")
+                label_col = columns.index(label_field)
+            continue
+        rows += 1
+        if not row or row == [""]:  # a blank line
+            continue
+        if len(row) != len(columns):
+            raise DataError(f"{path}:{start}: row {rows} (line {start}) has {len(row)} comma-separated fields, the "
+                            f"header has {len(columns)} (a field holding a comma must be quoted)")
+        yield start, row[text_col], (row[label_col] if labeled else None)
+    if columns is None:
+        raise DataError(f"{path}: file is empty (expected a header row)")
+
+
+def _parquet_file(path: Path) -> Any:
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    if path.name.endswith(".gz"):
+        raise DataError(f"{path}: a parquet file is not read gzipped (parquet compresses its own pages); gunzip it")
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading .parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow.ArrowInvalid, OSError: not a parquet file, truncated footer
+        raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+
+
+def parquet_row_groups(path: str | Path) -> list[int]:
+    """Rows in each row group of a .parquet file (from its footer; no data is read)."""
+    meta = _parquet_file(Path(path)).metadata
+    return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+
+
+def _parquet_records(path: Path, text_field: str, label_field: str, labeled: bool,
+                     row_groups: Sequence[int] | None = None) -> Iterator[tuple[int, str, object]]:
+    """(row in the file from 1, text, raw label or None) of a .parquet file, one row group at a time, `row_groups`
+    only when given. A null or non-string text, or a null label, is an error naming the row."""
+    import pyarrow as pa
+
+    pf = _parquet_file(path)
+    schema = pf.schema_arrow
+    wanted = [text_field, label_field] if labeled else [text_field]
+    for name in wanted:
+        if name not in schema.names:
+            raise DataError(f"{path}: no column {name!r} (columns: {schema.names}; set data.text_field / "
+                            "data.label_field)")
+    kind = schema.field(text_field).type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise DataError(f"{path}: column {text_field!r} holds {kind}, expected strings")
+    sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.metadata.num_row_groups)]
+    starts = list(itertools.accumulate([0, *sizes]))  # (G + 1,) first row of each group, 0-based
+    for g in range(len(sizes)) if row_groups is None else row_groups:
+        row = starts[g]
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g], columns=wanted):
+            texts = batch.column(0).to_pylist()
+            labels = batch.column(1).to_pylist() if labeled else [None] * len(texts)
+            for text, label in zip(texts, labels, strict=True):
+                row += 1
+                if text is None:
+                    raise DataError(f"{path}:{row}: row {row} (row group {g}): column {text_field!r} is null")
+                if labeled and label is None:
+                    raise DataError(f"{path}:{row}: row {row} (row group {g}): column {label_field!r} is null")
+                if label is not None and not isinstance(label, str):
+                    label = json.dumps(label)  # 1 -> "1", true -> "true": compared with the declared label strings
+                yield row, text, label
+
+
+# ---------------------------------------------------------------------------------------------- blocks
+
+
+def block_texts(path: str | Path, first_line: int, data: bytes, header: bytes | None = None,
+                text_field: str = "text", label_field: str = "label", after_line: int = 0) -> Iterator[Example]:
+    """The documents (as `iter_texts` gives them) of raw whole lines of `path` that start at line `first_line`,
+    past line `after_line`; `header`: the file's header record, raw (.tsv, .csv). trainer/blocks.py cuts them."""
+    path = Path(path)
+    fmt = file_format(path)
+    lines: Iterable[tuple[int, str]] = _split_lines(path, data, first_line)
+    if header is not None:
+        lines = itertools.chain(_split_lines(path, header, 1), lines)
+    for n, text, _ in _records(path, text_field, label_field, labeled=False, lines=iter(lines)):
+        if n > after_line and text.strip():
+            yield _example(path, fmt, n, text, None)
+
+
+def parquet_texts(path: str | Path, row_group: int, text_field: str = "text",
+                  after_row: int = 0) -> Iterator[Example]:
+    """The documents of one row group of a .parquet file, past row `after_row`."""
+    path = Path(path)
+    for n, text, _ in _parquet_records(path, text_field, "label", labeled=False, row_groups=[row_group]):
+        if n > after_row and text.strip():
+            yield Example(text, None, None, f"{path}:{n}")
+
+
+def _split_lines(path: Path, data: bytes, first: int) -> Iterator[tuple[int, str]]:
+    """(number, decoded line) of raw whole lines starting at line `first` (split on "\\n" only, as `_lines`)."""
+    if not data:
+        return
+    parts = data.split(b"\n")
+    if data.endswith(b"\n"):
+        parts.pop()
+    for n, raw in enumerate(parts, first):
+        yield n, _decode_line(path, n, raw)
