@@ -43,8 +43,8 @@ from trainer.export.validate import ort_logits, torch_logits
 
 # name -> export options; every bundle is validated by the exporter as usual.
 VARIANTS: dict[str, ExportOptions] = {
-    "fp32": ExportOptions(),
-    "fp32-unfused": ExportOptions(fuse_attention=False),
+    "fp32": ExportOptions(precision="fp32"),
+    "fp32-unfused": ExportOptions(precision="fp32", fuse_attention=False),
     "int8": ExportOptions(precision="int8"),
     "int8-unfused": ExportOptions(precision="int8", fuse_attention=False),
     "int8-per-channel": ExportOptions(precision="int8", per_channel=True),
@@ -126,13 +126,16 @@ def _same_source(bundle: Path, weights_sha256: str, opts: ExportOptions) -> bool
     """--reuse: an intact earlier bundle of these very weights, exported with these options."""
     from contract.bundle import verify_bundle
     from contract.errors import BundleError
+    from contract.manifest import MODEL_FILE
 
     try:
         m = verify_bundle(bundle).manifest
     except BundleError:
         return False
-    return (m.source_artifact.get("weights_sha256") == weights_sha256 and m.precision == opts.precision
-            and m.runtime.fused_attention == opts.fuse_attention and m.runtime.quantization == opts.quantization)
+    graph = m.graphs[MODEL_FILE]
+    return (m.source_artifact.get("weights_sha256") == weights_sha256 and set(m.graphs) == {MODEL_FILE}
+            and graph.precision == opts.precision and m.runtime.fused_attention == opts.fuse_attention
+            and graph.quantization == (opts.quantization if opts.precision == "int8" else None))
 
 
 def timed_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int) -> dict[str, list[float]]:
@@ -282,7 +285,7 @@ def main() -> int:
             bundles[name] = export_bundle(art_dir, out, opts)
         manifest = json.loads((bundles[name] / "manifest.json").read_text())
         export_s[name] = manifest["export_seconds"]
-        v = manifest["validation"]
+        v = manifest["graphs"]["model.onnx"]["validation"]
         print(f"  exported {name:18s} {export_s[name]:5.1f} s, "
               f"{(bundles[name] / 'model.onnx').stat().st_size / 1e6:5.1f} MB, validation max |diff| "
               f"{v['max_abs_diff']:.2g}, agreement {v['label_agreement']:.1%}", flush=True)

@@ -38,16 +38,17 @@ sys.path.insert(0, str(REPO))
 DEFAULT_DATA = Path(os.environ.get("TS_DATA") or REPO.parent / "shared" / "data")
 
 
-def make_bundle(out: Path, data_root: Path) -> Path:
+def make_bundle(out: Path, data_root: Path, precision: str = "auto") -> Path:
     """The lab's classifier (vocab 50,001, d 200, 4 layers, max_len 512) with random weights, exported by the
-    project's own exporter with the lab tokenizer: the serving cost of the real thing, without training it."""
+    project's own exporter with the lab tokenizer: the serving cost of the real thing, without training it.
+    precision: `export --precision` ("auto": what export writes by default, int8 on the CPU within its bound)."""
     import tempfile
 
     import torch
 
     from trainer import artifact
     from trainer.config import lab, override
-    from trainer.export import export_bundle
+    from trainer.export import ExportOptions, export_bundle
     from trainer.model import build
     from trainer.tokenizer import Tokenizer
 
@@ -59,7 +60,7 @@ def make_bundle(out: Path, data_root: Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         art = artifact.save(Path(tmp) / "artifact", model, cfg, "classifier", tok,
                             extra={"note": "random weights: serving benchmark only"})
-        return export_bundle(art, out)
+        return export_bundle(art, out, ExportOptions(precision=precision))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -127,7 +128,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            m = re.search(r"listening on [\d.]+:(\d+).*metrics on :(\d+)", line)
+            m = re.search(r"listening on [\d.]+:(\d+).*metrics on [\d.]*:(\d+)", line)
             if m:
                 self.port, self.metrics_port = int(m.group(1)), int(m.group(2))
                 break

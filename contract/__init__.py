@@ -9,4 +9,5 @@ reads it, and neither retypes a constant. Modules, lowest first:
   runtime.py   onnxruntime graph-optimisation levels, providers, session options
   manifest.py  the typed manifest.json
   bundle.py    the one bundle verifier
+  comments.py  a config dataclass's field comments as its documentation (trainer config, the server's --help)
 """

@@ -4,9 +4,11 @@ A bundle comes from outside, so nothing in it is trusted until checked, cheapest
   - manifest.json and every file it lists are regular files inside the folder, read without following a link
     (contract/files.py), each under its size cap (MAX_BYTES);
   - manifest.json is strict JSON, describes a bundle (contract/manifest.py) and matches its own digest;
-  - each file matches its sha256 in the manifest, and the tokenizer files agree with each other;
-  - model.onnx has the declared signature (contract/graph.py), one logit per label, a token embedding with one row
-    per id of the tokenizer and a positional table of at least max_len rows.
+  - each file matches its sha256 in the manifest, and the tokenizer files agree with each other (tokenizer/meta.json
+    holds no max_len: in a bundle the manifest's is the one copy);
+  - each graph file has the declared signature (contract/graph.py), one logit per label, a token embedding with one
+    row per id of the tokenizer, a positional table of at least max_len rows, and the metadata_props the manifest
+    implies (contract/manifest.py: a graph of another bundle, or with other labels, is refused).
 What it returns are the verified bytes, so nothing changes between the check and the load. Every problem is a
 BundleError naming the file and the reason, on one line. `check_session` then runs the graph once at its limits.
 """
@@ -24,19 +26,27 @@ import onnxruntime as ort
 from contract.errors import BundleError, TokenizerError, one_line
 from contract.files import Folder
 from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS, as_dicts, expected_io, io_spec, tables
-from contract.manifest import BUNDLE_FILES, MANIFEST_FILE, MODEL_FILE, TOKENIZER_DIR, Manifest, read_manifest
-from contract.tokens import EOS, PAD, SOS, TOKENIZER_FILES, TokenizerFiles, read_tokenizer_files
+from contract.manifest import (
+    GRAPH_FILES,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    TOKENIZER_BUNDLE_FILES,
+    TOKENIZER_DIR,
+    Manifest,
+    read_manifest,
+)
+from contract.tokens import EOS, PAD, SOS, TOKENIZER_FILES, TOKENIZER_META, TokenizerFiles, read_tokenizer_files
 
 # Size caps: far above what this project writes (the lab-size model is 48 MB, its vocabulary 0.5 MB), far below
-# what would exhaust a server. model.onnx: protobuf cannot parse a message of 2 GiB or more anyway.
+# what would exhaust a server. Graphs: protobuf cannot parse a message of 2 GiB or more anyway.
 MAX_BYTES = {
     MANIFEST_FILE: 1 << 20,
-    MODEL_FILE: (2 << 30) - 1,
+    **dict.fromkeys(GRAPH_FILES, (2 << 30) - 1),
     f"{TOKENIZER_DIR}/spm.model": 64 << 20,
-    f"{TOKENIZER_DIR}/tokenizer.json": 64 << 10,
+    f"{TOKENIZER_DIR}/{TOKENIZER_META}": 64 << 10,
     f"{TOKENIZER_DIR}/vocab.txt": 64 << 20,
 }
-assert set(MAX_BYTES) == {MANIFEST_FILE, *BUNDLE_FILES}
+assert set(MAX_BYTES) == {MANIFEST_FILE, *GRAPH_FILES, *TOKENIZER_BUNDLE_FILES}
 
 
 @dataclass(frozen=True)
@@ -50,7 +60,11 @@ class Bundle:
 
     @property
     def model_bytes(self) -> bytes:
+        """model.onnx: the graph any ONNX tool reads."""
         return self.files[MODEL_FILE]
+
+    def graph_bytes(self, graph_file: str) -> bytes:
+        return self.files[graph_file]
 
     @property
     def bundle_sha256(self) -> str:
@@ -62,6 +76,9 @@ def verify_bundle(folder: str | Path) -> Bundle:
     """Read and check a bundle folder; BundleError names the first problem's file."""
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
+    if not manifest_path.exists() and (folder / "artifact.json").is_file():  # the step before a bundle
+        raise BundleError(f"{folder} is a training artifact (artifact.json, model.safetensors), not a bundle: export "
+                          f"it first: python -m trainer export {folder} --out BUNDLE, then serve BUNDLE")
     with Folder(folder) as f:
         manifest = read_manifest(f.read(MANIFEST_FILE, MAX_BYTES[MANIFEST_FILE]), manifest_path)
         files = {}
@@ -77,14 +94,18 @@ def verify_bundle(folder: str | Path) -> Bundle:
         tokenizer = read_tokenizer_files({n: files[f"{TOKENIZER_DIR}/{n}"] for n in TOKENIZER_FILES}, tokenizer_dir)
     except TokenizerError as e:
         raise BundleError(str(e)) from None
-    _check_graph(files[MODEL_FILE], manifest, tokenizer, folder / MODEL_FILE, manifest_path)
+    if tokenizer.meta.max_len is not None:
+        raise BundleError(f"{tokenizer_dir / TOKENIZER_META}: max_len {tokenizer.meta.max_len} in a bundle's "
+                          f"tokenizer folder (the bundle's one copy is {MANIFEST_FILE}'s max_len {manifest.max_len})")
+    for name in manifest.graphs:
+        _check_graph(files[name], name, manifest, tokenizer, folder / name, manifest_path)
     return Bundle(folder, manifest, files, tokenizer)
 
 
-def _check_graph(model: bytes, manifest: Manifest, tokenizer: TokenizerFiles, model_path: Path,
+def _check_graph(model: bytes, name: str, manifest: Manifest, tokenizer: TokenizerFiles, model_path: Path,
                  manifest_path: Path) -> None:
-    """model.onnx has the declared signature, one logit per label, an embedding row per id and a position per
-    token up to max_len; the manifest describes it as it is."""
+    """A graph file has the declared signature, one logit per label, an embedding row per id, a position per
+    token up to max_len, and the metadata the manifest implies; the manifest describes it as it is."""
     try:
         graph = onnx.load_model_from_string(model)
         got_in, got_out = io_spec(graph.graph.input), io_spec(graph.graph.output)
@@ -92,7 +113,7 @@ def _check_graph(model: bytes, manifest: Manifest, tokenizer: TokenizerFiles, mo
         raise BundleError(f"{model_path}: not a readable ONNX model ({type(e).__name__}: {one_line(e)})") from None
     if manifest.inputs != got_in or manifest.outputs != got_out:
         raise BundleError(f"{manifest_path}: inputs {as_dicts(manifest.inputs)} / outputs "
-                          f"{as_dicts(manifest.outputs)} do not match {MODEL_FILE}'s {as_dicts(got_in)} / "
+                          f"{as_dicts(manifest.outputs)} do not match {name}'s {as_dicts(got_in)} / "
                           f"{as_dicts(got_out)}")
     classes = got_out[0].shape[-1] if len(got_out) == 1 and got_out[0].shape else None
     want_in, want_out = expected_io(classes if isinstance(classes, int) else 0)
@@ -109,13 +130,20 @@ def _check_graph(model: bytes, manifest: Manifest, tokenizer: TokenizerFiles, mo
                           "positional table (a Slice of one as wide): not a graph this project exports")
     if t.embedding_rows != vocab:
         raise BundleError(f"{model_path}: its token embedding has {t.embedding_rows} rows but "
-                          f"{TOKENIZER_DIR}/tokenizer.json gives {vocab} ids (a tokenizer of another model)")
+                          f"{TOKENIZER_DIR}/{TOKENIZER_META} gives {vocab} ids (a tokenizer of another model)")
     if manifest.max_len > t.position_rows:
         raise BundleError(f"{manifest_path}: max_len {manifest.max_len} exceeds the {t.position_rows} positions "
-                          f"of {MODEL_FILE}'s positional table")
+                          f"of {name}'s positional table")
+    got = {p.key: p.value for p in graph.metadata_props}
+    want = manifest.graph_metadata(name)
+    if got != want or len(graph.metadata_props) != len(got):
+        diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k)) or ["a key given twice"]
+        raise BundleError(f"{model_path}: its metadata_props differ from {MANIFEST_FILE} on {', '.join(diff)} "
+                          f"({diff[0]}: {got.get(diff[0])!r}, expected {want.get(diff[0])!r}): a graph of another "
+                          "bundle, or an edited one")
 
 
-def check_session(session: ort.InferenceSession, bundle: Bundle) -> None:
+def check_session(session: ort.InferenceSession, bundle: Bundle, graph_file: str = MODEL_FILE) -> None:
     """The warm-up, before a server says SERVING: one run at the bundle's limits, as it will be served. Rows:
     max_len ids with the highest id of the vocabulary, and a short one padded to that width; C logits each, finite.
     The static checks above make this pass; a graph that still fails here fails before any client sees it."""
@@ -126,7 +154,7 @@ def check_session(session: ort.InferenceSession, bundle: Bundle) -> None:
     ids[0, 0], ids[0, -1] = SOS, EOS
     ids[1, :3] = [SOS, top, EOS]
     mask = (np.arange(m.max_len)[None, :] < np.array([[m.max_len], [3]])).astype(np.int64)  # (2, max_len)
-    path = bundle.folder / MODEL_FILE
+    path = bundle.folder / graph_file
     where = f"the warm-up at max_len {m.max_len} with id {top}"
     try:
         (logits,) = session.run([LOGITS], {INPUT_IDS: ids, ATTENTION_MASK: mask})

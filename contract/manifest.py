@@ -2,16 +2,31 @@
 by the verifier (contract/bundle.py).
 
 A bundle folder:
-  model.onnx      one file (no external data), signature in contract/graph.py
-  tokenizer/      spm.model, vocab.txt, tokenizer.json (contract/tokens.py)
-  manifest.json   this object, with the sha256 of each file above, and its own digest: bundle_sha256, the sha256
-                  of the canonical JSON of everything else in it (keys sorted, no spaces, ASCII), so of every file
-                  too. The server reports it (GetModelMetadata bundle_sha256); an edited manifest no longer matches.
+  model.onnx        one file (no external data), signature in contract/graph.py: the graph any ONNX tool reads
+  model.int8.onnx   optional: the same model with dynamic int8 weights, the graph a CPU server runs
+  model.fp16.onnx   optional: fp16 weights and activations, for CUDA (`export --gpu-precision fp16`)
+  tokenizer/        spm.model, vocab.txt, meta.json (contract/tokens.py; no max_len: this manifest holds it)
+  manifest.json     this object: which graph a server runs on which device ("serve"), how each graph was validated
+                    ("graphs"), the sha256 of each file above ("files"), and its own digest: bundle_sha256, the
+                    sha256 of the canonical JSON of everything else in it (keys sorted, no spaces, ASCII), so of every
+                    file too. The server reports it (GetModelMetadata bundle_sha256); an edited manifest no longer
+                    matches.
+
+Each graph file carries what it is in its model-level metadata_props (`graph_metadata`), for any ONNX tool
+(onnx.load(...).metadata_props, onnxruntime's `get_modelmeta().custom_metadata_map`): task, labels, label_values,
+max_len, special_ids, its precision, and the sha256 of the tokenizer files it must be run with. Not the bundle's
+digest: that covers the graph files' checksums (and the export's time and measurements), so a graph holding it would
+be circular, and would change with every export of the same artifact. The order is: graph files with their metadata
+-> their checksums in "files" -> bundle_sha256 over all of it; the verifier holds each graph's metadata to this
+manifest.
 
 Two kinds of label travel from the training data to the client, and their names say which:
   label_values  the raw values of the data's label column, in logit order ("0", "1"); artifact.json calls them
                 "labels", and `trainer export --check` reads labelled files with them
   label_names   what the server answers with ("negative", "positive"); manifest.json keeps them under "labels"
+
+Format 2 (this one) replaced format 1 (one graph, tokenizer/tokenizer.json, top-level "precision" and
+"validation"); a format-1 bundle is refused with the command that exports it again.
 """
 
 from __future__ import annotations
@@ -29,17 +44,21 @@ from contract.graph import TensorSpec
 from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
 from contract.tokens import SPECIALS, TOKENIZER_FILES
 
-FORMAT = 1
+FORMAT = 2
 TASK = "sentiment-classification"
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
 TOKENIZER_DIR = "tokenizer"
-# Every file of a bundle, in the order the manifest lists them.
-BUNDLE_FILES = (MODEL_FILE, *(f"{TOKENIZER_DIR}/{name}" for name in sorted(TOKENIZER_FILES)))
+TOKENIZER_BUNDLE_FILES = tuple(f"{TOKENIZER_DIR}/{name}" for name in sorted(TOKENIZER_FILES))
 PRECISIONS = ("fp32", "int8", "fp16")
+DEVICES = ("cpu", "cuda")  # what "serve" maps to a graph file
+# model.onnx may hold any precision (a one-graph bundle: `export --precision`); the others are named by theirs.
+EXTRA_GRAPH_FILES = {"int8": "model.int8.onnx", "fp16": "model.fp16.onnx"}
+GRAPH_FILES = (MODEL_FILE, *EXTRA_GRAPH_FILES.values())
 DIGEST_KEY = "bundle_sha256"
-MAX_JSON_DEPTH = 16  # the manifest nests 5 levels deep; more is not a manifest
+MAX_JSON_DEPTH = 16  # the manifest nests 7 levels deep; more is not a manifest
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_REEXPORT = "export it again: python -m trainer export ARTIFACT --out BUNDLE"
 
 
 def manifest_digest(obj: Mapping[str, Any]) -> str:
@@ -51,38 +70,72 @@ def manifest_digest(obj: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Runtime:
-    """How the graph was prepared and the onnxruntime setting it was validated at."""
+    """How the graphs were prepared and the onnxruntime setting they were validated at."""
 
     graph_optimization_level: str = DEFAULT_OPT_LEVEL
-    optimized_offline: bool = False  # model.onnx is the graph onnxruntime optimised at that level
+    optimized_offline: bool = False  # the graph files are the graphs onnxruntime optimised at that level
     fused_attention: bool = True  # one com.microsoft.Attention node per layer
-    quantization: dict[str, Any] | None = None  # int8: method, weight type, per_channel, reduce_range
 
     def to_dict(self) -> dict[str, Any]:
         return {"graph_optimization_level": self.graph_optimization_level,
-                "optimized_offline": self.optimized_offline, "fused_attention": self.fused_attention,
-                "quantization": self.quantization}
+                "optimized_offline": self.optimized_offline, "fused_attention": self.fused_attention}
+
+
+@dataclass(frozen=True)
+class Graph:
+    """One graph file of the bundle."""
+
+    precision: str  # one of PRECISIONS
+    quantization: dict[str, Any] | None = None  # int8: method, weight type, per_channel, reduce_range
+    validation: dict[str, Any] = field(default_factory=dict)  # the exporter's report against PyTorch, tolerances
+    # included; with --data, its accuracy on that file
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, "quantization": self.quantization, "validation": self.validation}
+
+
+def graph_metadata(label_names: list[str], label_values: list[str], max_len: int, special_ids: Mapping[str, int],
+                   tokenizer_sha256: Mapping[str, str], precision: str) -> dict[str, str]:
+    """The model-level metadata_props of a graph file (ONNX keeps strings: lists and objects as JSON)."""
+    def js(value: object) -> str:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+    return {"task": TASK, "bundle_format": str(FORMAT), "labels": js(label_names), "label_values": js(label_values),
+            "max_len": str(max_len), "special_ids": js(dict(special_ids)), "precision": precision,
+            "tokenizer_sha256": js(dict(tokenizer_sha256))}
 
 
 @dataclass(frozen=True)
 class Manifest:
     label_names: list[str]  # "labels": what the server answers, in logit order
     label_values: list[str]  # "label_values": the training data's raw label values, in logit order
-    max_len: int  # longest id sequence served, <sos> and <eos> included
-    precision: str  # one of PRECISIONS
+    max_len: int  # longest id sequence served, <sos> and <eos> included (the bundle's one stored copy; the server's
+    # GetModelMetadata calls it max_tokens, the published proto's name)
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     files: dict[str, str]  # bundle-relative path -> sha256 (hex) of its bytes
+    graphs: dict[str, Graph]  # graph file -> what it is
+    serve: dict[str, str]  # device ("cpu", "cuda") -> the graph file a server runs there
     runtime: Runtime = field(default_factory=Runtime)
     special_ids: dict[str, int] = field(default_factory=lambda: dict(SPECIALS))
-    opset: int | None = None  # default-domain opset of model.onnx
+    opset: int | None = None  # default-domain opset of the graphs
     opset_imports: dict[str, int] = field(default_factory=dict)
+    cpu_int8: dict[str, Any] | None = None  # `export`'s default: the bound int8 was held to for CPU, and the outcome
     source_artifact: dict[str, Any] = field(default_factory=dict)  # where the weights came from
     versions: dict[str, str] = field(default_factory=dict)  # of the exporter's libraries
-    validation: dict[str, Any] = field(default_factory=dict)  # the exporter's report, tolerances included
     created: str = ""
     export_seconds: float = 0.0
     bundle_sha256: str = ""  # as read; `to_dict` computes it afresh
+
+    def graph_for(self, device: str) -> str:
+        """The graph file a server runs on `device` ("cpu" or "cuda")."""
+        return self.serve[device]
+
+    def graph_metadata(self, graph_file: str) -> dict[str, str]:
+        """The metadata_props `graph_file` carries (module docstring)."""
+        return graph_metadata(self.label_names, self.label_values, self.max_len, self.special_ids,
+                              {rel: self.files[rel] for rel in TOKENIZER_BUNDLE_FILES},
+                              self.graphs[graph_file].precision)
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as written, its digest last."""
@@ -95,14 +148,15 @@ class Manifest:
             "special_ids": self.special_ids,
             "opset": self.opset,
             "opset_imports": self.opset_imports,
-            "precision": self.precision,
             "inputs": [s.to_dict() for s in self.inputs],
             "outputs": [s.to_dict() for s in self.outputs],
+            "graphs": {name: g.to_dict() for name, g in self.graphs.items()},
+            "serve": self.serve,
+            "cpu_int8": self.cpu_int8,
             "runtime": self.runtime.to_dict(),
             "files": self.files,
             "source_artifact": self.source_artifact,
             "versions": self.versions,
-            "validation": self.validation,
             "created": self.created,
             "export_seconds": self.export_seconds,
         }
@@ -116,6 +170,9 @@ class Manifest:
         """Check every field a reader relies on; BundleError names `path` and the field."""
         if not isinstance(m, dict):
             raise BundleError(f"{path}: expected a JSON object")
+        if m.get("format") == 1:
+            raise BundleError(f"{path}: format 1, a bundle from an earlier exporter (one graph, "
+                              f"tokenizer/tokenizer.json); this version reads format {FORMAT}: {_REEXPORT}")
         if m.get("format") != FORMAT:
             raise BundleError(f"{path}: field 'format' must be {FORMAT}, got {m.get('format')!r}")
         if m.get("task") != TASK:
@@ -125,37 +182,42 @@ class Manifest:
                 or len(set(names)) != len(names)):
             raise BundleError(f"{path}: field 'labels' must list at least 2 distinct non-empty names, got {names!r}")
         values = m.get("label_values", [str(i) for i in range(len(names))])
-        if not isinstance(values, list) or len(values) != len(names) or not all(isinstance(x, str) for x in values):
-            raise BundleError(f"{path}: field 'label_values' must list {len(names)} strings, got {values!r}")
+        if not isinstance(values, list) or len(values) != len(names) or not all(isinstance(x, str) for x in values) \
+                or len(set(values)) != len(values):
+            raise BundleError(f"{path}: field 'label_values' must list {len(names)} distinct strings (the data's "
+                              f"label value of each name in 'labels'), got {values!r}")
         max_len = m.get("max_len")
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 3:
             raise BundleError(f"{path}: field 'max_len' must be an int >= 3, got {max_len!r}")
         if m.get("special_ids") != SPECIALS:
             raise BundleError(f"{path}: field 'special_ids' must be {SPECIALS}, got {m.get('special_ids')!r}")
-        if m.get("precision") not in PRECISIONS:
-            raise BundleError(f"{path}: field 'precision' must be one of {PRECISIONS}, got {m.get('precision')!r}")
         digest = m.get(DIGEST_KEY)
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             raise BundleError(f"{path}: field {DIGEST_KEY!r} must be the manifest's own sha256 (64 hex digits), got "
-                              f"{digest!r} (a bundle exported before manifests carried it: export it again)")
+                              f"{digest!r} (a bundle exported before manifests carried it: {_REEXPORT})")
         if manifest_digest(m) != digest:
             raise BundleError(f"{path}: {DIGEST_KEY} does not match the manifest's content: manifest.json was edited "
                               "after export (export the bundle again)")
+        graphs = _graphs(m.get("graphs"), path)
+        cpu_int8 = m.get("cpu_int8")
+        if not (cpu_int8 is None or isinstance(cpu_int8, dict)):
+            raise BundleError(f"{path}: field 'cpu_int8' must be an object or null, got {cpu_int8!r}")
         return cls(
             label_names=list(names),
             label_values=list(values),
             max_len=max_len,
-            precision=m["precision"],
             inputs=_specs(m.get("inputs"), "inputs", path),
             outputs=_specs(m.get("outputs"), "outputs", path),
-            files=_files(m.get("files"), path),
+            files=_files(m.get("files"), graphs, path),
+            graphs=graphs,
+            serve=_serve(m.get("serve"), graphs, path),
             runtime=_runtime(m.get("runtime", {}), path),
             special_ids=dict(SPECIALS),
             opset=m.get("opset"),
             opset_imports=m.get("opset_imports") or {},
+            cpu_int8=cpu_int8,
             source_artifact=m.get("source_artifact") or {},
             versions=m.get("versions") or {},
-            validation=m.get("validation") or {},
             created=str(m.get("created", "")),
             export_seconds=m.get("export_seconds", 0.0),
             bundle_sha256=digest,
@@ -172,8 +234,42 @@ def _specs(value: Any, key: str, path: Path) -> list[TensorSpec]:
     return [TensorSpec(v["name"], v["dtype"], tuple(v["shape"])) for v in value]
 
 
-def _files(files: Any, path: Path) -> dict[str, str]:
-    """Exactly the bundle's files, each a relative path inside the folder with a sha256."""
+def _graphs(value: Any, path: Path) -> dict[str, Graph]:
+    """model.onnx and optionally model.int8.onnx / model.fp16.onnx, each with its precision."""
+    if not isinstance(value, dict) or MODEL_FILE not in value:
+        raise BundleError(f"{path}: field 'graphs' must map graph files ({MODEL_FILE} at least) to their "
+                          f"description, got {value!r}")
+    graphs = {}
+    for name, g in value.items():
+        if name not in GRAPH_FILES:
+            raise BundleError(f"{path}: graphs entry {name!r} is not a graph file of a bundle "
+                              f"({', '.join(GRAPH_FILES)})")
+        precision = g.get("precision") if isinstance(g, dict) else None
+        if precision not in PRECISIONS:
+            raise BundleError(f"{path}: graphs[{name!r}].precision must be one of {PRECISIONS}, got {precision!r}")
+        if name != MODEL_FILE and EXTRA_GRAPH_FILES.get(precision) != name:
+            raise BundleError(f"{path}: graphs[{name!r}] holds precision {precision!r}; that file holds "
+                              f"{next(p for p, f in EXTRA_GRAPH_FILES.items() if f == name)}")
+        quantization, validation = g.get("quantization"), g.get("validation") or {}
+        if not (quantization is None or isinstance(quantization, dict)) or not isinstance(validation, dict):
+            raise BundleError(f"{path}: graphs[{name!r}]: quantization and validation must be objects")
+        graphs[name] = Graph(precision, quantization, validation)
+    return graphs
+
+
+def _serve(value: Any, graphs: Mapping[str, Graph], path: Path) -> dict[str, str]:
+    """Every device names one of the bundle's graphs."""
+    if not isinstance(value, dict) or set(value) != set(DEVICES):
+        raise BundleError(f"{path}: field 'serve' must name the graph of each device {list(DEVICES)}, got {value!r}")
+    for device, name in value.items():
+        if name not in graphs:
+            raise BundleError(f"{path}: serve[{device!r}] is {name!r}, not one of the bundle's graphs {sorted(graphs)}")
+    return {d: value[d] for d in DEVICES}
+
+
+def _files(files: Any, graphs: Mapping[str, Graph], path: Path) -> dict[str, str]:
+    """Exactly the bundle's files (the tokenizer's and the graphs'), each a relative path inside the folder with a
+    sha256."""
     if not isinstance(files, dict):
         raise BundleError(f"{path}: field 'files' must map file names to sha256 checksums, got {files!r}")
     for rel, digest in files.items():
@@ -182,13 +278,14 @@ def _files(files: Any, path: Path) -> dict[str, str]:
             raise BundleError(f"{path}: files entry {rel!r} must be a relative path inside the bundle")
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest.lower()):
             raise BundleError(f"{path}: files[{rel!r}] must be a 64-digit sha256, got {digest!r}")
-    for rel in BUNDLE_FILES:
+    expected = (*sorted(graphs), *TOKENIZER_BUNDLE_FILES)
+    for rel in expected:
         if rel not in files:
             raise BundleError(f"{path}: field 'files' lacks {rel!r}: every bundle file must have a checksum")
-    extra = sorted(set(files) - set(BUNDLE_FILES))
+    extra = sorted(set(files) - set(expected))
     if extra:
-        raise BundleError(f"{path}: files entry {extra[0]!r} is not a bundle file (a bundle holds exactly "
-                          f"{', '.join(BUNDLE_FILES)})")
+        raise BundleError(f"{path}: files entry {extra[0]!r} is not a file of this bundle (it holds exactly "
+                          f"{', '.join(expected)})")
     return {rel: files[rel].lower() for rel in files}
 
 
@@ -199,8 +296,7 @@ def _runtime(value: Any, path: Path) -> Runtime:
     if level not in OPT_LEVELS:
         raise BundleError(f"{path}: runtime.graph_optimization_level must be one of {sorted(OPT_LEVELS)}, "
                           f"got {level!r}")
-    return Runtime(level, bool(value.get("optimized_offline", False)), bool(value.get("fused_attention", True)),
-                   value.get("quantization"))
+    return Runtime(level, bool(value.get("optimized_offline", False)), bool(value.get("fused_attention", True)))
 
 
 def read_manifest(raw: bytes, path: Path) -> Manifest:

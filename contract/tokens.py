@@ -6,7 +6,10 @@ the folder's sentencepiece model; a piece that is not in vocab.txt (sentencepiec
 is <oov>.
 
 A tokenizer folder holds spm.model (the sentencepiece model proto), vocab.txt (one piece a line, "\\n"-separated,
-UTF-8) and tokenizer.json (format, kind, max_len, vocab_size = pieces + 4, specials).
+UTF-8) and meta.json (format, kind, vocab_size = pieces + 4, specials, and max_len: the default cut of a standalone
+folder; absent from a bundle's folder, where manifest.json's max_len is the one stored copy). meta.json was called
+tokenizer.json before: the name of the Hugging Face tokenizers format, which it is not (`tokenizers` cannot parse it);
+a folder written then is still read (`meta_path`), a bundle must be exported again.
 """
 
 from __future__ import annotations
@@ -29,9 +32,19 @@ SPECIALS = {"sos": SOS, "pad": PAD, "eos": EOS, "oov": OOV}
 SPECIAL_PIECES = ("<sos>", "<pad>", "<eos>", "<oov>")  # how ids 0..3 are shown
 N_SPECIALS = 4
 
-TOKENIZER_FORMAT = 1  # tokenizer.json "format"
-TOKENIZER_FILES = ("spm.model", "vocab.txt", "tokenizer.json")
+TOKENIZER_FORMAT = 1  # meta.json "format"
+TOKENIZER_META = "meta.json"
+LEGACY_TOKENIZER_META = "tokenizer.json"  # meta.json's name in folders written before the rename
+TOKENIZER_FILES = ("spm.model", "vocab.txt", TOKENIZER_META)
 Kind = Literal["lab", "train"]  # the lab's model + dict.txt, or a model trained on the user's corpus
+
+
+def meta_path(folder: Path) -> Path:
+    """A tokenizer folder's meta file: meta.json, or tokenizer.json in a folder written before the rename."""
+    legacy = folder / LEGACY_TOKENIZER_META
+    if not (folder / TOKENIZER_META).exists() and legacy.is_file():
+        return legacy
+    return folder / TOKENIZER_META
 
 
 def piece_id(line: int) -> int:
@@ -70,15 +83,17 @@ def text_lines(raw: bytes, path: Path | str, keep_blank: bool = False) -> Iterat
 
 @dataclass(frozen=True)
 class TokenizerMeta:
-    """tokenizer.json."""
+    """meta.json."""
 
     kind: Kind
-    max_len: int  # the cut a user of the folder gets by default
+    max_len: int | None  # the cut a user of the folder gets by default; None in a bundle (manifest.json's max_len)
     vocab_size: int  # pieces in vocab.txt + N_SPECIALS
 
     def to_json(self) -> str:
-        meta = {"format": TOKENIZER_FORMAT, "kind": self.kind, "max_len": self.max_len,
-                "vocab_size": self.vocab_size, "specials": dict(SPECIALS)}
+        meta: dict[str, object] = {"format": TOKENIZER_FORMAT, "kind": self.kind}
+        if self.max_len is not None:
+            meta["max_len"] = self.max_len
+        meta.update({"vocab_size": self.vocab_size, "specials": dict(SPECIALS)})
         return json.dumps(meta, indent=2) + "\n"
 
     @classmethod
@@ -89,7 +104,7 @@ class TokenizerMeta:
             raise TokenizerError(f"{path}: invalid JSON: {e}") from None
         if not isinstance(meta, dict):
             raise TokenizerError(f"{path}: expected a JSON object, got {type(meta).__name__}")
-        for key, want in (("format", int), ("kind", str), ("max_len", int), ("vocab_size", int), ("specials", dict)):
+        for key, want in (("format", int), ("kind", str), ("vocab_size", int), ("specials", dict)):
             if not isinstance(meta.get(key), want) or isinstance(meta.get(key), bool):
                 raise TokenizerError(f"{path}: field {key!r} must be {want.__name__}, got {meta.get(key)!r}")
         if meta["format"] != TOKENIZER_FORMAT:
@@ -99,9 +114,10 @@ class TokenizerMeta:
             raise TokenizerError(f"{path}: specials {meta['specials']} differ from {SPECIALS}")
         if meta["kind"] not in ("lab", "train"):
             raise TokenizerError(f"{path}: tokenizer kind must be 'lab' or 'train', got {meta['kind']!r}")
-        if meta["max_len"] < 3:
-            raise TokenizerError(f"{path}: max_len must be >= 3 (<sos>, one piece, <eos>), got {meta['max_len']}")
-        return cls(meta["kind"], meta["max_len"], meta["vocab_size"])
+        max_len = meta.get("max_len")
+        if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 3):
+            raise TokenizerError(f"{path}: max_len must be an int >= 3 (<sos>, one piece, <eos>), got {max_len!r}")
+        return cls(meta["kind"], max_len, meta["vocab_size"])
 
 
 @dataclass(frozen=True)
@@ -114,15 +130,15 @@ class TokenizerFiles:
 
 
 def read_tokenizer_files(files: Mapping[str, bytes], folder: Path) -> TokenizerFiles:
-    """Check the three files' bytes against tokenizer.json (a bundle passes the bytes whose checksums it verified,
-    so nothing changes between the check and the use); `folder` names them in errors."""
-    meta = TokenizerMeta.parse(files["tokenizer.json"], folder / "tokenizer.json")
+    """Check the three files' bytes against meta.json (a bundle passes the bytes whose checksums it verified, so
+    nothing changes between the check and the use); `folder` names them in errors."""
+    meta = TokenizerMeta.parse(files[TOKENIZER_META], folder / TOKENIZER_META)
     vocab = files["vocab.txt"]
-    # Count before decoding: a vocabulary far larger than its tokenizer.json says is refused without building it.
+    # Count before decoding: a vocabulary far larger than its meta.json says is refused without building it.
     n_lines = vocab.count(b"\n") + (not vocab.endswith(b"\n") and bool(vocab))
     if n_lines + N_SPECIALS != meta.vocab_size:
         raise TokenizerError(f"{folder}: vocab.txt has {n_lines} pieces (+{N_SPECIALS} specials = "
-                             f"{n_lines + N_SPECIALS} ids) but tokenizer.json says vocab_size {meta.vocab_size}")
+                             f"{n_lines + N_SPECIALS} ids) but {TOKENIZER_META} says vocab_size {meta.vocab_size}")
     pieces = [line for _, line in text_lines(vocab, folder / "vocab.txt", keep_blank=True)]
     return TokenizerFiles(meta, pieces, files["spm.model"])
 
@@ -176,8 +192,11 @@ class Encoder:
 
     @classmethod
     def from_files(cls, files: TokenizerFiles, max_len: int | None = None) -> Encoder:
-        """max_len: the cut (default: tokenizer.json's)."""
-        return cls(files.model_proto, files.pieces, files.meta.max_len if max_len is None else max_len)
+        """max_len: the cut (default: meta.json's; a bundle's folder has none: pass the manifest's)."""
+        cut = files.meta.max_len if max_len is None else max_len
+        if cut is None:
+            raise TokenizerError(f"no max_len given and {TOKENIZER_META} has none (a bundle's: use manifest.json's)")
+        return cls(files.model_proto, files.pieces, cut)
 
     def piece_ids(self, texts: Sequence[str], threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Piece ids of many texts, no specials and no cut: (flat ids int64 (N,), lengths int64 (len(texts),)).

@@ -86,6 +86,7 @@ class Batcher:
         self._in_flight = 0  # texts accepted and not answered (the bound when batching is off)
         self._last_batch = 1  # texts in the previous batch: how much company to wait for
         self._closing = False
+        self._waiting = 0  # workers waiting for company before forming a batch
         self._workers = [threading.Thread(target=self._loop, name=f"batcher-{i}", daemon=True)
                          for i in range(workers if enabled else 0)]
         for w in self._workers:
@@ -137,6 +138,18 @@ class Batcher:
         with self._cond:
             return len(self._pending)
 
+    @property
+    def waiting_for_company(self) -> int:
+        """Workers that have texts to run and wait (up to max_queue_delay_s) for more to join them."""
+        with self._cond:
+            return self._waiting
+
+    @property
+    def closing(self) -> bool:
+        """close() has begun: new requests are refused, queued ones still run."""
+        with self._cond:
+            return self._closing
+
     def close(self, timeout: float | None = None) -> None:
         """Refuse new requests, finish the queued ones, stop the worker."""
         with self._cond:
@@ -165,13 +178,17 @@ class Batcher:
         """Called with the lock held and a non-empty queue."""
         expected = min(self._last_batch, self.max_batch_size)
         until = self._pending[0].request.enqueued + self.max_queue_delay_s
-        while not self._closing and len(self._pending) < expected:
-            if sum(r.length for r in self._pending) >= self.max_batch_tokens:
-                return
-            left = until - time.monotonic()
-            if left <= 0:
-                return
-            self._cond.wait(left)
+        self._waiting += 1
+        try:
+            while not self._closing and len(self._pending) < expected:
+                if sum(r.length for r in self._pending) >= self.max_batch_tokens:
+                    return
+                left = until - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
+        finally:
+            self._waiting -= 1
 
     def _take(self, now: float) -> list[_Row]:
         """Remove and return the next batch (lock held). Expired or cancelled requests are failed here."""

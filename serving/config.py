@@ -17,7 +17,12 @@ class ServerConfig:
     # Network
     host: str = "127.0.0.1"  # bind address; loopback unless asked otherwise
     port: int = 50051  # gRPC port; 0 = any free port (the bound one is logged and returned)
-    metrics_port: int | None = None  # Prometheus exporter port (0 = any free port, None = off)
+    metrics_port: int | None = None  # Prometheus exporter port (0 = any free port, None = off); the CLI's
+    # default is 8002, the port Triton serves its metrics on (9090 is Prometheus' own port)
+    metrics_host: str | None = None  # bind address of the metrics exporter (None = `host`)
+    health_port: int | None = None  # a second, plain-text listener serving only grpc.health.v1, by an asyncio
+    # server whose half-open calls hold no thread (serving/health_port.py; 0 = any free port, None = off): what
+    # Kubernetes' gRPC probes (which speak no TLS) should target. grpc.health.v1 stays on `port` too
     # Model
     model_name: str = "sentiment"  # the model's name in KServe v2 requests and in metadata
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when it really loads, else CPU
@@ -43,9 +48,29 @@ class ServerConfig:
     long_text: Literal["truncate", "refuse"] = "truncate"  # over max_len tokens: cut (truncated=true) or refuse
     max_message_bytes: int = 4 * 1024 * 1024  # largest request message; larger -> RESOURCE_EXHAUSTED (gRPC)
     max_workers: int = 128  # gRPC handler threads: each in-progress request holds one while it waits
-    max_concurrent_rpcs: int | None = None  # RPCs in progress at once (None = max_workers): that many callers are
-    # always served; past it (plus a headroom of a quarter, at least 8, for gRPC's accounting: serving/server.py)
-    # gRPC refuses at once with RESOURCE_EXHAUSTED instead of queueing them unseen in front of the batcher
+    max_concurrent_rpcs: int | None = None  # authenticated calls in progress at once (None = max_workers); past
+    # it a call is refused at once with RESOURCE_EXHAUSTED instead of queueing unseen in front of the batcher.
+    # Health has its own threads and limit (health_workers), and never counts here
+    max_response_bytes_in_flight: int = 64 * 1024 * 1024  # bytes of answers built and not yet taken by their
+    # clients (a client that does not read keeps its answer in the server); past it, calls are refused with
+    # RESOURCE_EXHAUSTED (before computing when the budget is already spent)
+    # Hostile clients: per-call and per-connection bounds (serving/gate.py, docs/RELIABILITY.md "Attacks")
+    body_timeout_s: float = 10.0  # a request message must arrive within this long after its call's headers (or
+    # after the previous message of a stream), else the call is cancelled and its thread and slot freed
+    memory_reclaim_idle_s: float = 5.0  # once no model call has been in progress (nor an answer held) for this
+    # long after a burst, unreachable cycles are collected and glibc's free pages given back (serving/memory.py);
+    # at most every 10 s, never under steady load or traffic with shorter pauses. 0 = never
+    health_workers: int = 4  # threads (and calls at once) for grpc.health.v1 on `port`, apart from max_workers
+    max_streams_per_connection: int = 100  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: calls at once on one
+    # connection (100: the floor RFC 9113 recommends); a client's further calls wait in the client
+    handshake_timeout_s: float = 10.0  # a connection must finish its TLS/HTTP/2 handshake within this
+    max_connection_idle_s: float = 300.0  # a connection without calls for this long is closed (GOAWAY)
+    max_connection_age_s: float = 1800.0  # every connection is closed after about this long (GOAWAY, +-10%
+    # jitter by gRPC): long-held connections cannot pin resources, and clients spread again over replicas
+    max_connection_age_grace_s: float = 30.0  # calls still open on an aged-out connection get this long
+    min_client_ping_interval_s: float = 60.0  # a client may ping (keepalive) at most this often without calls...
+    max_ping_strikes: int = 2  # ...and is disconnected (GOAWAY too_many_pings) after this many faster pings
+    keepalive_without_calls: bool = False  # accept keepalive pings on a connection with no call in progress
     # Lifecycle
     drain_delay_s: float = 0.0  # after SIGTERM: health says NOT_SERVING but requests are still served this
     # long, so that load balancers watching health stop routing here first (Kubernetes-style); then:
@@ -60,6 +85,8 @@ class ServerConfig:
         _in_range("port", self.port, 0, 65535)
         if self.metrics_port is not None:
             _in_range("metrics_port", self.metrics_port, 0, 65535)
+        if self.health_port is not None:
+            _in_range("health_port", self.health_port, 0, 65535)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.optimization not in (None, "disable", "basic", "extended", "all"):
@@ -85,6 +112,17 @@ class ServerConfig:
         _in_range("max_workers", self.max_workers, 1, 10_000)
         if self.max_concurrent_rpcs is not None:
             _in_range("max_concurrent_rpcs", self.max_concurrent_rpcs, 1, 1_000_000)
+        _in_range("max_response_bytes_in_flight", self.max_response_bytes_in_flight, self.max_message_bytes, 1 << 40)
+        _in_range("body_timeout_s", self.body_timeout_s, 0.01, 3600.0, integer=False)
+        _in_range("memory_reclaim_idle_s", self.memory_reclaim_idle_s, 0.0, 3600.0, integer=False)
+        _in_range("health_workers", self.health_workers, 1, 1024)
+        _in_range("max_streams_per_connection", self.max_streams_per_connection, 1, 1_000_000)
+        _in_range("handshake_timeout_s", self.handshake_timeout_s, 0.1, 3600.0, integer=False)
+        _in_range("max_connection_idle_s", self.max_connection_idle_s, 1.0, 1e7, integer=False)
+        _in_range("max_connection_age_s", self.max_connection_age_s, 1.0, 1e7, integer=False)
+        _in_range("max_connection_age_grace_s", self.max_connection_age_grace_s, 0.0, 1e7, integer=False)
+        _in_range("min_client_ping_interval_s", self.min_client_ping_interval_s, 0.0, 1e7, integer=False)
+        _in_range("max_ping_strikes", self.max_ping_strikes, 0, 1000)
         _in_range("grace_s", self.grace_s, 0.0, 3600.0, integer=False)
         _in_range("drain_delay_s", self.drain_delay_s, 0.0, 3600.0, integer=False)
         if (self.tls_cert is None) != (self.tls_key is None):

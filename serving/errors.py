@@ -1,8 +1,8 @@
 """Named errors of the serving package and the gRPC status code each one maps to.
 
-Everything below raises these; the server maps them to status codes in one place (serving/server.py,
-`ServingInterceptor`). The code is a name of `grpc.StatusCode` so that this module (imported by the predictor)
-needs no gRPC. Any other exception is a bug and becomes INTERNAL with a generic message (details in the log).
+Everything below raises these; the server maps them to status codes in one place (serving/gate.py, `Gate`). The
+code is a name of `grpc.StatusCode` so that this module (imported by the predictor) needs no gRPC. Any other
+exception is a bug and becomes INTERNAL with a generic message (details in the log).
 """
 
 from __future__ import annotations
@@ -55,6 +55,13 @@ class DeadlineExpired(ServingError):
 
 class Cancelled(ServingError):
     """The client cancelled the request before its texts were computed (they were dropped, not run)."""
+
+    code = "CANCELLED"
+
+
+class BodyTimeout(ServingError):
+    """A request message did not arrive within body_timeout_s of its call's start: the call was cancelled (its
+    client sees CANCELLED)."""
 
     code = "CANCELLED"
 

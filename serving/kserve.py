@@ -2,7 +2,7 @@
 
 Input "TEXT": BYTES, shape [n] or [n, 1], UTF-8 texts, carried either in raw_input_contents (each element
 prefixed by its byte length as a little-endian uint32, what tritonclient sends) or in contents.bytes_contents.
-Outputs (all unless the request names some): "probabilities" FP32 [n, C], "label" BYTES [n],
+Outputs (all unless the request names some, each at most once): "probabilities" FP32 [n, C], "label" BYTES [n],
 "token_count" INT32 [n], "truncated" BOOL [n]; returned in raw_output_contents, as Triton does.
 """
 
@@ -101,7 +101,30 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> pb.ModelInferResponse:  # noqa: N802
         self._check_model(request.model_name, request.model_version)
+        wanted = self._outputs(request)
         texts = self._texts(request)
+        preds = self.core.classify(texts, deadline_of(context), cancelled_of(context))
+        n, C = len(preds), len(self.core.predictor.labels)
+        tensors = {  # built only when asked for
+            "probabilities": lambda: ("FP32", [n, C],
+                                      np.stack([p.probabilities for p in preds]).astype("<f4").tobytes()),
+            "label": lambda: ("BYTES", [n], encode_bytes([p.label.encode("utf-8") for p in preds])),
+            "token_count": lambda: ("INT32", [n], np.array([p.token_count for p in preds], dtype="<i4").tobytes()),
+            "truncated": lambda: ("BOOL", [n], np.array([p.truncated for p in preds], dtype=np.bool_).tobytes()),
+        }
+        response = pb.ModelInferResponse(model_name=self.name, model_version=VERSION, id=request.id)
+        for name in wanted:
+            datatype, shape, raw = tensors[name]()
+            response.outputs.add(name=name, datatype=datatype, shape=shape)
+            response.raw_output_contents.append(raw)
+        return response
+
+    def _outputs(self, request: pb.ModelInferRequest) -> list[str]:
+        """The requested outputs (all when none is named), checked before anything is computed: each known, each
+        at most once."""
+        if len(request.outputs) > len(OUTPUTS):  # counted without reading them: 60,000 entries cost nothing
+            raise InvalidInput(f"{len(request.outputs)} outputs requested; the model has {len(OUTPUTS)}: "
+                               f"{list(OUTPUTS)}, name each at most once")
         wanted = [o.name for o in request.outputs] or list(OUTPUTS)
         for o in request.outputs:
             if o.name not in OUTPUTS:
@@ -109,20 +132,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             if "classification" in o.parameters:
                 raise InvalidInput(f"output {o.name!r}: the classification extension is not supported; "
                                    "read 'label' and 'probabilities'")
-        preds = self.core.classify(texts, deadline_of(context), cancelled_of(context))
-        n, C = len(preds), len(self.core.predictor.labels)
-        tensors = {
-            "probabilities": ("FP32", [n, C], np.stack([p.probabilities for p in preds]).astype("<f4").tobytes()),
-            "label": ("BYTES", [n], encode_bytes([p.label.encode("utf-8") for p in preds])),
-            "token_count": ("INT32", [n], np.array([p.token_count for p in preds], dtype="<i4").tobytes()),
-            "truncated": ("BOOL", [n], np.array([p.truncated for p in preds], dtype=np.bool_).tobytes()),
-        }
-        response = pb.ModelInferResponse(model_name=self.name, model_version=VERSION, id=request.id)
-        for name in wanted:
-            datatype, shape, raw = tensors[name]
-            response.outputs.add(name=name, datatype=datatype, shape=shape)
-            response.raw_output_contents.append(raw)
-        return response
+        if len(set(wanted)) != len(wanted):
+            twice = sorted({name for name in wanted if wanted.count(name) > 1})
+            raise InvalidInput(f"outputs {twice} requested more than once; name each output at most once")
+        return wanted
 
     def _texts(self, request: pb.ModelInferRequest) -> list[str]:
         """The request's one BYTES input as decoded texts; InvalidInput naming what is wrong."""

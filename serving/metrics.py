@@ -1,23 +1,40 @@
-"""Prometheus metrics of one server, in a registry of its own (several servers can live in one test process).
+"""Prometheus metrics of one server, in a registry of its own (several servers can live in one test process), and
+the HTTP exporter that serves them.
 
-Served over HTTP on a port of its own (`Metrics.serve`), never on the gRPC port.
+The exporter listens on a port (and address) of its own, never the gRPC port. It answers `GET /metrics` (and HEAD)
+and 404 to every other path, so that a KServe HTTP client pointed at it by mistake does not read it as a live
+server. A request's line and headers must arrive within HEADER_TIMEOUT_S in all (a client that sends them a byte at
+a time gets no longer), and at most MAX_CONNECTIONS are handled at once (more are closed at once): half-sent
+requests cannot pin its threads.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import io
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.exposition import generate_latest
 
 # Latency buckets from 0.5 ms to 10 s: loopback round trips start near 0.5 ms here.
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+HEADER_TIMEOUT_S = 5.0  # request line + headers, in all
+MAX_CONNECTIONS = 32  # scrapes handled at once (a Prometheus server scrapes one at a time)
 
 
 class Metrics:
-    """Requests and errors by code, queue time, batch size and tokens, inference time, queue depth."""
+    """Requests and errors by code, queue time, batch size and tokens, inference time, queue depth, the bounds
+    against hostile clients, and the process (`process_*`: CPU, resident memory, open files, threads)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        self.requests = Counter("sentiment_requests", "RPCs answered, by method and status code",
+        ProcessCollector(registry=r)
+        self.requests = Counter("sentiment_requests", "RPCs answered, by method and the status code the client got",
                                 ["method", "code"], registry=r)
         self.request_seconds = Histogram("sentiment_request_seconds", "RPC handling time, by method",
                                          ["method"], buckets=_SECONDS, registry=r)
@@ -32,8 +49,102 @@ class Metrics:
         self.queue_depth = Gauge("sentiment_queue_depth", "texts waiting in the batching queue", registry=r)
         self.dropped = Counter("sentiment_dropped_texts", "texts dropped before compute, by reason",
                                ["reason"], registry=r)
+        self.response_bytes = Gauge("sentiment_response_bytes_in_flight",
+                                    "bytes of answers built and not yet delivered to their clients", registry=r)
+        self.body_timeouts = Counter("sentiment_body_timeouts", "calls cancelled because their request message "
+                                     "did not arrive within body_timeout_s", registry=r)
+        self.memory_reclaim_seconds = Histogram("sentiment_memory_reclaim_seconds", "collections of unreachable "
+                                                "objects + glibc trims after a burst of model calls, and how long "
+                                                "each took (serving/memory.py)", buckets=_SECONDS, registry=r)
+        self.suppressed_logs = Counter("sentiment_suppressed_tracebacks", "internal-error tracebacks not logged "
+                                       "(rate limit)", registry=r)
 
-    def serve(self, host: str, port: int) -> tuple[object, int]:
-        """Start the HTTP exporter on host:port (0 = a free port); returns (server, bound port)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server, server.server_port
+
+class MetricsServer:
+    """The HTTP exporter of one registry. Binds in the constructor (OSError when the port is taken) and serves
+    from `start()`."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        handler = type("Handler", (_Handler,), {"registry": registry})
+        self.httpd = _Server((host, port), handler)
+        self.port: int = self.httpd.server_port
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="metrics-http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # Connections the kernel holds for accept(): socketserver's 5 made a flood of connections wait for SYN
+    # retransmits (1, 3, 7 s...) before the cap below could close them (300 half-sent requests took 55 s to be
+    # accepted and closed, 6 s with this)
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: closed without a thread
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's bytes, each read given only what is left of one deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # noqa: ANN001
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request headers not received in time")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    registry: CollectorRegistry
+    timeout = HEADER_TIMEOUT_S  # also bounds each write of the answer
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + HEADER_TIMEOUT_S))
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's names)
+        self._answer(body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._answer(body=False)
+
+    def _answer(self, body: bool) -> None:
+        if urlsplit(self.path).path != "/metrics":
+            self.send_error(404, "not found: metrics are at /metrics")
+            return
+        page = generate_latest(self.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        if body:
+            self.wfile.write(page)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass  # one log line per scrape (or per probe of a scanner) is noise

@@ -1,9 +1,10 @@
 """A model bundle loaded into onnxruntime: texts -> labels, probabilities, token counts. No gRPC, no torch.
 
-The bundle (model.onnx, tokenizer/, manifest.json: contract/manifest.py) is checked by contract.bundle.verify_bundle,
+The bundle (its graphs, tokenizer/, manifest.json: contract/manifest.py) is checked by contract.bundle.verify_bundle,
 the bytes it verified are what gets loaded (no window between check and load), and the graph runs once at max_len
-before the constructor returns. A missing, corrupt, tampered or inconsistent bundle is a `BundleError` naming the
-file, on one line.
+before the constructor returns. Which graph: the manifest's for the device onnxruntime runs on ("serve": by default
+the int8 graph on a CPU, the fp32 or fp16 one on CUDA). A missing, corrupt, tampered or inconsistent bundle is a
+`BundleError` naming the file, on one line.
 
 Shapes: n texts, T = the longest sequence of a batch (<= max_len), C classes.
 """
@@ -21,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from contract import runtime
-from contract.bundle import check_session, verify_bundle
+from contract.bundle import Bundle, check_session, verify_bundle
 from contract.errors import one_line
 from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS
 from contract.runtime import CUDA, OPT_LEVELS, Device
@@ -56,13 +57,15 @@ class Predictor:
         inter_op_threads: int = 0,
         optimization: Optimization | None = None,
         spinning: bool = False,
+        graph: str | None = None,
     ) -> None:
         """device: 'auto' (CUDA when usable, else CPU), 'cpu', or 'cuda' (an error if CUDA cannot load).
         intra_op_threads / inter_op_threads: onnxruntime thread pools (0 = its default: one per core).
         optimization: graph optimization level; None = the level the bundle was validated at (manifest
         runtime.graph_optimization_level).
         spinning: let idle onnxruntime threads spin between runs; off by default because a server's cores are
-        shared with its gRPC threads (and here with the client): spinning threads take their time."""
+        shared with its gRPC threads (and here with the client): spinning threads take their time.
+        graph: a graph file of the bundle to run instead of the manifest's choice for the device (benchmarks)."""
         if optimization is not None and optimization not in OPT_LEVELS:
             raise ConfigError(f"optimization must be one of {list(OPT_LEVELS)}, got {optimization!r}")
         if intra_op_threads < 0 or inter_op_threads < 0:
@@ -72,31 +75,44 @@ class Predictor:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         b = verify_bundle(bundle)
+        if graph is not None and graph not in b.manifest.graphs:
+            raise ConfigError(f"graph {graph!r} is not in {b.folder} (its graphs: {', '.join(b.manifest.graphs)})")
         self.bundle_dir = b.folder
         self.manifest = b.manifest
         self.bundle_sha256 = b.bundle_sha256  # the manifest's own digest, over every file: GetModelMetadata says it
         self.labels: list[str] = list(b.manifest.label_names)  # what clients get: the manifest's "labels"
+        self.label_values: list[str] = list(b.manifest.label_values)  # the data's value of each label, same order
         self.max_len: int = b.manifest.max_len
-        self.precision: str = b.manifest.precision
         self.tokenizer = Encoder.from_files(b.tokenizer, max_len=self.max_len)
         self.optimization: str = optimization or b.manifest.runtime.graph_optimization_level
         options = runtime.session_options(self.optimization, intra_op_threads, inter_op_threads, spinning)
-        try:
-            # From the verified bytes: the file on disk could change after the checksum check.
-            self.session = ort.InferenceSession(b.model_bytes, options, providers=providers)
-        except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/... types
-            raise BundleError(f"{b.folder / 'model.onnx'}: onnxruntime cannot load it ({one_line(e)})") from None
+        self.graph = graph or b.manifest.graph_for("cuda" if providers[0] == CUDA else "cpu")
+        self.session = self._open(b, self.graph, options, providers)
         # The provider actually in use: get_available_providers() and a silent CPU fallback both lie.
         self.provider: str = self.session.get_providers()[0]
         if device == "cuda" and self.provider != CUDA:
             raise ConfigError(f"device='cuda' but onnxruntime runs on {self.provider}: CUDA cannot load here "
                               "(see the onnxruntime log above)")
-        check_session(self.session, b)  # the warm-up at max_len, before the server says SERVING
+        cpu_graph = graph or b.manifest.graph_for("cpu")
+        if self.provider != CUDA and self.graph != cpu_graph:  # 'auto' chose CUDA, onnxruntime fell back to CPU
+            log.warning("CUDA did not load: running %s, the bundle's CPU graph, instead of %s", cpu_graph, self.graph)
+            self.graph, self.session = cpu_graph, self._open(b, cpu_graph, options, [runtime.CPU])
+            self.provider = self.session.get_providers()[0]
+        self.precision: str = b.manifest.graphs[self.graph].precision
+        check_session(self.session, b, self.graph)  # the warm-up at max_len, before the server says SERVING
         self._lock = threading.Lock()
         self._runs = 0
-        log.info("loaded bundle %s (sha256 %s, %s, max_len %d, labels %s, graph optimization %s) on %s",
-                 b.folder, self.bundle_sha256[:12], self.precision, self.max_len, self.labels, self.optimization,
-                 self.provider)
+        log.info("loaded bundle %s (sha256 %s, %s: %s, max_len %d, labels %s, graph optimization %s) on %s",
+                 b.folder, self.bundle_sha256[:12], self.graph, self.precision, self.max_len, self.labels,
+                 self.optimization, self.provider)
+
+    @staticmethod
+    def _open(b: Bundle, graph: str, options: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
+        try:
+            # From the verified bytes: the file on disk could change after the checksum check.
+            return ort.InferenceSession(b.graph_bytes(graph), options, providers=providers)
+        except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/... types
+            raise BundleError(f"{b.folder / graph}: onnxruntime cannot load it ({one_line(e)})") from None
 
     @property
     def runs(self) -> int:

@@ -1,5 +1,6 @@
 """Editing a bundle the way someone with write access to it would: change manifest.json, then (sealed=True) make
-every file's sha256 and the manifest's own digest match again, so that the check under test is not the digest's."""
+every graph's metadata_props, every file's sha256 and the manifest's own digest match again, so that the check under
+test is not the digest's."""
 
 from __future__ import annotations
 
@@ -8,14 +9,36 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from contract.manifest import DIGEST_KEY, manifest_digest
+import onnx
+
+from contract.manifest import DIGEST_KEY, TOKENIZER_BUNDLE_FILES, graph_metadata, manifest_digest
 
 
-def reseal(bundle: Path) -> None:
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def reseal(bundle: Path, graphs: bool = True) -> None:
+    """graphs=False: leave the graphs' metadata_props as they are (only their checksums follow)."""
     m = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
-    for rel in m["files"]:
-        if (bundle / rel).is_file():
-            m["files"][rel] = hashlib.sha256((bundle / rel).read_bytes()).hexdigest()
+    for rel in TOKENIZER_BUNDLE_FILES:
+        if rel in m["files"] and (bundle / rel).is_file():
+            m["files"][rel] = _sha256(bundle / rel)
+    tokenizer = {rel: m["files"].get(rel, "") for rel in TOKENIZER_BUNDLE_FILES}
+    for name, graph in m.get("graphs", {}).items():
+        path = bundle / name
+        if not path.is_file() or path.is_symlink():
+            continue
+        if name not in m["files"]:
+            continue
+        if graphs:
+            model = onnx.load(str(path))
+            del model.metadata_props[:]
+            for key, value in graph_metadata(m["labels"], m["label_values"], m["max_len"], m["special_ids"],
+                                             tokenizer, graph["precision"]).items():
+                model.metadata_props.add(key=key, value=value)
+            onnx.save(model, str(path))
+        m["files"][name] = _sha256(path)
     m[DIGEST_KEY] = manifest_digest(m)
     (bundle / "manifest.json").write_text(json.dumps(m, indent=2), encoding="utf-8")
 

@@ -1,26 +1,40 @@
-"""Helpers for the serving tests: real servers on 127.0.0.1 (in-process or as a subprocess), real certificates.
+"""Helpers for the serving tests: real servers on 127.0.0.1 (in-process or as a subprocess), real certificates
+(one factory, `make_certs`, and its session fixture `certs`), a gate around the batcher's runs (`HeldRuns`).
 
-Plain functions (no fixtures), imported by tests/test_serving_*.py; the `tiny_bundle` fixture comes from conftest.
+Imported by tests/test_serving_*.py and tests/test_reliability_*.py; the `tiny_bundle` fixture comes from conftest.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import ipaddress
 import os
 import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from procs import REPO as REPO_ROOT
+from prometheus_client.parser import text_string_to_metric_families
 
+from serving.batcher import Batcher
 from serving.config import ServerConfig
 from serving.server import SentimentServer
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
+METRICS_ON = re.compile(r"metrics on ([\d.]+):(\d+)")
 
 
 def reviews(data_dir: Path, n: int, split: str = "test") -> list[str]:
@@ -41,16 +55,25 @@ def running_server(bundle: Path, **options: object) -> Iterator[SentimentServer]
 
 
 class HeldRuns:
-    """Holds the server's batch workers inside their onnxruntime runs (a gate around the real `Predictor.infer`)
-    until `release()`, so that requests queue behind them deterministically, whatever the machine's load.
-    Installed when made; as a context manager, on exit the real infer is back and every held run goes on."""
+    """A gate around a batcher's real infer function (`Predictor.infer`): records each run's row lengths and, while
+    holding (the default), keeps every run that starts inside it until `release()`, so that requests queue behind
+    them deterministically, whatever the machine's load. Installed when made (on a Batcher, or on a server's);
+    as a context manager, on exit the real infer is back and every held run goes on."""
 
-    def __init__(self, server: SentimentServer) -> None:
-        self.batcher, self.real = server.batcher, server.batcher.infer
-        self.sizes: list[int] = []  # texts per run, in the order the runs started
+    def __init__(self, batcher: Batcher | SentimentServer, hold: bool = True) -> None:
+        self.batcher = batcher.batcher if isinstance(batcher, SentimentServer) else batcher
+        self.real: Callable[[Sequence[np.ndarray]], np.ndarray] = self.batcher.infer
+        self.batches: list[list[int]] = []  # token ids per row, one list per run, in the order the runs started
         self._entered = threading.Semaphore(0)
         self._open = threading.Event()
+        if not hold:
+            self._open.set()
         self.batcher.infer = self
+
+    @property
+    def sizes(self) -> list[int]:
+        """Texts per run."""
+        return [len(b) for b in self.batches]
 
     def __enter__(self) -> HeldRuns:
         return self
@@ -59,8 +82,8 @@ class HeldRuns:
         self.stop_holding()
         self.release()
 
-    def __call__(self, rows):  # noqa: ANN001, ANN204
-        self.sizes.append(len(rows))
+    def __call__(self, rows: Sequence[np.ndarray]) -> np.ndarray:
+        self.batches.append([len(r) for r in rows])
         if not self._open.is_set():
             self._entered.release()
             assert self._open.wait(30), "the test never released the held runs"
@@ -78,6 +101,14 @@ class HeldRuns:
         self._open.set()
 
 
+def wait_until(condition: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
+    """Polls `condition` (a state, never a duration) until it holds; fails after `timeout` s."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, f"{what} not reached in {timeout} s"
+        time.sleep(0.005)
+
+
 def target(server: SentimentServer) -> str:
     return f"127.0.0.1:{server.port}"
 
@@ -90,11 +121,14 @@ class ServerProcess:
     """`python -m serving.server BUNDLE --port 0 ...` as a subprocess; its log is collected in `lines`."""
 
     def __init__(self, bundle: Path | str, *args: str, env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "serving.server", str(bundle), "--port", "0", "--no-metrics", *args]
+        """Metrics are off unless `args` name a --metrics-port."""
+        metrics = [] if any(a.startswith("--metrics-port") for a in args) else ["--no-metrics"]
+        cmd = [sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics, *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self.port: int | None = None
+        self.metrics_port: int | None = None  # when its args turn metrics on
         self._found = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -105,6 +139,8 @@ class ServerProcess:
             self.lines.append(line)
             m = LISTENING.search(line)
             if m and self.port is None:
+                metrics = METRICS_ON.search(line)
+                self.metrics_port = int(metrics.group(2)) if metrics else None
                 self.port = int(m.group(2))
                 self._found.set()
         self._found.set()  # exited
@@ -124,40 +160,89 @@ class ServerProcess:
     def log(self) -> str:
         return "".join(self.lines)
 
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """One sample of its Prometheus page (None when absent); needs --metrics-port."""
+        assert self.metrics_port is not None, "started without --metrics-port"
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            page = r.read().decode()
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == (labels or {}):
+                    return sample.value
+        return None
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
 
 
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[str, ec.EllipticCurvePrivateKey] | None,
+          *, ca: bool = False, server: bool = False, expired: bool = False) -> x509.Certificate:
+    """A certificate for `key`, signed by issuer (None: self-signed). EC P-256: fast to generate."""
+    now = dt.datetime.now(dt.timezone.utc)
+    start, end = (now - dt.timedelta(days=10), now - dt.timedelta(days=1)) if expired else \
+        (now - dt.timedelta(minutes=5), now + dt.timedelta(days=1))
+    issuer_name, issuer_key = (subject, key) if issuer is None else issuer
+    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer_name))
+         .public_key(key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(start).not_valid_after(end)
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if ca:
+        b = b.add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                          data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                          crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+    elif server:
+        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                            critical=False)
+        b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+    else:
+        b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+    return b.sign(issuer_key, hashes.SHA256())
+
+
 def make_certs(folder: Path) -> dict[str, Path]:
-    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate signed by it, plus a client
-    certificate signed by another CA (the rogue). EC P-256 keys: fast to generate. Needs the openssl CLI."""
+    """PEM files in `folder`: ca, server (for localhost/127.0.0.1, signed by ca), client (signed by ca),
+    rogue_client (signed by another CA, rogue_ca), expired_client (signed by ca, expired); each with its `_key`."""
     folder.mkdir(parents=True, exist_ok=True)
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    for ca in ("ca", "rogue-ca"):
-        run("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN={ca}",
-            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    leaves = {
-        "server": ("ca", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
-        "client": ("ca", "extendedKeyUsage=clientAuth\n"),
-        "rogue-client": ("rogue-ca", "extendedKeyUsage=clientAuth\n"),
+    keys = {n: ec.generate_private_key(ec.SECP256R1()) for n in
+            ("ca", "rogue_ca", "server", "client", "rogue_client", "expired_client")}
+    made = {
+        "ca": _cert("test-ca", keys["ca"], None, ca=True),
+        "rogue_ca": _cert("rogue-ca", keys["rogue_ca"], None, ca=True),
+        "server": _cert("localhost", keys["server"], ("test-ca", keys["ca"]), server=True),
+        "client": _cert("client", keys["client"], ("test-ca", keys["ca"])),
+        "rogue_client": _cert("rogue-client", keys["rogue_client"], ("rogue-ca", keys["rogue_ca"])),
+        "expired_client": _cert("expired-client", keys["expired_client"], ("test-ca", keys["ca"]), expired=True),
     }
-    for name, (ca, ext) in leaves.items():
-        (folder / f"{name}.ext").write_text(ext)
-        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
-    return {
-        "ca": folder / "ca.pem",
-        "server_cert": folder / "server.pem",
-        "server_key": folder / "server.key",
-        "client_cert": folder / "client.pem",
-        "client_key": folder / "client.key",
-        "rogue_cert": folder / "rogue-client.pem",
-        "rogue_key": folder / "rogue-client.key",
-    }
+    out = {}
+    for name, cert in made.items():
+        out[name] = folder / f"{name}.pem"
+        out[name].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        out[f"{name}_key"] = folder / f"{name}.key"
+        out[f"{name}_key"].write_bytes(keys[name].private_bytes(serialization.Encoding.PEM,
+                                                                serialization.PrivateFormat.PKCS8,
+                                                                serialization.NoEncryption()))
+    return out
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """make_certs() once per session (import it into a test module to use it)."""
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def secure_channel(server: SentimentServer, certs: dict[str, Path], client: str | None = None,
+                   ca: str = "ca") -> grpc.Channel:
+    """A TLS channel trusting `ca`, presenting the `client` certificate when given (mutual TLS)."""
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=certs[ca].read_bytes(),
+        private_key=certs[f"{client}_key"].read_bytes() if client else None,
+        certificate_chain=certs[client].read_bytes() if client else None,
+    )
+    return grpc.secure_channel(target(server), creds)

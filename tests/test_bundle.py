@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import onnx
 import pytest
 from bundles import edit_manifest, reseal
 from procs import REPO
@@ -67,9 +68,28 @@ def _swapped_labels(bundle: Path) -> None:
 def _vocabulary_beyond_the_embedding(bundle: Path) -> None:
     with open(bundle / "tokenizer/vocab.txt", "a", encoding="utf-8") as f:
         f.write("".join(f"extra{i}\n" for i in range(5)))
-    meta = json.loads((bundle / "tokenizer/tokenizer.json").read_text())
-    (bundle / "tokenizer/tokenizer.json").write_text(json.dumps({**meta, "vocab_size": meta["vocab_size"] + 5}))
+    meta = json.loads((bundle / "tokenizer/meta.json").read_text())
+    (bundle / "tokenizer/meta.json").write_text(json.dumps({**meta, "vocab_size": meta["vocab_size"] + 5}))
     reseal(bundle)
+
+
+def _graph_of_another_bundle(bundle: Path) -> None:
+    model = onnx.load(str(bundle / "model.onnx"))
+    for prop in model.metadata_props:
+        if prop.key == "labels":
+            prop.value = json.dumps(json.loads(prop.value)[::-1], separators=(",", ":"))
+    onnx.save(model, str(bundle / "model.onnx"))
+    reseal(bundle, graphs=False)
+
+
+def _second_max_len(bundle: Path) -> None:
+    meta = json.loads((bundle / "tokenizer/meta.json").read_text())
+    (bundle / "tokenizer/meta.json").write_text(json.dumps({**meta, "max_len": 32}))
+    reseal(bundle)
+
+
+def _format_1(bundle: Path) -> None:
+    edit_manifest(bundle, lambda m: m.update(format=1), sealed=True)
 
 
 def _max_len_beyond_positions(bundle: Path) -> None:
@@ -117,7 +137,7 @@ ATTACKS: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "labels swapped in manifest.json": (_swapped_labels, "manifest.json",
                                         "bundle_sha256 does not match the manifest's content"),
     "vocabulary beyond the embedding rows": (_vocabulary_beyond_the_embedding, "model.onnx",
-                                             "token embedding has 99 rows but tokenizer/tokenizer.json gives 104 ids"),
+                                             "token embedding has 99 rows but tokenizer/meta.json gives 104 ids"),
     "max_len beyond the positional table": (_max_len_beyond_positions, "manifest.json",
                                             "max_len 65 exceeds the 64 positions"),
     "FIFO listed in the manifest": (_fifo, "tokenizer/vocab.txt", "a FIFO, not a regular file"),
@@ -126,6 +146,12 @@ ATTACKS: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "100,000-deep manifest.json": (_deep_manifest, "manifest.json", "JSON nested deeper than 16 levels"),
     "3 GiB model.onnx": (_oversized_model, "model.onnx", "3 GiB, larger than the 2 GiB"),
     "a key twice in manifest.json": (_key_twice, "manifest.json", "key 'labels' appears twice"),
+    "a graph of another bundle": (_graph_of_another_bundle, "model.onnx",
+                                  "its metadata_props differ from manifest.json on labels"),
+    "a second max_len in the tokenizer folder": (_second_max_len, "tokenizer/meta.json",
+                                                 "max_len 32 in a bundle's tokenizer folder"),
+    "a bundle of the earlier format": (_format_1, "manifest.json",
+                                       "format 1, a bundle from an earlier exporter .*: export it again"),
 }
 
 

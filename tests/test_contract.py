@@ -88,8 +88,8 @@ def test_pieces_missing_from_the_vocabulary_are_oov(tiny_tokenizer_dir: Path, tm
     lines = (half / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
     keep = len(lines) // 2
     (half / "vocab.txt").write_text("".join(p + "\n" for p in lines[:keep]), encoding="utf-8")
-    meta = json.loads((half / "tokenizer.json").read_text())
-    (half / "tokenizer.json").write_text(json.dumps({**meta, "vocab_size": keep + 4}))
+    meta = json.loads((half / "meta.json").read_text())
+    (half / "meta.json").write_text(json.dumps({**meta, "vocab_size": keep + 4}))
     enc, enc_half = encoder_of(tiny_tokenizer_dir), encoder_of(half)
     changed = 0
     for text in texts[:100]:
@@ -133,9 +133,9 @@ def test_tokenizer_folder_refusals_name_the_file(tiny_tokenizer_dir: Path, tmp_p
                 "vocabulary line 3: piece .* repeats line 1"),
         "utf8": (folder("utf8", vocab_txt=b"\xff\n" + vocab.split(b"\n", 1)[1]), r"vocab\.txt:1: not valid UTF-8"),
         "model": (folder("model", spm_model=b"not a model"), "not a sentencepiece model"),
-        "json": (folder("json", tokenizer_json=b'{"format": 1,'), r"tokenizer\.json: invalid JSON"),
-        "deep": (folder("deep", tokenizer_json=b"[" * 100_000 + b"]" * 100_000), r"tokenizer\.json: invalid JSON"),
-        "specials": (folder("specials", tokenizer_json=(tiny_tokenizer_dir / "tokenizer.json").read_bytes()
+        "json": (folder("json", meta_json=b'{"format": 1,'), r"meta\.json: invalid JSON"),
+        "deep": (folder("deep", meta_json=b"[" * 100_000 + b"]" * 100_000), r"meta\.json: invalid JSON"),
+        "specials": (folder("specials", meta_json=(tiny_tokenizer_dir / "meta.json").read_bytes()
                             .replace(b'"pad": 1', b'"pad": 5')), "specials .* differ"),
     }
     for f, message in cases.values():

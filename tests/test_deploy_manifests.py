@@ -237,9 +237,6 @@ def test_kserve_runtime_runs_the_server_for_the_inference_service(rendered: dict
     assert isvc["spec"]["predictor"]["terminationGracePeriodSeconds"] > cfg.drain_delay_s + 2 * cfg.grace_s
 
 
-@pytest.mark.xfail("--health-port" not in _parser().format_help(), strict=True,
-                   reason="deploy/tls moves kubelet's probes to the server's plaintext --health-port, which the "
-                          "server does not offer yet")
 def test_tls_component_serves_tls_and_probes_plaintext(rendered: dict[str, Path], tmp_path: Path) -> None:
     (container,) = _one(_docs(rendered["tls"]), "Deployment")["spec"]["template"]["spec"]["containers"]
     cfg = _server_config(container["args"], tmp_path)

@@ -1,12 +1,16 @@
-"""ONNX export: the bundle matches PyTorch on many shapes, describes itself, loads without torch, refuses tampering,
-refuses lengths beyond the positional table, and its int8/fp16 variants hold their stated tolerances.
+"""ONNX export: the bundle matches PyTorch on many shapes, describes itself (manifest and each graph's
+metadata_props), loads without torch, refuses tampering, refuses lengths beyond the positional table, serves int8 on
+the CPU only within its bound, is the same bytes for the same artifact, and its int8/fp16 graphs hold their stated
+tolerances.
 
-The CI export step is `tiny_bundle` (tests/conftest.py): train a tiny classifier a few steps, export, validate;
-`test_ci_export_step_loads_like_the_server` then opens it the way the server does.
+The CI export step is `default_bundle` and `tiny_bundle` (tests/conftest.py): train a tiny classifier a few steps,
+export (by default, and with one fp32 graph), validate; `test_ci_export_step_loads_like_the_server` then opens it the
+way the server does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -29,7 +33,7 @@ from trainer import artifact
 from trainer.__main__ import main as cli
 from trainer.export import ExportError, ExportOptions, ExportValidationError, check_bundle, export_bundle
 from trainer.export.graph import STACK_TRACE, check_graph, open_session
-from trainer.export.precision import TOLERANCES, Tolerance
+from trainer.export.precision import INT8_CPU_BOUND, TOLERANCES, Tolerance
 from trainer.export.validate import compare, make_batch, ort_logits, torch_logits, validate
 
 TEST_FILE = "cls-books-fr/test.review.txt"
@@ -37,6 +41,10 @@ TEST_FILE = "cls-books-fr/test.review.txt"
 
 def manifest_of(bundle: Path) -> dict:
     return json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
+
+
+def validation_of(bundle: Path, graph: str = "model.onnx") -> dict:
+    return manifest_of(bundle)["graphs"][graph]["validation"]
 
 
 def leftovers(parent: Path, name: str) -> list[Path]:
@@ -47,8 +55,8 @@ def leftovers(parent: Path, name: str) -> list[Path]:
 # ---------------------------------------------------------------------------------------------- fp32 bundle
 
 
-def test_validation_of_the_tiny_trained_model_covers_every_shape(tiny_bundle):
-    v = manifest_of(tiny_bundle)["validation"]
+def test_validation_of_the_tiny_trained_model_covers_every_shape(default_bundle):
+    v = validation_of(default_bundle)
     assert v["passed"] is True and v["provider"] == "CPUExecutionProvider"
     names = [c["input"] for c in v["cases"]]
     for b in (1, 2, 13):
@@ -57,6 +65,11 @@ def test_validation_of_the_tiny_trained_model_covers_every_shape(tiny_bundle):
     assert sum("padded" in n for n in names) == 3
     assert v["max_abs_diff"] <= 1e-4 == v["tolerance"]["max_abs_diff"] and v["tolerance"]["rel_diff"] == 0
     assert v["label_agreement"] == 1.0
+    # The CPU graph: the same cases, held to the bound under which int8 serves the CPU.
+    int8 = validation_of(default_bundle, "model.int8.onnx")
+    assert [c["input"] for c in int8["cases"]] == names and int8["passed"] is True
+    assert int8["tolerance"] == dataclasses.asdict(INT8_CPU_BOUND)
+    assert 0 < int8["max_abs_diff"] <= min(c["tolerance"] for c in int8["cases"])
 
 
 def test_bundle_matches_pytorch_on_a_fresh_padded_batch(tiny_bundle, tiny_classifier_artifact):
@@ -90,24 +103,31 @@ def test_compare_counts_flips_only_outside_near_ties():
     assert compare(ref, ref, 0.0) == (0.0, 0, 0)
 
 
-def test_manifest_describes_the_bundle(tiny_bundle, tiny_classifier_artifact):
-    m = manifest_of(tiny_bundle)
+def test_manifest_describes_the_bundle(default_bundle, tiny_classifier_artifact):
+    m = manifest_of(default_bundle)
     src = json.loads((tiny_classifier_artifact / "artifact.json").read_text())
-    assert m["format"] == 1 and m["task"] == "sentiment-classification" and m["precision"] == "fp32"
+    assert m["format"] == 2 and m["task"] == "sentiment-classification"
+    assert {n: g["precision"] for n, g in m["graphs"].items()} == {"model.onnx": "fp32", "model.int8.onnx": "int8"}
+    assert m["serve"] == {"cpu": "model.int8.onnx", "cuda": "model.onnx"}
+    assert m["cpu_int8"]["accepted"] is True and m["cpu_int8"]["bound"] == dataclasses.asdict(INT8_CPU_BOUND)
+    assert m["graphs"]["model.int8.onnx"]["quantization"]["method"] == "dynamic"
+    assert m["graphs"]["model.onnx"]["quantization"] is None
     assert m["labels"] == ["negative", "positive"] and m["max_len"] == 48
     assert m["special_ids"] == {"sos": 0, "pad": 1, "eos": 2, "oov": 3}
     assert m["inputs"] == [{"name": n, "dtype": d, "shape": ["batch", "sequence"]} for n, d in INPUTS]
     assert m["outputs"] == [{"name": OUTPUT[0], "dtype": "float32", "shape": ["batch", 2]}]
-    assert set(m["files"]) == {"model.onnx", "tokenizer/spm.model", "tokenizer/vocab.txt", "tokenizer/tokenizer.json"}
+    assert set(m["files"]) == {"model.onnx", "model.int8.onnx", "tokenizer/spm.model", "tokenizer/vocab.txt",
+                               "tokenizer/meta.json"}
     assert m["source_artifact"]["weights_sha256"] == src["weights_sha256"]
     assert {"torch", "onnx", "onnxruntime", "onnxscript"} <= set(m["versions"])
-    graph = onnx.load(str(tiny_bundle / "model.onnx"))
+    graph = onnx.load(str(default_bundle / "model.onnx"))
     assert m["opset"] == next(o.version for o in graph.opset_import if o.domain == "") >= 18
     assert not graph.graph.initializer or all(not t.external_data for t in graph.graph.initializer)
-    assert sorted(p.name for p in tiny_bundle.iterdir()) == ["manifest.json", "model.onnx", "tokenizer"]
+    assert sorted(p.name for p in default_bundle.iterdir()) == ["manifest.json", "model.int8.onnx", "model.onnx",
+                                                             "tokenizer"]
     # The typed manifest writes back the very bytes the exporter wrote.
-    b = verify_bundle(tiny_bundle)
-    assert b.manifest.to_json() == (tiny_bundle / "manifest.json").read_text(encoding="utf-8")
+    b = verify_bundle(default_bundle)
+    assert b.manifest.to_json() == (default_bundle / "manifest.json").read_text(encoding="utf-8")
     assert b.manifest.label_names == m["labels"] and b.manifest.label_values == src["labels"] == ["0", "1"]
 
 
@@ -231,15 +251,13 @@ def test_unfused_export_uses_plain_onnx_ops_and_validates(tiny_classifier_artifa
     out = export_bundle(tiny_classifier_artifact, tmp_path / "plain", ExportOptions(fuse_attention=False))
     m = manifest_of(out)
     assert m["runtime"]["fused_attention"] is False and set(m["opset_imports"]) == {"ai.onnx"}
-    assert m["validation"]["passed"] and m["validation"]["max_abs_diff"] <= 1e-4
+    assert validation_of(out)["passed"] and validation_of(out)["max_abs_diff"] <= 1e-4
     assert not any(n.domain for n in onnx.load(str(out / "model.onnx")).graph.node)
 
 
 def test_mean_pooled_bidirectional_classifier_exports_and_validates(tiny_classifier_artifact, tiny_tokenizer,
                                                                     tmp_path):
     """The English preset's classifier (mean pooling, no causal mask) through the real exporter and validation."""
-    import dataclasses
-
     from trainer.model import Classifier
 
     src = artifact.load(tiny_classifier_artifact)
@@ -250,7 +268,7 @@ def test_mean_pooled_bidirectional_classifier_exports_and_validates(tiny_classif
                         tiny_tokenizer)
     out = export_bundle(art, tmp_path / "bundle")
     m = manifest_of(out)
-    assert m["validation"]["passed"] and m["validation"]["max_abs_diff"] <= 1e-4
+    assert validation_of(out)["passed"] and validation_of(out)["max_abs_diff"] <= 1e-4
     assert m["source_artifact"]["model"]["pooling"] == "mean"
     # Still one fused node per layer (2), now without the causal mask: unidirectional 0, written or by default.
     attention = [n for n in onnx.load(str(out / "model.onnx")).graph.node if n.op_type == "Attention"]
@@ -282,11 +300,12 @@ def test_manifest_that_does_not_match_the_graph_is_rejected(bundle_copy):
 
 
 def test_manifest_with_wrong_label_count_or_missing_file_is_rejected(bundle_copy):
-    original = (bundle_copy / "manifest.json").read_bytes()
+    original = {p: p.read_bytes() for p in bundle_copy.glob("*.*")}  # manifest.json and the graphs it reseals
     edit_manifest(bundle_copy, lambda m: m.update(labels=["neg", "neutral", "pos"], label_values=["0", "1", "2"]))
     with pytest.raises(BundleError, match=r"model\.onnx: logits has 2 classes but manifest\.json lists 3 labels"):
         verify_bundle(bundle_copy)
-    (bundle_copy / "manifest.json").write_bytes(original)
+    for path, data in original.items():
+        path.write_bytes(data)
     (bundle_copy / "tokenizer" / "vocab.txt").unlink()
     with pytest.raises(BundleError, match=r"tokenizer/vocab\.txt: listed in manifest\.json but missing"):
         verify_bundle(bundle_copy)
@@ -360,12 +379,14 @@ def weight_bytes(bundle: Path, op_type: str) -> int:
 def test_int8_export_through_the_cli_records_its_accuracy_change(tiny_classifier_artifact, tiny_bundle, data_dir,
                                                                   tmp_path, capsys):
     out = tmp_path / "int8"
-    rc = cli(["export", str(tiny_classifier_artifact), "--out", str(out), "--quantize", "int8",
+    rc = cli(["export", str(tiny_classifier_artifact), "--out", str(out), "--precision", "int8",
               "--data", str(data_dir / TEST_FILE), "--limit", "400"])
     assert rc == 0, capsys.readouterr().err
     m = manifest_of(out)
-    v, tol = m["validation"], TOLERANCES["int8"]
-    assert m["precision"] == "int8" and m["runtime"]["quantization"]["method"] == "dynamic"
+    v, tol = m["graphs"]["model.onnx"]["validation"], TOLERANCES["int8"]
+    assert m["graphs"]["model.onnx"]["precision"] == "int8" and m["cpu_int8"] is None  # one graph, as asked
+    assert m["serve"] == {"cpu": "model.onnx", "cuda": "model.onnx"} and set(m["graphs"]) == {"model.onnx"}
+    assert m["graphs"]["model.onnx"]["quantization"]["method"] == "dynamic"
     assert v["passed"] and v["tolerance"]["max_abs_diff"] == tol.max_abs_diff
     assert all(c["max_abs_diff"] <= c["tolerance"] for c in v["cases"])
     assert 0 < v["max_abs_diff"] <= tol.max_abs_diff + tol.rel_diff * 10  # int8 is not exact; logits here < 10
@@ -377,18 +398,21 @@ def test_int8_export_through_the_cli_records_its_accuracy_change(tiny_classifier
     # int8 weights: the Linear (MatMul) initializers take about a quarter of their fp32 bytes (plus scales).
     assert 0 < weight_bytes(out, "MatMul") < 0.35 * weight_bytes(tiny_bundle, "MatMul")
     verify_bundle(out)
+    # The old spelling still asks for the same one-graph bundle.
+    assert cli(["export", str(tiny_classifier_artifact), "--out", str(tmp_path / "old"), "--quantize", "int8"]) == 0
+    assert manifest_of(tmp_path / "old")["serve"] == {"cpu": "model.onnx", "cuda": "model.onnx"}
 
 
 def test_fp16_export_keeps_the_served_signature(tiny_classifier_artifact, tmp_path):
     out = export_bundle(tiny_classifier_artifact, tmp_path / "fp16", ExportOptions(precision="fp16"))
     m = manifest_of(out)
-    assert m["precision"] == "fp16" and m["outputs"][0]["dtype"] == "float32"
+    assert m["graphs"]["model.onnx"]["precision"] == "fp16" and m["outputs"][0]["dtype"] == "float32"
     graph = onnx.load(str(out / "model.onnx"))
     assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in graph.graph.initializer)
     # The pinned onnxruntime runs this graph on the CPU provider, so it was validated there: fp16 is not exact,
     # and within its tolerance. (Were a release to drop the CPU kernels, the manifest would say "skipped" and this
     # test would fail: someone must look.)
-    v = m["validation"]
+    v = m["graphs"]["model.onnx"]["validation"]
     assert v["passed"] is True and v["provider"] == CPU and "skipped" not in v
     assert len(v["cases"]) == 12 and 0 < v["max_abs_diff"] <= TOLERANCES["fp16"].max_abs_diff
 
@@ -396,22 +420,34 @@ def test_fp16_export_keeps_the_served_signature(tiny_classifier_artifact, tmp_pa
 def test_int8_and_fp16_are_exclusive(tiny_classifier_artifact, tmp_path, capsys):
     rc = cli(["export", str(tiny_classifier_artifact), "--out", str(tmp_path / "b"), "--quantize", "int8", "--fp16"])
     assert rc == 2 and "exclusive" in capsys.readouterr().err
+    rc = cli(["export", str(tiny_classifier_artifact), "--out", str(tmp_path / "b"), "--precision", "fp32", "--fp16"])
+    assert rc == 2 and "--fp16 and --precision fp32 are exclusive" in capsys.readouterr().err
     with pytest.raises(ExportError, match="per_channel and reduce_range apply to int8 only"):
         ExportOptions(precision="fp16", per_channel=True)
+    with pytest.raises(ExportError, match="precision='fp32' writes that one graph only"):
+        ExportOptions(precision="fp32", gpu_precision="fp16")
+    rc = cli(["export", str(tiny_classifier_artifact), "--out", str(tmp_path / "b"), "--int8-min-agreement", "150"])
+    assert rc == 2 and "--int8-min-agreement 150.0: must be between 0 and 100" in capsys.readouterr().err
+    rc = cli(["export", str(tiny_classifier_artifact), "--out", str(tmp_path / "b"), "--precision", "fp32",
+              "--int8-max-drop", "1"])
+    assert rc == 2 and "writes that one graph only" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
 
 
 # ---------------------------------------------------------------------------------------------- check command
 
 
-def test_check_reports_accuracy_and_agreement_with_pytorch(tiny_bundle, tiny_classifier_artifact, data_dir, capsys):
-    report = check_bundle(tiny_bundle, data_dir / TEST_FILE, tiny_classifier_artifact, limit=300)
-    assert report["examples"] == 300 and report["label_agreement"] == 1.0
-    assert report["bundle_accuracy"] == report["torch_accuracy"]
-    assert report["max_abs_diff"] <= 1e-4
-    rc = cli(["export", "--check", str(tiny_bundle), "--data", str(data_dir / TEST_FILE), "--limit", "50"])
+def test_check_reports_accuracy_and_agreement_with_pytorch(default_bundle, tiny_classifier_artifact, data_dir, capsys):
+    report = check_bundle(default_bundle, data_dir / TEST_FILE, tiny_classifier_artifact, limit=300)
+    assert report["examples"] == 300 and set(report["graphs"]) == {"model.onnx", "model.int8.onnx"}
+    fp32, int8 = report["graphs"]["model.onnx"], report["graphs"]["model.int8.onnx"]
+    assert fp32["serves"] == ["cuda"] and int8["serves"] == ["cpu"]
+    assert fp32["label_agreement"] == 1.0 and fp32["bundle_accuracy"] == fp32["torch_accuracy"]
+    assert fp32["max_abs_diff"] <= 1e-4
+    assert 0 < int8["max_abs_diff"] < 0.1 and int8["torch_accuracy"] == fp32["torch_accuracy"]
+    rc = cli(["export", "--check", str(default_bundle), "--data", str(data_dir / TEST_FILE), "--limit", "50"])
     out = capsys.readouterr().out
-    assert rc == 0 and "accuracy" in out and "label agreement 100.00%" in out
+    assert rc == 0 and "model.int8.onnx (int8, serves cpu" in out and "label agreement 100.00%" in out
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the live server (issue 7, item 2) through both protocols.
+"""Property-based fuzzing of the live server through both protocols.
 
 A real server (`python -m serving.server`, a subprocess on 127.0.0.1) gets generated requests: random unicode
 (NUL, RTL marks, emoji sequences, combining marks, any code point), lone surrogates where the wire can carry them
@@ -54,6 +54,7 @@ settings.register_profile("fuzz-slow", max_examples=1000, **_COMMON)  # x3 tests
 CI, SLOW = settings.get_profile("fuzz-ci"), settings.get_profile("fuzz-slow")
 
 _REVIEWS: list[str] = []  # review-length real texts, filled by the `server` fixture from data_dir
+_PREDICTOR: list[Predictor] = []  # the reference predictor, set by its fixture: its tokenizer is part of the oracle
 
 
 def _review(i: int) -> str:
@@ -105,11 +106,20 @@ def server(tiny_bundle: Path, data_dir: Path):
         proc.close()
 
 
+@pytest.fixture(scope="module")
+def reference(predictor: Predictor) -> Predictor:
+    """conftest's predictor, also kept in _PREDICTOR: its tokenizer is part of the oracle."""
+    _PREDICTOR[:] = [predictor]
+    return predictor
+
+
 def texts_status(items: list[str]) -> str:
     """What the contract answers for these texts (limits of the fuzz server)."""
     if not items or len(items) > MAX_TEXTS:
         return "INVALID_ARGUMENT"
     if any(not t.strip() or len(t) > MAX_CHARS for t in items):
+        return "INVALID_ARGUMENT"
+    if any(e.token_count <= 2 for e in _PREDICTOR[0].encode(items)):  # no pieces (U+200B, a BOM alone...)
         return "INVALID_ARGUMENT"
     return "OK"
 
@@ -352,6 +362,8 @@ def kserve_status(req: kpb.ModelInferRequest) -> tuple[str, list[str] | None]:
         return bad
     if any(o.name not in OUTPUTS or "classification" in o.parameters for o in req.outputs):
         return bad
+    if len({o.name for o in req.outputs}) != len(req.outputs):  # an output named twice
+        return bad
     status = texts_status(decoded)
     return status, decoded if status == "OK" else None
 
@@ -428,7 +440,8 @@ def test_the_oracle_agrees_with_hand_picked_cases(server, reference) -> None:
     """The properties are only as good as the oracle: pin it on cases whose answer is known, through the
     server (so a wrong oracle or a wrong server both fail here)."""
     ok = [("Un très bon livre.", "OK"), ("\x00", "OK"), ("\U0001f44d" * 100_000, "OK"), ("é" * MAX_CHARS, "OK"),
-          ("a" * (MAX_CHARS + 1), "INVALID_ARGUMENT"), (" \u3000\x1f", "INVALID_ARGUMENT"), ("", "INVALID_ARGUMENT")]
+          ("a" * (MAX_CHARS + 1), "INVALID_ARGUMENT"), (" \u3000\x1f", "INVALID_ARGUMENT"), ("", "INVALID_ARGUMENT"),
+          ("\u200b", "INVALID_ARGUMENT"), ("\ufeff", "INVALID_ARGUMENT")]
     for t, status in ok:
         assert texts_status([t]) == status
     assert texts_status([]) == texts_status(["a"] * (MAX_TEXTS + 1)) == "INVALID_ARGUMENT"

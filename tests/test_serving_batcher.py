@@ -1,7 +1,7 @@
 """serving/batcher.py around the real predictor: merging, limits, grouping, bounded queue, dropping, order.
 
-`Gate` wraps the real `Predictor.infer` to record each batch and, when closed, to hold the worker inside a run
-so that the queue fills deterministically.
+`HeldRuns` (tests/serving_fixtures.py) wraps the real `Predictor.infer` to record each batch and, while holding, to
+keep the worker inside a run so that the queue fills deterministically.
 """
 
 from __future__ import annotations
@@ -13,45 +13,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_fixtures import reviews
+from serving_fixtures import HeldRuns, reviews, wait_until
 
 from serving.batcher import Batcher
 from serving.errors import Cancelled, DeadlineExpired, NotReady, Overloaded
 from serving.predictor import Predictor
 
 
-class Gate:
-    """Records batches (row lengths) and can hold the first run until `open()`."""
-
-    def __init__(self, predictor: Predictor, closed: bool = False) -> None:
-        self.predictor = predictor
-        self.batches: list[list[int]] = []
-        self.entered = threading.Event()
-        self._open = threading.Event()
-        if not closed:
-            self._open.set()
-
-    def __call__(self, rows: Sequence[np.ndarray]) -> np.ndarray:
-        self.batches.append([len(r) for r in rows])
-        self.entered.set()
-        self._open.wait(10)
-        return self.predictor.infer(rows)
-
-    def open(self) -> None:
-        self._open.set()
-
-
-def _wait_until(condition, timeout: float = 20.0) -> None:  # noqa: ANN001
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.005)
-
-
-def _hold_worker(batcher: Batcher, gate: Gate, predictor: Predictor):  # noqa: ANN202
+def _hold_worker(batcher: Batcher, held: HeldRuns, predictor: Predictor):  # noqa: ANN202
     """Submit one request and wait until the worker is inside its run (the queue is then ours)."""
     blocker = batcher.submit([predictor.tokenizer.encode("bloquant").ids])
-    assert gate.entered.wait(5)
+    assert held.wait_entered(5)
     return blocker
 
 
@@ -60,9 +32,9 @@ def test_concurrent_requests_share_runs_and_each_gets_its_own_answer(predictor: 
     load (thread start-up on a busy CI machine is not ours to time); then they share few runs."""
     texts = reviews(data_dir, 24)
     alone = [predictor.predict([t])[0].probabilities for t in texts]
-    gate = Gate(predictor, closed=True)
-    batcher = Batcher(gate)
-    blocker = _hold_worker(batcher, gate, predictor)
+    batcher = Batcher(predictor.infer)
+    held = HeldRuns(batcher)
+    blocker = _hold_worker(batcher, held, predictor)
     barrier, results = threading.Barrier(len(texts)), [None] * len(texts)
 
     def call(i: int) -> None:
@@ -73,13 +45,13 @@ def test_concurrent_requests_share_runs_and_each_gets_its_own_answer(predictor: 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(texts))]
     for t in threads:
         t.start()
-    _wait_until(lambda: batcher.queued == len(texts))
-    gate.open()
+    wait_until(lambda: batcher.queued == len(texts))
+    held.release()
     for t in threads:
         t.join()
     blocker.result(10)
     batcher.close()
-    runs = gate.batches[1:]
+    runs = held.batches[1:]
     assert sum(map(len, runs)) == len(texts) and len(runs) < len(texts) / 2, runs
     for got, expected in zip(results, alone, strict=True):
         np.testing.assert_allclose(got, expected, atol=1e-5)
@@ -87,23 +59,23 @@ def test_concurrent_requests_share_runs_and_each_gets_its_own_answer(predictor: 
 
 def test_the_worker_waits_for_as_much_company_as_the_last_batch_had(predictor: Predictor) -> None:
     """After a batch of 3, a lone text waits (up to max_queue_delay_s) for 2 more, and the 3 run together."""
-    gate = Gate(predictor, closed=True)
-    batcher = Batcher(gate, max_queue_delay_s=10.0)
-    blocker = _hold_worker(batcher, gate, predictor)
+    batcher = Batcher(predictor.infer, max_queue_delay_s=10.0)
+    held = HeldRuns(batcher)
+    blocker = _hold_worker(batcher, held, predictor)
     ids = predictor.tokenizer.encode("Trois par trois.").ids
     first = [batcher.submit([ids]) for _ in range(3)]
-    gate.open()
+    held.release()
     for f in [blocker, *first]:
         f.result(10)
-    assert gate.batches[1:] == [[len(ids)] * 3]
+    assert held.batches[1:] == [[len(ids)] * 3]
     lone = batcher.submit([ids])
-    time.sleep(0.2)  # well inside the 10 s window: the lone text is still waiting
-    assert not lone.done() and batcher.queued == 1
+    wait_until(lambda: batcher.waiting_for_company == 1, what="the worker waiting for company")
+    assert not lone.done() and batcher.queued == 1  # 10 s window: it waits instead of running alone
     company = [batcher.submit([ids]) for _ in range(2)]
     for f in [lone, *company]:
         f.result(10)
     batcher.close()
-    assert gate.batches[2:] == [[len(ids)] * 3]
+    assert held.batches[2:] == [[len(ids)] * 3]
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -111,44 +83,44 @@ def test_batches_respect_size_budget_and_padding_and_keep_request_order(predicto
                                                                         workers: int) -> None:
     texts = reviews(data_dir, 13) + [f"court {i}" for i in range(13)] + ["moyen " * i for i in range(1, 14)]
     encoded = predictor.encode(texts)
-    gate = Gate(predictor)
-    batcher = Batcher(gate, max_batch_size=5, max_batch_tokens=4 * predictor.max_len, max_padding=0.2,
+    batcher = Batcher(predictor.infer, max_batch_size=5, max_batch_tokens=4 * predictor.max_len, max_padding=0.2,
                       workers=workers)
+    held = HeldRuns(batcher, hold=False)
     got = batcher.submit([e.ids for e in encoded]).result(10)
     batcher.close()
-    assert all(len(b) <= 5 and len(b) * max(b) <= 4 * predictor.max_len for b in gate.batches)
-    assert all(len(b) * max(b) <= 1.2 * sum(b) for b in gate.batches if len(b) > 1)
-    assert max(len(b) for b in gate.batches) > 1
-    assert sum(len(b) for b in gate.batches) == len(texts)
+    assert all(len(b) <= 5 and len(b) * max(b) <= 4 * predictor.max_len for b in held.batches)
+    assert all(len(b) * max(b) <= 1.2 * sum(b) for b in held.batches if len(b) > 1)
+    assert max(len(b) for b in held.batches) > 1
+    assert sum(len(b) for b in held.batches) == len(texts)
     expected = np.stack([p.probabilities for p in predictor.predict(texts)])
     np.testing.assert_allclose(got, expected, atol=1e-5)  # row i is text i, whatever batch it ran in
 
 
 def test_similar_lengths_are_grouped(predictor: Predictor) -> None:
-    gate = Gate(predictor, closed=True)
-    batcher = Batcher(gate, max_batch_size=8)
-    blocker = _hold_worker(batcher, gate, predictor)
+    batcher = Batcher(predictor.infer, max_batch_size=8)
+    held = HeldRuns(batcher)
+    blocker = _hold_worker(batcher, held, predictor)
     short = predictor.tokenizer.encode("Bien.").ids
     long = predictor.tokenizer.encode("Un roman très long, " * 20).ids
     futures = [batcher.submit([short if i % 2 == 0 else long]) for i in range(16)]  # interleaved arrivals
-    gate.open()
+    held.release()
     for f in [blocker, *futures]:
         f.result(10)
     batcher.close()
-    assert sorted(map(sorted, gate.batches[1:])) == [[len(short)] * 8, [len(long)] * 8]
+    assert sorted(map(sorted, held.batches[1:])) == [[len(short)] * 8, [len(long)] * 8]
 
 
 def test_full_queue_refuses_at_once_and_accepted_requests_complete(predictor: Predictor) -> None:
-    gate = Gate(predictor, closed=True)
-    batcher = Batcher(gate, max_queue=4)
-    blocker = _hold_worker(batcher, gate, predictor)
+    batcher = Batcher(predictor.infer, max_queue=4)
+    held = HeldRuns(batcher)
+    blocker = _hold_worker(batcher, held, predictor)
     ids = predictor.tokenizer.encode("Un livre agréable.").ids
     accepted = [batcher.submit([ids, ids]), batcher.submit([ids, ids])]
     start = time.perf_counter()
     with pytest.raises(Overloaded, match="max_queue 4"):
         batcher.submit([ids])
     assert time.perf_counter() - start < 1.0  # refused without waiting for the held worker (it never moves)
-    gate.open()
+    held.release()
     expected = predictor.predict(["Un livre agréable."])[0].probabilities
     for f in accepted:
         np.testing.assert_allclose(f.result(10), [expected, expected], atol=1e-5)
@@ -158,15 +130,16 @@ def test_full_queue_refuses_at_once_and_accepted_requests_complete(predictor: Pr
 
 
 def test_expired_and_cancelled_requests_are_dropped_before_compute(predictor: Predictor) -> None:
-    gate = Gate(predictor, closed=True)
-    batcher = Batcher(gate)
-    blocker = _hold_worker(batcher, gate, predictor)
+    batcher = Batcher(predictor.infer)
+    held = HeldRuns(batcher)
+    blocker = _hold_worker(batcher, held, predictor)
     t = predictor.tokenizer
-    expired = batcher.submit([t.encode("a" * 30).ids], deadline=time.monotonic() + 0.02)
+    deadline = time.monotonic() + 0.02
+    expired = batcher.submit([t.encode("a" * 30).ids], deadline=deadline)
     cancelled = batcher.submit([t.encode("b" * 31).ids], cancelled=lambda: True)
     live = batcher.submit([t.encode("c").ids])
-    time.sleep(0.05)
-    gate.open()
+    wait_until(lambda: time.monotonic() >= deadline, what="the deadline passed while the worker is held")
+    held.release()
     with pytest.raises(DeadlineExpired):
         expired.result(10)
     with pytest.raises(Cancelled):
@@ -174,7 +147,7 @@ def test_expired_and_cancelled_requests_are_dropped_before_compute(predictor: Pr
     live.result(10)
     blocker.result(10)
     batcher.close()
-    computed = [n for b in gate.batches for n in b]
+    computed = [n for b in held.batches for n in b]
     assert len(t.encode("c").ids) in computed
     assert len(t.encode("a" * 30).ids) not in computed and len(t.encode("b" * 31).ids) not in computed
 
@@ -210,15 +183,15 @@ def test_batching_off_runs_each_request_alone(predictor: Predictor) -> None:
 
 
 def test_close_drains_then_refuses(predictor: Predictor) -> None:
-    gate = Gate(predictor, closed=True)
-    batcher = Batcher(gate)
-    blocker = _hold_worker(batcher, gate, predictor)
+    batcher = Batcher(predictor.infer)
+    held = HeldRuns(batcher)
+    blocker = _hold_worker(batcher, held, predictor)
     queued = batcher.submit([predictor.tokenizer.encode("en attente").ids])
     closer = threading.Thread(target=batcher.close)
     closer.start()
-    _wait_until(lambda: batcher._closing)
+    wait_until(lambda: batcher.closing)
     with pytest.raises(NotReady):
         batcher.submit([predictor.tokenizer.encode("trop tard").ids])
-    gate.open()
+    held.release()
     closer.join(10)
     assert blocker.done() and queued.result(0).shape == (1, len(predictor.labels))

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from serving_fixtures import REPO_ROOT, ServerProcess, reviews, running_server, target
+from serving_fixtures import REPO_ROOT, ServerProcess, reviews, running_server, target, wait_until
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
@@ -53,7 +53,7 @@ def test_sigterm_under_load_completes_accepted_requests_and_exits_0(tiny_bundle:
         threads = [threading.Thread(target=hammer) for _ in range(12)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
+        wait_until(lambda: len(outcomes) >= len(threads), 60, what="answers to the callers")  # load is flowing
         sigterm_at = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         for t in threads:
@@ -153,3 +153,17 @@ def test_token_file_option(tiny_bundle: Path, tmp_path: Path) -> None:
         assert server.wait_exit(30) == 0
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("where", ["file", "variable"])
+def test_an_empty_token_is_refused_not_read_as_no_auth(tiny_bundle: Path, tmp_path: Path, where: str) -> None:
+    """An empty token file (a Secret mounted without its key) or an empty SENTIMENT_AUTH_TOKEN once started the
+    server without authentication; it is a configuration error (exit 2) naming its source."""
+    token = tmp_path / "token"
+    token.write_text("\n")
+    args, env = (["--auth-token-file", str(token)], {}) if where == "file" else ([], {"SENTIMENT_AUTH_TOKEN": ""})
+    out = subprocess.run([sys.executable, "-m", "serving.server", str(tiny_bundle), "--device", "cpu",
+                          "--port", "0", *args], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+                         env={**os.environ, **env})
+    assert out.returncode == 2, out.stderr
+    assert ("--auth-token-file" if where == "file" else "SENTIMENT_AUTH_TOKEN") in out.stderr and "empty" in out.stderr

@@ -1,8 +1,8 @@
 """The real server on 127.0.0.1 (in-process, any free port) with the tiny exported bundle, through both protocols.
 
-Acceptance of issue 5: served answers equal the in-process predictor's, batching is real, every bad input gets
-its precise code and the server keeps serving, overload refuses quickly while accepted requests are right,
-health, reflection, metrics; security of issue 7: bearer token, TLS, mutual TLS.
+Served answers equal the in-process predictor's, batching is real, every bad input gets its precise code and the
+server keeps serving, overload refuses quickly while accepted requests are right, health, reflection, metrics.
+Bearer token, TLS and mutual TLS: tests/test_reliability_security.py; hostile clients: test_reliability_attacks.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from serving_fixtures import HeldRuns, make_certs, reviews, running_server, target
+from serving_fixtures import HeldRuns, reviews, running_server, target, wait_until
 
 from serving.client import SentimentClient
 from serving.config import ServerConfig
@@ -33,7 +33,6 @@ from serving.server import SentimentServer
 
 MAX_MESSAGE = 64 * 1024
 MAX_CHARS = 5000
-TOKEN = "s3cret-token-for-tests-0123456789"
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +155,7 @@ def test_concurrent_requests_share_onnxruntime_runs(server: SentimentServer, ref
             blockers.append(stub.Classify.future(pb.ClassifyRequest(texts=["chauffe"]), timeout=60))
             assert held.wait_entered(), "a batch worker never started its run"
         futures = [stub.Classify.future(pb.ClassifyRequest(texts=[t]), timeout=60) for t in texts]
-        end = time.monotonic() + 20
-        while server.batcher.queued < len(texts):
-            assert time.monotonic() < end, f"only {server.batcher.queued} of {len(texts)} texts queued"
-            time.sleep(0.01)
+        wait_until(lambda: server.batcher.queued == len(texts), what=f"{len(texts)} texts queued")
         held.release()
         results = [f.result().results[0] for f in futures]
         for b in blockers:
@@ -191,6 +187,12 @@ def _bad_cases() -> dict[str, tuple[Callable[[grpc.Channel], object], grpc.Statu
     utf8_req.raw_input_contents[0] = encode_bytes([bad_utf8])
     unknown_output = infer_request(["x"])
     unknown_output.outputs.add(name="logits")
+    twice = infer_request(["x"])
+    for name in ("label", "probabilities", "label"):
+        twice.outputs.add(name=name)
+    many = infer_request(["x"])  # counted without reading the entries (each read is a Python object)
+    for _ in range(3000):
+        many.outputs.add(name="probabilities")
     return {
         "empty list": (classify([]), INVALID, "empty list"),
         "empty text": (classify(["ok", ""]), INVALID, "texts[1]: empty"),
@@ -207,6 +209,12 @@ def _bad_cases() -> dict[str, tuple[Callable[[grpc.Channel], object], grpc.Statu
         "kserve broken framing": (infer(broken_raw), INVALID, "declares 9 bytes"),
         "kserve wrong input name": (infer(infer_request(["x"], name="INPUT0")), INVALID, "named 'TEXT'"),
         "kserve unknown output": (infer(unknown_output), INVALID, "unknown output 'logits'"),
+        "kserve output requested twice": (infer(twice), INVALID, "outputs ['label'] requested more than once"),
+        "kserve 3,000 outputs": (infer(many), INVALID, "3000 outputs requested; the model has 4"),
+        "zero-width space alone": (classify(["ok", "\u200b"]), INVALID, "texts[1]: no tokens"),
+        "byte-order mark alone": (classify(["\ufeff"]), INVALID, "texts[0]: no tokens"),
+        "kserve zero-width space alone": (infer(infer_request(["\u200b\u200b"])), INVALID, "texts[0]: no tokens"),
+        "kserve byte-order mark alone": (infer(infer_request(["ok", "\ufeff"])), INVALID, "texts[1]: no tokens"),
         "kserve empty tensor": (infer(infer_request([])), INVALID, "empty list"),
         "kserve unknown model": (infer(infer_request(["x"], model="resnet")), grpc.StatusCode.NOT_FOUND,
                                  "unknown model 'resnet'"),
@@ -219,12 +227,15 @@ def _bad_cases() -> dict[str, tuple[Callable[[grpc.Channel], object], grpc.Statu
 
 
 @pytest.mark.parametrize("case", sorted(_bad_cases()))
-def test_bad_input_gets_its_precise_code_and_the_server_keeps_serving(channel: grpc.Channel, case: str) -> None:
+def test_bad_input_gets_its_precise_code_and_the_server_keeps_serving(server: SentimentServer, channel: grpc.Channel,
+                                                                      case: str) -> None:
     call, code, message = _bad_cases()[case]
+    runs = server.predictor.runs
     with pytest.raises(grpc.RpcError) as info:
         call(channel)
     assert info.value.code() == code, info.value.details()
     assert message in (info.value.details() or "")
+    assert server.predictor.runs == runs  # refused before anything was computed
     ok = pb_grpc.SentimentServiceStub(channel).Classify(pb.ClassifyRequest(texts=["Très bon livre."]), timeout=10)
     assert len(ok.results) == 1 and abs(sum(ok.results[0].probabilities) - 1) < 1e-5
 
@@ -283,9 +294,8 @@ def test_overload_refuses_at_once_and_accepted_requests_are_correct(tiny_bundle:
         threads = [threading.Thread(target=call, args=(i,)) for i in range(len(texts))]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 10
-        while sum(o is not None for o in outcomes) < len(texts) - 8 and time.monotonic() < deadline:
-            time.sleep(0.01)  # the refusals arrive while the worker is still held
+        # The refusals arrive while the worker is still held.
+        wait_until(lambda: sum(o is not None for o in outcomes) >= len(texts) - 8, what="32 refusals")
         refused_while_held = [o for o in outcomes if o is not None and o[0] == "RESOURCE_EXHAUSTED"]
         held.release()
         for t in threads:
@@ -315,87 +325,44 @@ def test_health_reflection_and_metrics(server: SentimentServer, channel: grpc.Ch
     stub.Classify(pb.ClassifyRequest(texts=["Un plaisir."]), timeout=10)
     with pytest.raises(grpc.RpcError):
         stub.Classify(pb.ClassifyRequest(texts=[]), timeout=10)
+    with pytest.raises(grpc.RpcError) as info:  # health sets this code without raising: counted as sent
+        health.Check(health_pb2.HealthCheckRequest(service="nope"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
     page = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
     assert 'sentiment_requests_total{code="OK",method="sentiment.v1.SentimentService/Classify"}' in page
     assert 'sentiment_requests_total{code="INVALID_ARGUMENT",method="sentiment.v1.SentimentService/Classify"}' in page
+    assert 'sentiment_requests_total{code="NOT_FOUND",method="grpc.health.v1.Health/Check"} 1.0' in page
     for name in ("sentiment_queue_seconds_bucket", "sentiment_batch_size_bucket", "sentiment_inference_seconds_sum",
-                 "sentiment_request_seconds_count", "sentiment_queue_depth"):
+                 "sentiment_request_seconds_count", "sentiment_queue_depth", "sentiment_response_bytes_in_flight",
+                 "process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds"):
         assert name in page
-
-
-# ------------------------------------------------------------------------------------- security
-
-
-def test_bearer_token_is_required_and_nothing_is_computed_without_it(tiny_bundle: Path) -> None:
-    with running_server(tiny_bundle, device="cpu", auth_token=TOKEN) as s:
-        ch = grpc.insecure_channel(target(s))
-        stub, kstub = pb_grpc.SentimentServiceStub(ch), kpb_grpc.GRPCInferenceServiceStub(ch)
-        request = pb.ClassifyRequest(texts=["Un livre."])
-        runs = s.predictor.runs
-        for metadata in (None, [("authorization", "Bearer wrong-token-wrong-token")],
-                         [("authorization", TOKEN)], [("authorization", f"Bearer {TOKEN}x")]):
-            for method, message in ((stub.Classify, request), (kstub.ModelInfer, infer_request(["x"]))):
-                with pytest.raises(grpc.RpcError) as info:
-                    method(message, metadata=metadata, timeout=10)
-                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert s.predictor.runs == runs
-        good = [("authorization", f"Bearer {TOKEN}")]
-        assert len(stub.Classify(request, metadata=good, timeout=10).results) == 1
-        assert kstub.ModelInfer(infer_request(["x"]), metadata=good, timeout=10).outputs
-        # Health stays open for probes; reflection does not.
-        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status == \
-            health_pb2.HealthCheckResponse.SERVING
-        with pytest.raises(grpc.RpcError) as info:
-            ProtoReflectionDescriptorDatabase(ch).get_services()
-        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        with SentimentClient(target(s), token=TOKEN) as client:
-            assert client.classify(["Bien."])[0].label in s.predictor.labels
-
-
-def test_tls_and_mutual_tls(tiny_bundle: Path, tmp_path: Path) -> None:
-    certs = make_certs(tmp_path / "certs")
-    tls = {"tls_cert": str(certs["server_cert"]), "tls_key": str(certs["server_key"])}
-    with running_server(tiny_bundle, device="cpu", **tls) as s:
-        with SentimentClient(target(s), tls_ca=certs["ca"]) as client:
-            assert len(client.classify(["Chiffré."])) == 1
-        with SentimentClient(target(s), timeout=2, retries=0) as plain, pytest.raises(grpc.RpcError) as info:
-            plain.classify(["en clair"])
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        with SentimentClient(target(s), tls_ca=certs["rogue_cert"], timeout=2, retries=0) as wrong_ca, \
-                pytest.raises(grpc.RpcError):
-            wrong_ca.classify(["serveur inconnu"])
-
-    with running_server(tiny_bundle, device="cpu", tls_client_ca=str(certs["ca"]), **tls) as s:
-        with SentimentClient(target(s), tls_ca=certs["ca"], tls_cert=certs["client_cert"],
-                             tls_key=certs["client_key"]) as client:
-            assert len(client.classify(["Mutuel."])) == 1
-        for cert, key in ((None, None), (certs["rogue_cert"], certs["rogue_key"])):
-            with SentimentClient(target(s), tls_ca=certs["ca"], tls_cert=cert, tls_key=key, timeout=2,
-                                 retries=0) as refused, pytest.raises(grpc.RpcError) as info:
-                refused.classify(["sans certificat valable"])
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 # ------------------------------------------------------------------------------------- client
 
 
 def test_client_retries_unavailable_until_the_server_is_up(tiny_bundle: Path) -> None:
+    """The server starts only once the client's channel has failed to connect (its first attempt was refused)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     started: list[SentimentServer] = []
+    failed_once = threading.Event()
 
     def start_late() -> None:
-        time.sleep(0.5)
+        assert failed_once.wait(20), "the client never tried to connect"
         started.append(SentimentServer(tiny_bundle, ServerConfig(port=port, device="cpu")).start())
 
     late = threading.Thread(target=start_late)
-    late.start()
     try:
         with SentimentClient(f"127.0.0.1:{port}", timeout=20, retries=8, backoff=0.1) as client:
+            client.channel.subscribe(lambda state: state == grpc.ChannelConnectivity.TRANSIENT_FAILURE
+                                     and failed_once.set())
+            late.start()
             assert len(client.classify(["Enfin !"])) == 1
     finally:
-        late.join()
+        if late.is_alive() or late.ident is not None:
+            late.join()
         for s in started:
             s.stop(grace=1)
     with SentimentClient(f"127.0.0.1:{port}", timeout=5, retries=2, backoff=0.2) as client:
@@ -424,15 +391,21 @@ def test_stop_reports_not_serving_serves_through_the_drain_delay_and_finishes_in
         stopper = threading.Thread(target=s.stop)
         stopping = time.monotonic()
         stopper.start()
-        while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != \
-                health_pb2.HealthCheckResponse.NOT_SERVING:
-            assert time.monotonic() - stopping < drain / 2, "health still SERVING well into the drain delay"
-            time.sleep(0.01)
+        wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status ==
+                   health_pb2.HealthCheckResponse.NOT_SERVING, what="health NOT_SERVING")
+        assert time.monotonic() - stopping < drain / 2, "health still SERVING well into the drain delay"
         assert not kstub.ServerReady(kpb.ServerReadyRequest(), timeout=5).ready
         held.stop_holding()
         late_but_served = stub.Classify.future(pb.ClassifyRequest(texts=["pendant le délai"]), timeout=20)
         assert time.monotonic() - stopping < drain, "the in-delay request was sent too late to prove anything"
-        time.sleep(max(0.0, stopping + drain + 0.5 - time.monotonic()))  # the delay is over: new ones are refused
+
+        def refused() -> bool:  # an empty request (nothing to compute): INVALID_ARGUMENT while accepted
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Classify(pb.ClassifyRequest(texts=[]), timeout=5)
+            return info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        wait_until(refused, what="new requests refused")
+        assert time.monotonic() - stopping >= drain, "refused before the drain delay was over"
         with pytest.raises(grpc.RpcError) as info:
             stub.Classify(pb.ClassifyRequest(texts=["trop tard"]), timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import ConfigError, override, tiny
+from trainer.data import iter_texts
 from trainer.tokenizer import Tokenizer, TokenizerError, build_tokenizer, detokenize
 
 N_LINES = 100  # the acceptance test: first 100 lines of train.review.spm
@@ -115,8 +116,8 @@ def test_train_tiny_is_deterministic_and_round_trips(tiny_tokenizer: Tokenizer, 
     assert again.pieces == tok.pieces and again.fingerprint == tok.fingerprint  # same input, same model
 
     folder = tok.save(tmp_path / "tokenizer")
-    assert sorted(p.name for p in folder.iterdir()) == ["spm.model", "tokenizer.json", "vocab.txt"]
-    meta = json.loads((folder / "tokenizer.json").read_text())
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "spm.model", "vocab.txt"]
+    meta = json.loads((folder / "meta.json").read_text())
     assert meta == {"format": 1, "kind": "train", "max_len": 48, "vocab_size": 99,
                     "specials": {"sos": 0, "pad": 1, "eos": 2, "oov": 3}}
     assert (folder / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1] == tok.pieces
@@ -152,14 +153,14 @@ def test_load_errors_name_the_problem(tiny_tokenizer: Tokenizer, tmp_path: Path)
         Tokenizer.load(missing)
 
     size = shutil.copytree(good, tmp_path / "size")
-    meta = json.loads((size / "tokenizer.json").read_text())
-    (size / "tokenizer.json").write_text(json.dumps({**meta, "vocab_size": 120}))
-    with pytest.raises(TokenizerError, match=r"95 pieces .* 99 ids\) but tokenizer.json says vocab_size 120"):
+    meta = json.loads((size / "meta.json").read_text())
+    (size / "meta.json").write_text(json.dumps({**meta, "vocab_size": 120}))
+    with pytest.raises(TokenizerError, match=r"95 pieces .* 99 ids\) but meta.json says vocab_size 120"):
         Tokenizer.load(size)
 
     bad_json = shutil.copytree(good, tmp_path / "bad_json")
-    (bad_json / "tokenizer.json").write_text('{"format": 1,')
-    with pytest.raises(TokenizerError, match="tokenizer.json: invalid JSON"):
+    (bad_json / "meta.json").write_text('{"format": 1,')
+    with pytest.raises(TokenizerError, match="meta.json: invalid JSON"):
         Tokenizer.load(bad_json)
 
     corrupt = shutil.copytree(good, tmp_path / "corrupt")
@@ -180,12 +181,22 @@ def test_from_lab_errors(books: Path, tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- build_tokenizer
 
 
-def test_build_tokenizer_trains_or_loads_and_checks_the_model_size(data_dir: Path) -> None:
+def test_build_tokenizer_trains_or_loads_and_checks_the_model_size(data_dir: Path, tmp_path: Path) -> None:
     cfg = override(tiny(), {"data.root": str(data_dir), "data.pretrain": "cls-books-fr/train.review.spm"})
     tok = build_tokenizer(cfg)  # .spm pieces are detokenized: the same text as train.review.txt
     assert tok.kind == "train" and tok.vocab_size == 99
     from_txt = build_tokenizer(override(cfg, {"data.pretrain": "cls-books-fr/train.review.txt"}))
     assert from_txt.pieces == tok.pieces
+    # A table whose text column is named by data.text_field (quoted CSV fields): the same texts, the same pieces.
+    import csv
+
+    table = tmp_path / "reviews.csv"
+    with open(table, "w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "review"])
+        w.writerows([i, e.text] for i, e in enumerate(iter_texts(data_dir / "cls-books-fr/train.review.txt")))
+    from_csv = build_tokenizer(override(cfg, {"data.pretrain": str(table), "data.text_field": "review"}))
+    assert from_csv.pieces == tok.pieces
 
     with pytest.raises(ConfigError, match=r"tokenizer.vocab_size=95 gives 99 ids .* model.vocab_size=100"):
         build_tokenizer(override(cfg, {"model.vocab_size": 100}))

@@ -214,7 +214,7 @@ def test_corrupt_checkpoint_is_refused_and_left_untouched(runs: dict[str, Path],
     p = trainer(["pretrain", *base, *RESUME, "--out", str(out), "--resume", "step00000016"], ok=False)
     assert p.returncode == 2 and "written by 2 ranks, this run has 1" in p.stderr  # a good one, wrong world size
     p = trainer(["pretrain", *base, *RESUME, "--out", str(out)], ok=False)  # a fresh run into an old run's folder
-    assert p.returncode == 2 and "already holds checkpoints" in p.stderr
+    assert p.returncode == 2 and f"{out} holds a run ({out / 'config.json'}): continue it with --resume" in p.stderr
     assert tree_hashes(out / "checkpoints") == before
 
 
@@ -295,7 +295,7 @@ def test_artifact_is_the_engines_fp32_weights_and_loads_without_pickle(runs: dic
 
 
 def test_an_artifact_with_two_cuts_is_refused(tiny_classifier_artifact: Path, tmp_path: Path) -> None:
-    """tokenizer.max_len lives in config.json and in tokenizer/tokenizer.json: training writes one value into both,
+    """tokenizer.max_len lives in config.json and in tokenizer/meta.json: training writes one value into both,
     and a reader refuses an artifact where they differ instead of picking one."""
     import shutil
 
@@ -303,9 +303,9 @@ def test_an_artifact_with_two_cuts_is_refused(tiny_classifier_artifact: Path, tm
 
     art = Path(shutil.copytree(tiny_classifier_artifact, tmp_path / "art"))
     assert artifact.load(art).cfg.tokenizer.max_len == 48
-    meta = art / "tokenizer" / "tokenizer.json"
+    meta = art / "tokenizer" / "meta.json"
     meta.write_text(meta.read_text().replace('"max_len": 48', '"max_len": 40'))
-    with pytest.raises(artifact.ArtifactError, match=r"tokenizer.json: max_len 40 but .*config.json says "
+    with pytest.raises(artifact.ArtifactError, match=r"meta.json: max_len 40 but .*config.json says "
                                                      r"tokenizer.max_len=48"):
         artifact.load(art)
 
@@ -335,12 +335,17 @@ def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> N
     extra = ["cls-books-fr/valid.review.txt", "cls-books-fr/test.review.txt"]
     args = [*base, "--pretrained", str(pre), "--compare", "--out", str(out),
             "--set", "finetune.micro_batch=5", "--set", "engine.zero_stage=1",
+            # Naming a data file gives the run a data section of its own (config.Choice.resolve): all of it, here
+            # the tiny preset's files and caps with a .txt test set.
+            "--set", "data.train=cls-books-fr/train.review.spm", "--set", "data.valid=cls-books-fr/valid.review.spm",
+            "--set", "data.max_train_examples=104", "--set", "data.max_valid_examples=39",
             "--set", "data.test=cls-books-fr/test.review.txt", "--set", "data.max_test_examples=0",
             "--set", f"data.extra_test={','.join(extra)}"]
     p = deepspeed(args, script="launch/finetune.sh")
     rows = (out / "compare.csv").read_text().splitlines()
-    assert rows[0] == "epoch,scratch_accuracy,pretrained_accuracy,difference" and len(rows) == 3
-    assert "| epoch | from scratch | pretrained | difference |" in (out / "compare.md").read_text()
+    assert rows[0] == ("epoch,scratch_valid_accuracy,pretrained_valid_accuracy,scratch_test_accuracy,"
+                       "pretrained_test_accuracy,test_difference") and len(rows) == 3
+    assert "| kept weights | from scratch | pretrained | difference |" in (out / "compare.md").read_text()
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     clf = artifact.load(out / "artifact")
     assert clf.task == "classifier" and clf.meta["run"] == "pretrained"
@@ -348,8 +353,9 @@ def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> N
     assert artifact.load(out / "scratch" / "artifact").meta["pretrained_from"] is None
     assert len(clf.meta["history"]) == 2 and "classifier artifact:" in p.stdout
     assert list(clf.meta["extra_accuracy"]) == extra
-    assert clf.meta["extra_accuracy"][extra[1]] == clf.meta["history"][-1]["test_accuracy"]
-    assert f"| `{extra[0]}` |" in (out / "compare.md").read_text() and f"accuracy on {extra[0]}" in p.stdout
+    assert clf.meta["extra_accuracy"][extra[1]] == clf.meta["metrics"]["test"]["accuracy"]  # both: kept weights
+    assert f"| `{extra[0]}` accuracy (%) |" in (out / "compare.md").read_text()
+    assert f"finetune pretrained: {extra[0]}: " in p.stdout
     # The extra set's score is the artifact's own accuracy on it, recomputed here in plain PyTorch (up to one
     # review whose two logits tie within float noise, as batches pad differently).
     valid = load_split(clf.cfg, extra[0], Tokenizer.load(clf.tokenizer_dir), 0)

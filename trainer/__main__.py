@@ -22,6 +22,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "finetune": ("trainer.finetune", "fine-tune a classifier, pretrained or from scratch, or --compare both"),
     "generate": ("trainer.generate", "greedy completion of a prompt with a pretrained LM artifact"),
     "export": ("trainer.export", "export a classifier artifact to a validated ONNX bundle, or --check one"),
+    "predict": ("trainer.predict", "predict (and score, when labelled) a file with an artifact or a bundle, offline"),
+    "config": ("trainer.config_cli", "print every config key of a preset with its type, value and meaning"),
 }
 
 

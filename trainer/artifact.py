@@ -2,7 +2,8 @@
 
 An artifact folder holds `model.safetensors` (fp32), `config.json` (the resolved RunConfig), `artifact.json`
 (task, labels, checksum) and `tokenizer/`. It is written into a temporary sibling folder and renamed into place,
-so a crash never leaves a half artifact where a later stage would read it.
+so a crash never leaves a half artifact where a later stage would read it; its modes follow the umask
+(trainer/atomic.py), so a later stage that runs as another user can read it.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,7 +19,11 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load_file, save_file
 
+from contract.tokens import meta_path
 from trainer import config as config_mod
+from trainer.atomic import file_mode, temp_dir
+from trainer.atomic import replace_dir as replace_dir  # re-exported: monitor, checkpoint, export
+from trainer.atomic import write_text_atomic as write_text_atomic
 from trainer.config import RunConfig
 from trainer.model import build
 
@@ -63,32 +66,6 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write a file via a temp file in the same folder + rename: readers see the old or the new file, never half."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished temp folder into place; an existing folder is swapped out, then removed."""
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-
-
 def save(
     out: str | Path,
     model: torch.nn.Module,
@@ -100,18 +77,19 @@ def save(
     """Write an artifact folder atomically and return its path."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    tmp = temp_dir(out.parent, f".{out.name}.tmp-")
     try:
         # fp32, contiguous, detached from any DeepSpeed wrapper or bf16 cast.
         state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS))
+        (tmp / WEIGHTS).chmod(file_mode(tmp))  # safetensors creates it 0600 whatever the umask
         (tmp / "config.json").write_text(cfg.to_json(), encoding="utf-8")
         tokenizer.save(tmp / "tokenizer")
         meta = {
             "format": FORMAT,
             "task": task,
-            "labels": cfg.data.labels,
-            "label_names": cfg.data.label_names,
+            "labels": cfg.data.labels,  # the data's label values, in logit order
+            "label_names": cfg.data.names,  # what the server answers for each
             "weights_sha256": sha256_file(tmp / WEIGHTS),
             "parameters": sum(v.numel() for v in state.values()),
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -127,9 +105,9 @@ def save(
 
 
 def _check_max_len(path: Path, cfg: RunConfig) -> None:
-    """The cut is stored twice (config.json for the trainer, tokenizer/tokenizer.json for whoever reads the tokenizer
+    """The cut is stored twice (config.json for the trainer, tokenizer/meta.json for whoever reads the tokenizer
     folder alone): training writes one value into both, so two values mean a hand-edited or mixed-up artifact."""
-    meta = path / "tokenizer" / "tokenizer.json"
+    meta = meta_path(path / "tokenizer")
     try:
         max_len = json.loads(meta.read_text(encoding="utf-8")).get("max_len")
     except (OSError, ValueError, AttributeError) as e:

@@ -3,7 +3,7 @@
 One process reads (and gunzips) a file sequentially and cuts it into blocks of about `block_bytes` at record ends,
 without decoding: ~26x faster than a worker that parses and tokenizes the same bytes, so one reader feeds a pool of
 that many workers (trainer/prepare.py). The workers decode, parse and report bad lines themselves with
-trainer/data.py's `block_texts`, which numbers the lines from the block's `first_line`.
+`block_texts` here, which numbers the lines from the block's `first_line`.
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from __future__ import annotations
 import gzip
 import itertools
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.data import DataError, file_format
+from trainer.data import DataError, Example, _decode_line, _example, _records, file_format
+from trainer.tables import parquet_records
 
 MAX_RECORD_BYTES = 1 << 28  # one record longer than this is refused (an unclosed CSV quote, say)
 
@@ -96,3 +97,40 @@ def _record_end(data: bytes, quoted: bool, first: bool = False) -> int:
         odd ^= data.count(b'"', prev + 1, end) % 2
         end = prev
     return end
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+def block_texts(path: str | Path, first_line: int, data: bytes, header: bytes | None = None,
+                text_field: str = "text", label_field: str = "label", after_line: int = 0) -> Iterator[Example]:
+    """The documents (as `iter_texts` gives them) of raw whole lines of `path` that start at line `first_line`,
+    past line `after_line`; `header`: the file's header record, raw (.tsv, .csv). `read_blocks` cuts them."""
+    path = Path(path)
+    fmt = file_format(path)
+    lines: Iterable[tuple[int, str]] = _split_lines(path, data, first_line)
+    if header is not None:
+        lines = itertools.chain(_split_lines(path, header, 1), lines)
+    for n, text, _ in _records(path, text_field, label_field, labeled=False, lines=iter(lines)):
+        if n > after_line and text.strip():
+            yield _example(path, fmt, n, text, None)
+
+
+def parquet_texts(path: str | Path, row_group: int, text_field: str = "text",
+                  after_row: int = 0) -> Iterator[Example]:
+    """The documents of one row group of a .parquet file, past row `after_row`."""
+    path = Path(path)
+    for n, text, _ in parquet_records(path, text_field, "label", labeled=False, row_groups=[row_group]):
+        if n > after_row and text.strip():
+            yield Example(text, None, None, f"{path}:{n}")
+
+
+def _split_lines(path: Path, data: bytes, first: int) -> Iterator[tuple[int, str]]:
+    """(number, decoded line) of raw whole lines starting at line `first` (split on "\\n" only, as `_lines`)."""
+    if not data:
+        return
+    parts = data.split(b"\n")
+    if data.endswith(b"\n"):
+        parts.pop()
+    for n, raw in enumerate(parts, first):
+        yield n, _decode_line(path, n, raw)

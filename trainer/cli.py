@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from trainer import config as config_mod
+from trainer.presets import PRESETS
 
 # Errors in the user's input: config, data, checkpoint, artifact (ConfigError, DataError, CheckpointError,
 # ArtifactError, ExportError... are ValueErrors whose message names the file, key or limit).
@@ -23,17 +25,28 @@ INPUT_ERRORS = (ValueError, FileNotFoundError)
 T = TypeVar("T")
 
 
-def add_config_args(parser: argparse.ArgumentParser, default_preset: str = "demo") -> None:
-    g = parser.add_argument_group("configuration (applied in this order)")
-    g.add_argument("--preset", default=default_preset, choices=sorted(config_mod.PRESETS),
-                   help=f"named preset (default: {default_preset})")
+def add_config_args(parser: argparse.ArgumentParser, default_preset: str = "demo", resumable: bool = False) -> None:
+    g = parser.add_argument_group("configuration (applied in this order; every key: python -m trainer config)")
+    more = "; with --resume and no --preset/--config: the run's own config.json" if resumable else ""
+    g.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help=f"named preset (default: {default_preset}{more})")
     g.add_argument("--config", metavar="FILE", help="JSON file of overrides, nested like config.json")
     g.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override one field, e.g. --set pretrain.optim.lr=1e-3 (repeatable; lists: a,b,c)")
+                   help="override one field, e.g. --set pretrain.optim.lr=1e-3 (repeatable; lists: a,b,c); naming a "
+                        "data file (data.train, data.test, ...) replaces the preset's whole data section")
+    parser.set_defaults(default_preset=default_preset)
 
 
 def config_choice(args: argparse.Namespace) -> config_mod.Choice:
-    return config_mod.Choice(args.preset, args.config, tuple(args.overrides))
+    """The preset, --config and --set of the command line; `--resume` with neither a preset nor a config file
+    continues from the run's own config.json (plus any --set, which must then change nothing)."""
+    run = None
+    if getattr(args, "resume", None) and args.preset is None and args.config is None:
+        run = Path(args.out) / "config.json"
+        if not run.is_file():
+            raise config_mod.ConfigError(f"nothing to resume: {run} not found")
+    return config_mod.Choice(args.preset or args.default_preset, args.config, tuple(args.overrides),
+                             str(run) if run else None)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, tokenizer_help: str) -> None:
@@ -90,17 +103,25 @@ def one_line_errors(main: Callable[[], int | None]) -> int:
 
 def on_every_rank(stage: Callable[[], object]) -> NoReturn:
     """Run a training stage on this rank and end the process the way every rank must (engine.finish): exit 0, 2 for
-    an error in the input (one line naming the rank), 130 on Ctrl-C, 1 with a traceback for anything else."""
+    an error in the input (one line naming the rank), 130 on SIGINT and 143 on SIGTERM (inside the training loop
+    after a checkpoint, trainer/loop.py), 1 with a traceback for anything else."""
     from trainer import engine as eng  # DeepSpeed: only for the training subcommands
 
+    def term(signum: int, frame: object) -> None:  # outside the loop SIGTERM stops like Ctrl-C, with a message
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, term)
     code = 0
     try:
         stage()
     except INPUT_ERRORS as e:
         print(f"error: [rank {eng.rank()}] {e}", file=sys.stderr)
         code = 2
-    except KeyboardInterrupt:
-        code = 130
+    except KeyboardInterrupt as e:
+        code = getattr(e, "code", 143 if str(e) == "SIGTERM" else 130)
+        if not hasattr(e, "code") and eng.is_main():  # the loop names its checkpoint; elsewhere say what was kept
+            print(f"interrupted ({e or 'SIGINT'}) outside the training loop: checkpoints written so far are "
+                  "kept (--resume continues from the latest); no new one was written", file=sys.stderr)
     except BaseException:  # print it, then leave through finish like every other path
         traceback.print_exc()
         code = 1

@@ -1,82 +1,44 @@
-"""Typed configuration: one dataclass per component, named presets, explicit overrides.
+"""Typed configuration: one dataclass per component, explicit overrides (presets: trainer/presets.py).
 
-A run is described by a `RunConfig`; presets (`tiny`, `demo`, `lab`, ...) are functions that build one, and
-`--set section.field=value` overrides a field by name. The resolved config is written as `config.json` into every
-run folder and artifact, and every stage reads a config that passed every rule below: ranges are declared next to
-their field, rules between fields of a section in its `__post_init__`, rules across sections in RunConfig's.
-A bad value or an unknown key is a ConfigError: one line naming the key, the value and what is allowed (for an
-unknown key, the closest valid one and the list of valid keys).
+A run is described by a `RunConfig`; `--set section.field=value` overrides a field by name, and the resolved config
+is written as `config.json` into every run folder and artifact. Every stage reads a config that passed every rule
+below: ranges are declared next to their field, rules between fields of a section in its `__post_init__`, rules
+across sections in RunConfig's. A bad value or an unknown key is a ConfigError: one line naming the key, the value
+and what is allowed (trainer/config_fields.py). Each field's comment is its description (`python -m trainer config`
+prints them: trainer/config_cli.py), so every field has one.
 
 Why pydantic (its dataclasses; installed with DeepSpeed, which validates its own JSON with it): it coerces the
 strings of `--set` and the values of a JSON file to the declared types (int, float, bool, Literal, nested
-sections), refuses unknown keys, and checks ranges declared on the field (`Field(gt=0, allow_inf_nan=False)`),
-which replaced ~150 lines of hand-written coercion and scattered checks. What stays ours: `--set` parsing (comma
-lists, "none"), and turning pydantic's multi-line ValidationError into the one-line error above.
+sections), refuses unknown keys, and checks ranges declared on the field (`Field(gt=0, allow_inf_nan=False)`).
+What stays ours: `--set` parsing (comma lists, "none") and the one-line errors.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
-import typing
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
-from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic import BeforeValidator, Field
 
 from contract.tokens import N_SPECIALS
-
-# Where the data sets live: beside the checkout, or wherever TS_DATA points.
-DEFAULT_DATA_ROOT = os.environ.get("TS_DATA", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
-
-
-class ConfigError(ValueError):
-    """A config value or key is invalid; the message names it and what is allowed."""
-
-
-def _comma_list(value: Any) -> Any:
-    """`--set data.labels=neg,pos`: a string becomes the list of its comma-separated items."""
-    return [v for v in value.split(",") if v != ""] if isinstance(value, str) else value
-
-
-def _none_word(value: Any) -> Any:
-    """`--set finetune.dropout=none` (or null): no value."""
-    return None if isinstance(value, str) and value.lower() in ("none", "null") else value
-
-
-# Field types with their ranges. Floats are finite (inf and nan are refused wherever a float is read).
-Float = Annotated[float, Field(allow_inf_nan=False)]
-Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Probability = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]  # [0, 1)
-Count = Annotated[int, Field(ge=0)]  # 0 allowed (0 usually means "off" or "all": see the field's comment)
-Size = Annotated[int, Field(ge=1)]
-StrList = Annotated[list[str], BeforeValidator(_comma_list)]
-
-_PYDANTIC = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-def section(name: str) -> typing.Callable[[type], type]:
-    """A config section: a pydantic dataclass whose constructor raises ConfigError (one line, keys under `name`)."""
-
-    def wrap(cls: type) -> type:
-        cls = pydantic_dataclass(config=_PYDANTIC)(cls)
-        init = cls.__init__
-
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            try:
-                init(self, *args, **kwargs)
-            except ValidationError as e:
-                raise ConfigError(explain(e, cls, name)) from None
-
-        cls.__init__ = __init__  # type: ignore[method-assign]
-        return cls
-
-    return wrap
+from trainer.config_fields import (  # noqa: F401 (ConfigError: the other modules import it from here)
+    ConfigError,
+    Count,
+    NonNegative,
+    Positive,
+    Probability,
+    Size,
+    StrList,
+    comma_list,
+    keys_of,
+    none_word,
+    section,
+    unknown_key,
+)
 
 
 @section("model")
@@ -118,51 +80,75 @@ class TokenizerConfig:
 
 @section("data")
 class DataConfig:
-    """Where the text lives. Relative paths are under `root`; any file may be gzipped."""
+    """The data files of a run; any file may be gzipped. Relative paths start at `root`."""
 
-    root: str = DEFAULT_DATA_ROOT  # folder of the data sets (../shared/data beside the checkout)
-    # Unlabeled text for pretraining: .txt (a document a line), .jsonl, .tsv, .csv, .parquet or the lab's .spm;
-    # globs too (part-*.txt.gz: matches sorted).
-    pretrain: StrList = field(default_factory=lambda: ["eltec-fr/eltec_fra.txt.gz", "cls-books-fr/train.review.spm"])
-    pretrain_eval_lines: Count = 500  # the last lines of the corpus held out for eval loss
+    root: str = ""  # folder relative data paths start from ("": the working directory); presets: $TS_DATA
+    # Unlabelled text: pretraining, and the tokenizer (else the training texts): .txt, .jsonl, .tsv, .csv,
+    # .parquet, .spm; globs too (part-*.txt.gz: matches sorted)
+    pretrain: StrList = field(default_factory=list)
+    pretrain_eval_lines: Count = 500  # last documents of data.pretrain held out for the eval loss (at most 10%)
     # A folder written by `python -m trainer prepare` (absolute, or relative to the working directory like --out):
     # pretraining reads it instead of tokenizing data.pretrain. Empty: the run prepares RUN/prepared itself.
     prepared: str = ""
     # How each node checks its copy of the prepared folder at start: sha256 of every file (a share per local rank),
     # or size only (instant; for copies already checked).
     verify: Literal["sha256", "size"] = "sha256"
-    train: str = "cls-books-fr/train.review.spm"  # labeled training set (.spm + sibling .label, .tsv, .jsonl)
-    test: str = "cls-books-fr/test.review.spm"  # labeled set scored after every fine-tuning epoch
-    extra_test: StrList = field(default_factory=list)  # more labeled sets, scored once after the last epoch
-    labels: StrList = field(default_factory=lambda: ["0", "1"])  # the declared classes, in head order
-    label_names: StrList = field(default_factory=lambda: ["negative", "positive"])  # shown by the server
-    text_field: str = "text"  # .jsonl / .tsv column with the text
-    label_field: str = "label"  # .jsonl / .tsv column with the label
-    max_train_examples: Count = 0  # 0 = all; else the first N after shuffling (quick runs)
-    max_test_examples: Count = 0  # 0 = all
+    train: str = ""  # labelled training file: .jsonl, .tsv, .csv, .parquet, or .txt/.spm with a sibling .label file
+    valid: str = ""  # labelled file that picks the epoch kept ("": data.valid_split of data.train)
+    test: str = ""  # labelled file scored every epoch and with the kept weights ("": data.test_split of data.train)
+    valid_split: Probability = 0.1  # share of data.train held out (stratified) when data.valid is "" (0: refuse)
+    test_split: Probability = 0.1  # share of data.train held out (stratified) when data.test is "" (0: refuse)
+    extra_test: StrList = field(default_factory=list)  # more labelled files, scored once with the kept weights
+    labels: StrList = field(default_factory=list)  # label values in head order ([]: those of data.train, sorted)
+    # Served name of each of data.labels, in its order, or value:name pairs (pos:positive,neg:negative); []: the values
+    label_names: StrList = field(default_factory=list)
+    text_field: str = "text"  # .jsonl key / .tsv, .csv or .parquet column of the text
+    label_field: str = "label"  # .jsonl key / .tsv, .csv or .parquet column of the label
+    max_train_examples: Count = 0  # 0 = all; else N training examples, seeded sample (quick runs)
+    max_valid_examples: Count = 0  # 0 = all; else a seeded sample of N validation examples
+    max_test_examples: Count = 0  # 0 = all; else a seeded sample of N test examples per epoch (all once at the end)
 
     def __post_init__(self) -> None:
-        if len(self.labels) < 2 or len(set(self.labels)) != len(self.labels):
+        if self.labels and (len(self.labels) < 2 or len(set(self.labels)) != len(self.labels)):
             raise ConfigError(f"data.labels must list at least 2 distinct classes, got {self.labels}")
-        if len(self.label_names) != len(self.labels):
-            raise ConfigError(
-                f"data.label_names has {len(self.label_names)} names for {len(self.labels)} labels {self.labels}"
-            )
+        names = self.label_names
+        if names and all(":" in n for n in names) and self.labels:  # value:name pairs, in any order
+            pairs = dict(n.split(":", 1) for n in names)
+            if len(pairs) != len(names) or set(pairs) != set(self.labels):
+                raise ConfigError(f"data.label_names pairs {names} must name each of data.labels {self.labels} "
+                                  "once (value:name)")
+            self.label_names = names = [pairs[v] for v in self.labels]
+        if names and all(":" not in n for n in names) and self.labels and len(names) != len(self.labels):
+            raise ConfigError(f"data.label_names has {len(names)} names for {len(self.labels)} labels "
+                              f"{self.labels}; or pair them: data.label_names=VALUE:NAME,...")
+        if names and (len(set(names)) != len(names) or not all(n.strip() for n in names)):
+            raise ConfigError(f"data.label_names must be distinct and non-empty, got {names}")
+
+    @property
+    def names(self) -> list[str]:
+        """What the server answers for each of `labels`: label_names, else the values themselves."""
+        return list(self.label_names or self.labels)
 
     def path(self, name: str) -> Path:
         p = Path(name).expanduser()
-        return p if p.is_absolute() else Path(self.root) / p
+        if p.is_absolute():
+            return p
+        if self.root and not Path(self.root).is_dir():
+            raise ConfigError(f"data.root {self.root}: folder not found (it holds {name}); the presets read their "
+                              f"data sets from $TS_DATA, else ../shared/data from the working directory: set TS_DATA "
+                              "or --set data.root=FOLDER")
+        return Path(self.root) / p
 
 
 @section("optim")
 class OptimConfig:
     """Optimizer and schedule for one training stage."""
 
-    name: Literal["adam", "adamw"] = "adam"
-    lr: Positive = 3e-4
-    weight_decay: NonNegative = 0.0
-    betas: Annotated[list[Probability], BeforeValidator(_comma_list), Field(min_length=2, max_length=2)] = field(
-        default_factory=lambda: [0.9, 0.999])
+    name: Literal["adam", "adamw"] = "adam"  # adamw: weight decay decoupled from the gradient
+    lr: Positive = 3e-4  # peak learning rate
+    weight_decay: NonNegative = 0.0  # L2 penalty (adam) or decoupled decay (adamw)
+    betas: Annotated[list[Probability], BeforeValidator(comma_list), Field(min_length=2, max_length=2)] = field(
+        default_factory=lambda: [0.9, 0.999])  # Adam's moment decays
     grad_clip: Positive = 0.5  # max global gradient norm (the lab's 0.5); a large value effectively turns it off
     warmup_steps: Count = 0  # linear warm-up from lr / warmup_steps
     schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup; decay ends at lr * 0.1
@@ -173,7 +159,8 @@ class EngineConfig:
     """How DeepSpeed runs the model (trainer/engine.py derives its JSON from this)."""
 
     zero_stage: Annotated[int, Field(ge=0, le=2)] = 0  # ZeRO 0, 1 or 2
-    # fp32, bf16, or auto: bf16 where the device has native bf16 units (trainer/precision.py), fp32 elsewhere
+    # Number format: fp32; bf16 (bf16 weights and activations, fp32 master weights); auto: bf16 where the device
+    # has native bf16 units (trainer/precision.py), fp32 elsewhere
     precision: Literal["fp32", "bf16", "auto"] = "fp32"
     grad_accum: Size = 1  # micro-batches per optimizer step
     deepspeed_config: str = ""  # a user's DeepSpeed JSON whose keys override the derived ones
@@ -190,7 +177,7 @@ class PretrainConfig:
     mask_prob: Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)] = 0.15  # mlm: share of real tokens predicted
     micro_batch: Size = 16  # sequences per rank per micro-step
     seq_len: Annotated[int, Field(ge=2)] = 128  # pretraining window in ids
-    epochs: Size = 2
+    epochs: Size = 2  # passes over the pretraining windows
     max_steps: Count = 0  # 0 = run the epochs; else stop after this many optimizer steps
     eval_every: Count = 0  # steps between eval-loss passes (0 = at the end only)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -200,12 +187,15 @@ class PretrainConfig:
 class FinetuneConfig:
     """Classification fine-tuning (a new head on the encoder)."""
 
-    micro_batch: Size = 8
-    epochs: Size = 15
+    micro_batch: Size = 8  # labelled examples per rank per micro-step
+    epochs: Size = 15  # passes over the training split (each ends with validation and test scores)
     max_steps: Count = 0  # 0 = run the epochs
     # Dropout while fine-tuning only (None: model.dropout). A pretrained encoder fits a small labeled set in a few
     # epochs; dropout here regularises it without changing how it was pretrained.
-    dropout: Annotated[Probability | None, BeforeValidator(_none_word)] = None
+    dropout: Annotated[Probability | None, BeforeValidator(none_word)] = None
+    select_metric: Literal["accuracy", "macro_f1"] = "accuracy"  # validation score that picks the epoch kept
+    patience: Count = 0  # stop after this many epochs without a better validation score (0: run every epoch)
+    class_weights: Literal["none", "balanced"] = "none"  # balanced: loss weight n / (classes x n_class) per class
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
 
 
@@ -213,7 +203,7 @@ class FinetuneConfig:
 class RunConfig:
     """Everything one run needs; `config.json` in a run folder is this, resolved."""
 
-    preset: str = "lab"
+    preset: str = "lab"  # the preset the run started from (its data section is replaced when you name a data file)
     seed: Count = 0  # data order, initial weights, dropout and MLM masks all derive from it
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -229,7 +219,7 @@ class RunConfig:
             raise ConfigError(f"tokenizer.vocab_size={tc.vocab_size} gives {tc.vocab_size + N_SPECIALS} ids with the "
                               f"{N_SPECIALS} specials, but model.vocab_size={m.vocab_size}; set "
                               f"model.vocab_size={tc.vocab_size + N_SPECIALS}")
-        if m.num_classes != len(self.data.labels):
+        if self.data.labels and m.num_classes != len(self.data.labels):  # []: set from the training file
             raise ConfigError(f"model.num_classes={m.num_classes} but data.labels has {len(self.data.labels)} "
                               f"classes {self.data.labels}")
         if tc.max_len > m.max_positions:
@@ -246,169 +236,12 @@ class RunConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
 
 
-# ---------------------------------------------------------------------------------------------- presets
-
-
-def lab() -> RunConfig:
-    """The lab's sizes and schedule: its tokenizer (50,001 ids), d=200, 4 layers; meant for a GPU."""
-    return RunConfig(
-        preset="lab",
-        pretrain=PretrainConfig(micro_batch=16, seq_len=512, epochs=2, optim=OptimConfig(lr=3e-4)),
-        finetune=FinetuneConfig(micro_batch=8, epochs=15, optim=OptimConfig(lr=1e-4)),
-    )
-
-
-def demo() -> RunConfig:
-    """The lab's experiment sized for 2 CPU cores (its wall time, measured and dated: docs/RESULTS.md): a trained 8k
-    tokenizer (the 50k-way LM head is most of the lab's FLOPs), next-token LM as in the lab, the lab's fine-tuning
-    lr 1e-4.
-    Two departures from the lab, each measured (docs/RESULTS.md): the classifier averages the real positions
-    instead of reading `<eos>` (whose next-token target is the same for every review), and fine-tuning (only)
-    uses dropout 0.1; with both, the pretrained encoder led at every epoch, without them at the first two only.
-
-    Pretraining text: the novels of eltec-fr plus the cls-books train reviews listed 8 times (in-domain text is
-    then ~14% of the pieces instead of 2%); the valid reviews come last, so they are the held-out eval slice."""
-    return RunConfig(
-        preset="demo",
-        model=ModelConfig(vocab_size=8004, d_model=128, n_layers=2, n_heads=2, d_ff=256, max_positions=512,
-                          pooling="mean"),
-        tokenizer=TokenizerConfig(kind="train", vocab_size=8000, max_len=256, train_lines=100_000),
-        data=DataConfig(
-            pretrain=["eltec-fr/eltec_fra.txt.gz", *["cls-books-fr/train.review.txt"] * 8,
-                      "cls-books-fr/valid.review.txt"],
-            pretrain_eval_lines=400,
-        ),
-        pretrain=PretrainConfig(
-            micro_batch=32,
-            seq_len=128,
-            epochs=1,
-            max_steps=2000,
-            optim=OptimConfig(lr=1e-3, warmup_steps=100, schedule="cosine"),
-        ),
-        finetune=FinetuneConfig(micro_batch=16, epochs=6, dropout=0.1, optim=OptimConfig(lr=1e-4)),
-        engine=EngineConfig(checkpoint_every=500, log_every=25),
-    )
-
-
-def english() -> RunConfig:
-    """The English pipeline most users run first: a tokenizer trained on IMDB's 50,000 unlabeled reviews,
-    next-token pretraining on them (in-domain text), fine-tuning on IMDB train, accuracy on IMDB test, and SST-2
-    dev/test (movie-review sentences) scored once at the end with the whole IMDB test set (each epoch scores a seeded
-    5,000-review sample of it). The demo's model size and its fine-tuning recipe (mean pooling, dropout 0.1 while
-    fine-tuning). Pretraining is longer than the demo's and its windows are as long as a fine-tuning review (256
-    ids, so every position the classifier averages was pretrained): 10,000 steps of 16 windows, 1.8 passes over the
-    unlabeled text. Wall times, and the comparison with the demo's 2,000 x 32 x 128 schedule and with masked-LM
-    pretraining: docs/RESULTS.md."""
-    base = demo()  # the same model, tokenizer size and fine-tuning recipe
-    return dataclasses.replace(
-        base,
-        preset="english",
-        data=DataConfig(
-            pretrain=["imdb/unsup.txt.gz"],
-            pretrain_eval_lines=500,
-            train="imdb/train.jsonl.gz",
-            test="imdb/test.jsonl.gz",
-            max_test_examples=5000,  # per epoch: a seeded sample of the test set; all 25,000 once at the end
-            extra_test=["imdb/test.jsonl.gz", "sst2/dev.tsv", "sst2/test.tsv"],
-        ),
-        # 87,649 windows of <= 256 ids; max_steps ends the run inside the second epoch
-        pretrain=dataclasses.replace(base.pretrain, micro_batch=16, seq_len=256, epochs=2, max_steps=10_000),
-        finetune=dataclasses.replace(base.finetune, epochs=2),  # 25,000 labeled reviews: 2 epochs are 3,126 steps
-        engine=dataclasses.replace(base.engine, checkpoint_every=1000),
-    )
-
-
-def tiny() -> RunConfig:
-    """Seconds, for tests: odd sizes so that shape bugs show (vocab 99 after training 95 pieces)."""
-    return RunConfig(
-        preset="tiny",
-        model=ModelConfig(vocab_size=99, d_model=32, n_layers=2, n_heads=2, d_ff=48, max_positions=64),
-        tokenizer=TokenizerConfig(kind="train", vocab_size=95, max_len=48, train_lines=2000),
-        data=DataConfig(
-            pretrain=["cls-books-fr/train.review.txt"],
-            pretrain_eval_lines=13,
-            max_train_examples=104,
-            max_test_examples=39,
-        ),
-        pretrain=PretrainConfig(micro_batch=13, seq_len=24, epochs=1, max_steps=6, optim=OptimConfig(lr=1e-3)),
-        finetune=FinetuneConfig(micro_batch=13, epochs=2, optim=OptimConfig(lr=1e-3)),
-        engine=EngineConfig(log_every=2),
-    )
-
-
-PRESETS: dict[str, typing.Callable[[], RunConfig]] = {"tiny": tiny, "demo": demo, "english": english, "lab": lab}
-
-
-def preset(name: str) -> RunConfig:
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name]()
-
-
 # ---------------------------------------------------------------------------------------------- overrides
 
 
-def valid_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
+def valid_keys() -> list[str]:
     """Every key `--set` takes, e.g. "pretrain.optim.lr"."""
-    keys: list[str] = []
-    hints = typing.get_type_hints(cls, include_extras=True)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        keys += valid_keys(tp, f"{prefix}{f.name}.") if dataclasses.is_dataclass(tp) else [prefix + f.name]
-    return keys
-
-
-def unknown_key(key: str, valid: list[str] | None = None) -> ConfigError:
-    """The error for a key no section has: the closest valid key (in the same section first), then all of them."""
-    valid = valid or valid_keys()
-    parent, _, leaf = key.rpartition(".")
-    siblings = [k for k in valid if k.rpartition(".")[0] == parent]
-    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.8) or difflib.get_close_matches(key, valid, n=1,
-                                                                                                   cutoff=0.8)
-    if not close:  # the right name in the wrong place ("pretrain.lr" for "pretrain.optim.lr")
-        same = [k for k in valid if k.rpartition(".")[2] == leaf]
-        close = [k for k in same if k.split(".")[0] == key.split(".")[0]] or same
-    hint = f" (did you mean {' or '.join(repr(k) for k in close[:2])}?)" if close else ""
-    return ConfigError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")
-
-
-def _shown(value: Any) -> str:
-    """A value as the user typed it: numbers bare ("-5"), other strings quoted."""
-    if isinstance(value, str):
-        try:
-            float(value)
-            return value
-        except ValueError:
-            pass
-    return repr(value)
-
-
-def explain(e: ValidationError, cls: type = RunConfig, prefix: str = "") -> str:
-    """pydantic's errors as one line: "pretrain.optim.lr must be > 0, got -1" (several are joined by "; ")."""
-    lines = []
-    for err in e.errors():
-        key = ".".join([prefix] * bool(prefix) + [str(x) for x in err["loc"]])
-        kind, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
-        if kind == "value_error":  # our own rule (a __post_init__): its message names the keys already
-            lines.append(str(ctx.get("error", err["msg"])))
-            continue
-        if kind in ("unexpected_keyword_argument", "extra_forbidden"):
-            lines.append(str(unknown_key(key, valid_keys(cls, f"{prefix}." if prefix else ""))))
-            continue
-        rule = {
-            "greater_than": f"must be > {ctx.get('gt')}", "greater_than_equal": f"must be >= {ctx.get('ge')}",
-            "less_than": f"must be < {ctx.get('lt')}", "less_than_equal": f"must be <= {ctx.get('le')}",
-            "finite_number": "must be a finite number", "literal_error": f"must be {ctx.get('expected')}",
-            "int_parsing": "must be an integer", "int_from_float": "must be an integer",
-            "int_type": "must be an integer", "float_parsing": "must be a number", "float_type": "must be a number",
-            "bool_parsing": "must be true or false", "bool_type": "must be true or false",
-            "string_type": "must be a string", "list_type": "must be a list (a,b,c on the command line)",
-            "too_short": f"must have {ctx.get('min_length')} values",
-            "too_long": f"must have {ctx.get('max_length')} values",
-            "dataclass_type": "must be a section (a mapping of keys)",
-        }.get(kind, err["msg"])
-        lines.append(f"{key} {rule}, got {_shown(got)}")
-    return "; ".join(lines)
+    return keys_of(RunConfig)
 
 
 def override(cfg: RunConfig, assignments: list[str] | dict[str, Any]) -> RunConfig:
@@ -471,13 +304,19 @@ def resolve(preset_name: str, overrides: list[str] | None = None, config_file: s
     return Choice(preset_name, config_file, tuple(overrides or ())).resolve()
 
 
+# Keys that name data files: setting any of them makes the run's data the user's own (Choice.resolve).
+OWN_DATA = ("data.pretrain", "data.train", "data.valid", "data.test", "data.extra_test")
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """How the command line chose a config: a preset, then a JSON file of overrides, then `--set` assignments."""
+    """How the command line chose a config: a preset (or a run's own config.json), then a JSON file of overrides,
+    then `--set` assignments."""
 
     preset: str
     file: str | None = None  # --config FILE
     assignments: tuple[str, ...] = ()  # --set KEY=VALUE, in order
+    run: str | None = None  # a run's config.json to start from instead of the preset (--resume alone)
 
     def settings(self) -> dict[str, Any]:
         """Every key the user set (file, then --set), with its raw value."""
@@ -487,16 +326,36 @@ class Choice:
 
     def resolve(self, fixed: dict[str, Any] | None = None, fixed_by: str = "") -> RunConfig:
         """The config. `fixed`: keys that something else decides (e.g. `--pretrained ARTIFACT` fixes the tokenizer
-        and the encoder's shape): a user setting that would change one is an error, not silently dropped."""
-        cfg = preset(self.preset)
+        and the encoder's shape): a user setting that would change one is an error, not silently dropped.
+
+        A user who names a data file gets a data section of their own: none of the preset's files, caps or labels
+        (a preset's test file scored against their training file would be a silent wrong result). Label names
+        come from the user's labels unless given with them. data.root ends up absolute."""
+        from trainer.presets import preset
+
+        settings = self.settings()
+        own = self.run is None and any(k in settings for k in OWN_DATA)
+        cfg = load(self.run) if self.run else preset(self.preset)
+        if own:  # the preset's files go, the lab tokenizer's too (unused by a trained one, refused below)
+            tc = cfg.tokenizer
+            cfg = dataclasses.replace(cfg, data=DataConfig(), tokenizer=tc if tc.kind == "lab" else
+                                      dataclasses.replace(tc, model="", vocab=""))
         if fixed:
             cfg = override(cfg, fixed)
         if self.file:
             cfg = override(cfg, flatten(read_json(self.file)))
         if self.assignments:
             cfg = override(cfg, list(self.assignments))
+        if "data.labels" in settings and "data.label_names" not in settings:
+            cfg = override(cfg, {"data.label_names": []})
+        if own and cfg.tokenizer.kind == "lab" and "tokenizer.kind" not in (fixed or {}) \
+                and "tokenizer.model" not in settings:
+            raise ConfigError(f"preset {cfg.preset!r} loads the lab's French tokenizer (tokenizer.kind=lab) from its "
+                              "data sets; with your own data set tokenizer.kind=train, or name the files "
+                              "(tokenizer.model, tokenizer.vocab)")
+        cfg = override(cfg, {"data.root": os.path.abspath(os.path.expanduser(cfg.data.root))})
         flat = flatten(cfg.to_dict())
-        for key in self.settings():
+        for key in settings:
             if fixed and key in fixed and flat[key] != fixed[key]:
                 raise ConfigError(f"{key}={flat[key]!r} would be ignored: {fixed_by} fixes it to {fixed[key]!r}; "
                                   "remove the setting")
@@ -512,3 +371,12 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + k] = v
     return out
+
+
+def __getattr__(name: str) -> Any:
+    """`from trainer.config import tiny` (and the other presets) still works: they live in trainer/presets.py."""
+    if name in ("PRESETS", "preset", "tiny", "demo", "english", "lab"):
+        from trainer import presets
+
+        return getattr(presets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

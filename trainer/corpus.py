@@ -5,7 +5,7 @@ Layout of a prepared folder (FORMAT 1):
                      the inputs with their sizes, the text column), then per shard: its files, documents, tokens,
                      the sha256 of both files and where its input ends ("end": [file index, line or row]).
                      "complete": false while a prepare runs or after one was killed (run it again to resume).
-  tokenizer/         the tokenizer that made the ids (spm.model, vocab.txt, tokenizer.json), checksummed too.
+  tokenizer/         the tokenizer that made the ids (spm.model, vocab.txt, meta.json), checksummed too.
   shard-00000.bin    token ids, uint16 below 65,536 ids, else uint32; each document as the tokenizer contract frames
                      it, [<sos>] + piece ids + [<eos>], documents back to back, never cut to max_len.
   shard-00000.idx    int64 (documents + 1,) offsets of the shard's documents in its .bin (first 0, last its tokens).
@@ -24,7 +24,6 @@ import hashlib
 import itertools
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from contract.tokens import EOS, SOS, TOKENIZER_FILES
+from trainer.atomic import write_bytes_atomic
 from trainer.data import DataError, Example, detokenize
 from trainer.tokenizer import Tokenizer
 
@@ -80,27 +80,6 @@ def sha256_file(path: Path, block: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write, fsync, rename into place, with the modes the umask gives a new file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def _umask() -> int:
-    m = os.umask(0)
-    os.umask(m)
-    return m
-
-
 class ShardWriter:
     """The shard being written: ids stream to a hidden temp file, hashed as they go; `close` renames it into place."""
 
@@ -131,8 +110,7 @@ class ShardWriter:
         if self.lengths:
             np.cumsum(np.concatenate(self.lengths), out=offsets[1:])
         idx = offsets.tobytes()
-        atomic_write(self.folder / f"{self.name}.idx", idx)
-        os.chmod(self.tmp, 0o666 & ~_umask())
+        write_bytes_atomic(self.folder / f"{self.name}.idx", idx)
         os.replace(self.tmp, self.folder / f"{self.name}.bin")
         return {"bin": f"{self.name}.bin", "idx": f"{self.name}.idx", "documents": len(offsets) - 1,
                 "tokens": self.tokens, "sha256_bin": self.hash.hexdigest(),

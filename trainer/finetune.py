@@ -1,23 +1,28 @@
 """Fine-tune a sentiment classifier with DeepSpeed: from a pretrained LM artifact's encoder (loaded by key, new head)
-or from scratch, scoring test accuracy after every epoch.
+or from scratch.
+
+Every epoch scores the validation set, which picks the epoch whose weights the artifact keeps (finetune.select_metric;
+finetune.patience stops early), and the test set: a per-epoch test curve, never used to choose. The kept weights are
+then scored on the whole test set and on every data.extra_test file: those are the numbers reported (the log,
+metrics.json, artifact.json, compare.md). Validation and test are the user's files, or shares of the training file
+split off (data.valid_split, data.test_split). trainer/labelled.py reads and splits; trainer/metrics.py scores.
 
 `--compare` trains both with the same seed, the same initial head and the same data order (the lab's question 4)
-and writes compare.csv, compare.md and compare.png (accuracy per epoch, both curves) into the run folder.
+and writes compare.csv, compare.md and compare.png into the run folder (trainer/report.py).
 With `--pretrained`, the encoder's architecture and the tokenizer come from the artifact (the scratch run of a
 comparison uses them too, so only the initial weights differ).
 
 Run folder: RUN/artifact is the classifier to export (the pretrained one when --pretrained is given).
-Without --compare: RUN/{metrics.csv, tb/, checkpoints/}. With --compare: RUN/scratch/ and RUN/pretrained/ each hold
-{metrics.csv, tb/, checkpoints/}, and the scratch classifier is RUN/scratch/artifact.
+Without --compare: RUN/{metrics.json, metrics.csv, tb/, checkpoints/, best.safetensors}. With --compare: RUN/scratch/
+and RUN/pretrained/ each hold those, and the scratch classifier is RUN/scratch/artifact.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import io
-import sys
+import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -25,86 +30,81 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from trainer import artifact, cli, loop, monitor
+from trainer import artifact, cli, labelled, loop, monitor, report
 from trainer import checkpoint as ckpt
 from trainer import config as config_mod
 from trainer import engine as eng
-from trainer.artifact import ArtifactError, write_text_atomic
-from trainer.batching import bucket_batches, pad_batch
-from trainer.config import Choice, ConfigError, RunConfig
-from trainer.data import read_labeled
+from trainer.artifact import ArtifactError
+from trainer.batching import bucket_batches
+from trainer.config import Choice, ConfigError, ModelConfig, RunConfig
+from trainer.labelled import Split, encode, load_split, sample_split  # noqa: F401 (load_split: tests, bench)
+from trainer.metrics import balanced_weights, one_line, summarize, warning
 from trainer.model import Classifier, load_encoder
 from trainer.tokenizer import Tokenizer
 
 EXAMPLES = """examples:
   python -m trainer finetune --preset demo --pretrained runs/demo/pretrain/artifact --compare --out runs/demo/finetune
-  python -m trainer finetune --preset demo --pretrained runs/demo/pretrain/artifact --out runs/demo/cls
+  python -m trainer finetune --preset tiny --set data.train=reviews.jsonl --set data.text_field=review \\
+      --set data.label_field=sentiment --out runs/mine          # labels, valid and test come from reviews.jsonl
+  python -m trainer finetune --out runs/mine --resume           # after Ctrl-C: the run's own config and options
   deepspeed --num_gpus 2 --bind_cores_to_rank launch/finetune.sh --preset tiny --out runs/tiny-cls
 """
 
-EVAL_BATCH = 64  # test-set batch (no gradients, so larger than training batches)
+EVAL_BATCH = 64  # evaluation batch (no gradients, so larger than training batches)
 ARCH = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions", "pad_id")  # from the artifact
+KEPT = "best.safetensors"  # in each run folder: the weights of the epoch kept so far
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    cli.add_config_args(parser, default_preset="demo")
+    cli.add_config_args(parser, default_preset="demo", resumable=True)
     cli.add_run_arguments(parser, tokenizer_help="without --pretrained: use this tokenizer folder")
     parser.add_argument("--pretrained", metavar="ARTIFACT",
-                        help="pretraining artifact (task lm) whose encoder and tokenizer to use")
+                        help="pretraining artifact (task lm) whose encoder and tokenizer to use (with --resume: "
+                             "the run's own, by default)")
     parser.add_argument("--compare", action="store_true",
                         help="train from scratch and from --pretrained (same seed, data order); write compare.*")
 
 
 def main(args: argparse.Namespace) -> int:
     def stage() -> None:
-        opts = cli.run_options(args, FinetuneOptions, pretrained=Path(args.pretrained) if args.pretrained else None,
-                               compare=args.compare)
+        pretrained, compare = args.pretrained, args.compare
+        if args.resume and pretrained is None:  # --resume alone: the run's own --pretrained and --compare
+            pretrained, compare = previous_options(Path(args.out), compare)
+        opts = cli.run_options(args, FinetuneOptions, pretrained=Path(pretrained) if pretrained else None,
+                               compare=compare)
         run(resolve_config(cli.config_choice(args), opts.pretrained), opts)
 
     cli.on_every_rank(stage)
 
 
+def previous_options(run_dir: Path, compare: bool) -> tuple[str | None, bool]:
+    """--pretrained and --compare of the run being resumed, from its env.json."""
+    try:
+        info = json.loads((run_dir / "env.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, compare
+    return info.get("pretrained") or None, compare or bool(info.get("compare"))
+
+
 class ClassifierObjective(Classifier):
     """The classifier with its loss inside forward (DeepSpeed's engine runs both); same parameter names."""
+
+    def __init__(self, cfg: ModelConfig, class_weight: torch.Tensor | None = None) -> None:
+        super().__init__(cfg)
+        # (C,) loss weight per class; not persistent: the artifact's weights stay those of a Classifier
+        self.register_buffer("class_weight", class_weight, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor,  # type: ignore[override]
                 labels: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T), (B, T) [, (B,) labels] -> (B, C) logits, or the summed cross-entropy when labels are given."""
         logits = super().forward(input_ids, padding_mask)
-        return logits if labels is None else F.cross_entropy(logits.float(), labels, reduction="sum")
-
-
-@dataclasses.dataclass
-class Split:
-    ids: list[list[int]]  # [<sos>] + pieces + [<eos>] per example
-    labels: np.ndarray  # (N,) int64
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.fromiter((len(x) for x in self.ids), dtype=np.int64, count=len(self.ids))
-
-    def batch(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids, pad = pad_batch([self.ids[i] for i in idx], Tokenizer.PAD)
-        return ids, pad, torch.from_numpy(self.labels[np.asarray(idx, dtype=np.int64)])
-
-
-def load_split(cfg: RunConfig, name: str, tok: Tokenizer, limit: int) -> Split:
-    """A labeled file encoded with `tok`; with `limit`, the first N examples after a seeded shuffle."""
-    examples = read_labeled(cfg.data.path(name), cfg.data.labels, cfg.data.text_field, cfg.data.label_field)
-    examples = [examples[i] for i in _pick(cfg.seed, len(examples), limit)]
-    return Split([tok.encode_example(ex) for ex in examples], np.array([ex.label for ex in examples], np.int64))
-
-
-def sample_split(split: Split, seed: int, limit: int) -> Split:
-    """The examples `load_split(..., limit)` would keep, taken from the whole file's already encoded split."""
-    keep = _pick(seed, len(split.ids), limit)
-    return Split([split.ids[i] for i in keep], split.labels[keep])
-
-
-def _pick(seed: int, n: int, limit: int) -> np.ndarray:
-    """Indices (ascending) of the first `limit` of n examples after a seeded shuffle; all of them when limit is 0."""
-    return np.sort(np.random.default_rng([seed, n]).permutation(n)[:limit]) if limit else np.arange(n)
+        if labels is None:
+            return logits
+        weight = None if self.class_weight is None else self.class_weight.float()
+        return F.cross_entropy(logits.float(), labels, weight=weight, reduction="sum")
 
 
 def pretrained_fields(pre_cfg: RunConfig) -> dict[str, Any]:
@@ -115,7 +115,8 @@ def pretrained_fields(pre_cfg: RunConfig) -> dict[str, Any]:
 
 def resolve_config(choice: Choice, pretrained: Path | None) -> RunConfig:
     """The run's config: with --pretrained, the artifact's encoder architecture and tokenizer (a --set or --config
-    key that would change them is an error); finetune.dropout, when set, replaces model.dropout."""
+    key that would change them is an error); finetune.dropout, when set, replaces model.dropout; data.labels, when
+    empty, are the training file's label values."""
     if pretrained is None:
         cfg = choice.resolve()
     else:
@@ -128,7 +129,7 @@ def resolve_config(choice: Choice, pretrained: Path | None) -> RunConfig:
             raise ConfigError(f"--set model.dropout={cfg.model.dropout} would be ignored: finetune.dropout="
                               f"{cfg.finetune.dropout} replaces it while fine-tuning; set finetune.dropout instead")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=cfg.finetune.dropout))
-    return cfg
+    return labelled.settle_labels(cfg, "model.num_classes" in choice.settings())
 
 
 # ---------------------------------------------------------------------------------------------- entry
@@ -145,6 +146,17 @@ class FinetuneOptions(loop.RunOptions):
         super().__post_init__()
         if self.compare and self.pretrained is None:
             raise ConfigError("--compare needs --pretrained ARTIFACT (the encoder to compare with scratch)")
+
+
+@dataclasses.dataclass
+class Sets:
+    """The encoded splits of a run."""
+
+    train: Split
+    valid: Split  # picks the epoch kept
+    test: Split  # whole: scored with the kept weights
+    test_epoch: Split  # test, or its seeded sample of data.max_test_examples: the per-epoch curve
+    extra: dict[str, Split]  # data.extra_test, scored with the kept weights
 
 
 def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
@@ -169,41 +181,49 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
                                                opts.resume), strict=True))
     ds, plan = eng.ds_config(cfg, "finetune", info.world_size, opts.deepspeed_config or cfg.engine.deepspeed_config)
     cli.check_out(run_dir)  # every rank writes its checkpoint shards there
+    data = labelled.load(cfg)
 
     if pretrained is not None:
         if eng.is_main() and not (run_dir / "tokenizer").exists():
             Tokenizer.load(pretrained.tokenizer_dir).save(run_dir / "tokenizer")
         eng.barrier()
-    tok = loop.run_tokenizer(cfg, run_dir, opts.tokenizer)
-    train = load_split(cfg, cfg.data.train, tok, cfg.data.max_train_examples)
-    extra = {name: load_split(cfg, name, tok, 0) for name in cfg.data.extra_test}
-    # The per-epoch test set is often a sample of one of the extra sets (the english preset): encode that file once.
-    test = sample_split(extra[cfg.data.test], cfg.seed, cfg.data.max_test_examples) if cfg.data.test in extra \
-        else load_split(cfg, cfg.data.test, tok, cfg.data.max_test_examples)
-    monitor.write_run_info(run_dir, cfg, ds, {"stage": "finetune", "pretrained": str(opts.pretrained or ""),
-                                              "train_examples": len(train.ids), "test_examples": len(test.ids)})
+    tok = loop.run_tokenizer(cfg, run_dir, opts.tokenizer, labelled.texts(data.train.examples))
+    encoded: dict[str, Split] = {}  # by file: a test file also among extra_test is encoded once
+    test = encode(data.test.examples, tok)
+    encoded[data.test.source] = test
+    sets = Sets(encode(data.train.examples, tok), encode(data.valid.examples, tok), test,
+                sample_split(test, cfg.seed, cfg.data.max_test_examples),
+                {name: encoded.get(p.source) or encode(p.examples, tok) for name, p in data.extra.items()})
+    monitor.write_run_info(run_dir, cfg, ds, {
+        "stage": "finetune", "pretrained": str(opts.pretrained or ""), "compare": opts.compare,
+        "train_examples": len(sets.train.ids), "valid_examples": len(sets.valid.ids),
+        "test_examples": len(sets.test.ids)})
+    for line in data.summary(cfg):
+        monitor.note(line)
+    monitor.note(f"data: {labelled.cut_share(sets.train, tok.max_len):.1f}% of the training examples reach "
+                 f"tokenizer.max_len={tok.max_len} ids (longer ones are cut)")
     if pretrained is not None and pretrained.meta.get("objective") == "mlm" and cfg.model.classifier_causal:
         monitor.note(f"note: {pretrained.path} was pretrained without a causal mask (mlm) but "
                      "model.classifier_causal=true; consider --set model.classifier_causal=false")
 
     t0 = time.perf_counter()
-    results: dict[str, list[dict[str, Any]]] = {}
+    results: dict[str, dict[str, Any]] = {}
     for name, src in runs:
         artifact_dir = run_dir / "scratch" / "artifact" if opts.compare and src is None else run_dir / "artifact"
-        history = train_classifier(cfg, name, src, tok, train, test, extra, plan, ds, run_dirs[name], artifact_dir,
-                                   tags[name], opts.stop_at, info)
-        if history is None:
+        result = train_classifier(cfg, name, src, tok, sets, plan, ds, run_dirs[name], artifact_dir, tags[name],
+                                  opts.stop_at, info)
+        if result is None:
             return None  # stop_at
-        results[name] = history
+        results[name] = result
     if not eng.is_main():
         return None
     if opts.compare:
-        write_compare(run_dir, results, cfg, pretrained)
-    for name, hist in results.items():
-        accs = " ".join(f"{h['test_accuracy']:.2f}" for h in hist)
-        print(f"finetune {name}: test accuracy per epoch {accs}")
-        for file, acc in hist[-1].get("extra_accuracy", {}).items():
-            print(f"finetune {name}: accuracy on {file} {acc:.2f}")
+        report.write_compare(run_dir, results, cfg, pretrained)
+    for name, r in results.items():
+        print(f"finetune {name}: kept epoch {r['kept']['epoch']} of {len(r['history'])} (best validation "
+              f"{cfg.finetune.select_metric}); test {one_line(r['final']['test'])}")
+        for file, m in r["final"]["extra"].items():
+            print(f"finetune {name}: {file}: {one_line(m)}")
     print(f"finetune: {time.perf_counter() - t0:.0f} s this session; classifier artifact: {run_dir / 'artifact'}")
     return run_dir / "artifact"
 
@@ -217,22 +237,21 @@ class ClassifierTask:
 
     cfg: RunConfig
     name: str  # "scratch" | "pretrained"
-    train: Split
-    test: Split  # scored at the end of every epoch
-    extra: dict[str, Split]  # scored once, with the final weights
+    sets: Sets
     plan: eng.BatchPlan
     info: eng.DistInfo
+    kept_path: Path  # RUN/best.safetensors
     total: int = 0  # optimizer steps of the run
     log: monitor.RunLog | None = None  # where the per-epoch lines go (set once the run's log is open)
     epoch_loss: float = 0.0  # summed loss of the epoch's log intervals (all ranks)
     epoch_n: int = 0  # examples of those intervals
 
     def batches(self, epoch: int) -> list[list[int]]:
-        return loop.full_batches(bucket_batches(self.train.lengths, self.plan.global_batch, self.cfg.seed, epoch),
-                                 self.plan)
+        return loop.full_batches(bucket_batches(self.sets.train.lengths, self.plan.global_batch, self.cfg.seed,
+                                                epoch), self.plan)
 
     def inputs(self, part: list[int], epoch: int) -> tuple[torch.Tensor, ...]:
-        return self.train.batch(part)
+        return self.sets.train.batch(part)
 
     def denominator(self, batch: list[int]) -> int:
         return len(batch)
@@ -246,45 +265,94 @@ class ClassifierTask:
         row: dict[str, Any] = {"epoch": state.epoch, "loss": interval.loss, "lr": eng.current_lr(engine),
                                "examples_per_s": interval.examples_per_s, "elapsed_s": interval.elapsed_s}
         if evaluate:  # the end of an epoch
-            acc = eval_accuracy(engine, self.test, self.info)
-            row["test_accuracy"] = acc
-            state.history.append({"epoch": state.epoch + 1, "step": state.step, "test_accuracy": acc,
+            names, metric = self.cfg.data.names, self.cfg.finetune.select_metric
+            valid = summarize(confusion_of(engine, self.sets.valid, self.info, len(names)), names)
+            test = summarize(confusion_of(engine, self.sets.test_epoch, self.info, len(names)), names)
+            row.update(valid_accuracy=valid["accuracy"], valid_macro_f1=valid["macro_f1"],
+                       test_accuracy=test["accuracy"])
+            state.history.append({"epoch": state.epoch + 1, "step": state.step, "valid": valid, "test": test,
+                                  "valid_score": valid[metric], "test_accuracy": test["accuracy"],
                                   "train_loss": self.epoch_loss / max(1, self.epoch_n),
                                   "data_order_sha256": loop.order_digest(self.batches(state.epoch))})
+            kept = " (best so far: kept)" if self.improved(state) else ""
             assert self.log is not None
             self.log.print(f"finetune {self.name}: epoch {state.epoch + 1} train loss "
-                           f"{state.history[-1]['train_loss']:.4f}, test accuracy {acc:.2f}%")
-            if state.step == self.total and self.extra:  # the other test sets: once, on the final weights
-                state.history[-1]["extra_accuracy"] = {f: eval_accuracy(engine, sp, self.info)
-                                                       for f, sp in self.extra.items()}
-                self.log.print(f"finetune {self.name}: " + ", ".join(
-                    f"{f} {a:.2f}%" for f, a in state.history[-1]["extra_accuracy"].items()))
+                           f"{state.history[-1]['train_loss']:.4f}; valid {one_line(valid)}{kept}; test accuracy "
+                           f"{test['accuracy']:.2f}% (curve only)")
             self.epoch_loss, self.epoch_n = 0.0, 0
         return row
 
+    def best(self, state: ckpt.LoopState) -> int:
+        """Index in history of the epoch kept: the first with the highest validation score."""
+        scores = [h["valid_score"] for h in state.history]
+        return int(np.argmax(scores)) if scores else -1
 
-def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | None, tok: Tokenizer, train: Split,
-                     test: Split, extra: dict[str, Split], plan: eng.BatchPlan, ds: dict[str, Any], run_dir: Path,
-                     artifact_dir: Path, resume_tag: str | None, stop_at: int,
-                     info: eng.DistInfo) -> list[dict[str, Any]] | None:
-    """Train one classifier; returns its per-epoch history (None when stopped by stop_at)."""
+    def improved(self, state: ckpt.LoopState) -> bool:
+        return bool(state.history) and self.best(state) == len(state.history) - 1
+
+    def stop_early(self, state: ckpt.LoopState) -> bool:
+        patience = self.cfg.finetune.patience
+        return patience > 0 and len(state.history) - 1 - self.best(state) >= patience
+
+    def keep(self, engine: Any, ckpt_dir: Path, tag: str, state: ckpt.LoopState) -> None:
+        weights = eng.fp32_state_dict(engine, ckpt_dir, tag)  # every rank (bf16 under ZeRO reads the checkpoint)
+        if eng.is_main():
+            tmp = self.kept_path.with_name(f".{KEPT}.{os.getpid()}.tmp")
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata={"step": str(state.step)})
+            os.replace(tmp, self.kept_path)
+        eng.barrier()
+
+    def kept_weights(self, state: ckpt.LoopState) -> dict[str, torch.Tensor]:
+        """The weights of the kept epoch (every rank reads the file rank 0 wrote)."""
+        record = state.history[self.best(state)]
+        step = _kept_step(self.kept_path)
+        if step != record["step"]:
+            raise ckpt.CheckpointError(f"{self.kept_path} holds the weights of step {step}, but the run keeps those "
+                                       f"of step {record['step']} (epoch {record['epoch']}): it was replaced or "
+                                       "removed; fine-tune again into a new --out")
+        with safe_open(str(self.kept_path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
+def _kept_step(path: Path) -> int | None:
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        return int((f.metadata() or {}).get("step", -1))
+
+
+def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | None, tok: Tokenizer, sets: Sets,
+                     plan: eng.BatchPlan, ds: dict[str, Any], run_dir: Path, artifact_dir: Path,
+                     resume_tag: str | None, stop_at: int, info: eng.DistInfo) -> dict[str, Any] | None:
+    """Train one classifier, keep the epoch its validation score picks, score those weights; returns {history,
+    kept, final} (None when stopped by stop_at)."""
     fc, ckpt_dir = cfg.finetune, run_dir / "checkpoints"
-    task = ClassifierTask(cfg, name, train, test, extra, plan, info)
-    per_epoch, task.total = loop.steps_of(task, fc.epochs, fc.max_steps, f"{len(train.ids)} training examples",
+    task = ClassifierTask(cfg, name, sets, plan, info, run_dir / KEPT)
+    per_epoch, task.total = loop.steps_of(task, fc.epochs, fc.max_steps, f"{len(sets.train.ids)} training examples",
                                           plan.global_batch)
+    names = cfg.data.names
+    weight = torch.from_numpy(balanced_weights(sets.train.labels, len(names))) \
+        if fc.class_weights == "balanced" else None
 
     torch.manual_seed(cfg.seed)  # scratch and pretrained start from the same head (and scratch encoder) weights
-    model = ClassifierObjective(cfg.model)
+    model = ClassifierObjective(cfg.model, weight)
     if pretrained is not None:
         load_encoder(model, pretrained.state)
     engine = eng.initialize(model, ds, fc.optim, task.total)
     state = ckpt.LoopState()
     if resume_tag:
         state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
+        kept_step = state.history[task.best(state)]["step"] if state.history else None
+        if kept_step == state.step and _kept_step(task.kept_path) != state.step:  # killed between checkpoint, keep
+            task.keep(engine, ckpt_dir, resume_tag, state)
     task.log = log = monitor.RunLog(run_dir, task.total, state.step, f"finetune {name}",
-                                    ["epoch", "loss", "lr", "examples_per_s", "test_accuracy", "elapsed_s"])
-    log.print(f"finetune {name}: {len(train.ids):,} train / {len(test.ids):,} test examples, {per_epoch} steps of "
-              f"{plan.global_batch}/epoch, {task.total} steps, world {info.world_size}"
+                                    ["epoch", "loss", "lr", "examples_per_s", "valid_accuracy", "valid_macro_f1",
+                                     "test_accuracy", "elapsed_s"])
+    weights_note = f", class weights {np.round(weight.numpy(), 3).tolist()}" if weight is not None else ""
+    log.print(f"finetune {name}: {len(sets.train.ids):,} train / {len(sets.valid.ids):,} valid / "
+              f"{len(sets.test_epoch.ids):,} test examples per epoch, {per_epoch} steps of {plan.global_batch}/epoch, "
+              f"{task.total} steps, world {info.world_size}; keeps the epoch of best validation {fc.select_metric}"
+              + (f", patience {fc.patience}" if fc.patience else "") + weights_note
               + (f", resumed at step {state.step}" if resume_tag else ""))
 
     cadence = loop.Cadence(task.total, cfg.engine.log_every, cfg.engine.checkpoint_every, eval_epochs=True,
@@ -292,84 +360,47 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
     if not loop.train(engine, task, state, cadence, plan, info, cfg.seed, log, ckpt_dir, cfg.engine.keep_checkpoints,
                       {"stage": "finetune", "run": name}):
         return None
-    clf = loop.final_model(engine, ckpt_dir, state, lambda: Classifier(cfg.model))
-    if clf is not None:
-        final = state.history[-1] if state.history else {}
-        artifact.save(artifact_dir, clf, cfg, "classifier", tok, extra={
+
+    # The kept weights, exactly as the artifact will hold them (fp32), scored on every set on every rank's share.
+    clf = Classifier(cfg.model)
+    clf.load_state_dict(task.kept_weights(state), strict=True)
+    clf.to(info.device)
+    final = {"valid": summarize(confusion_of(clf, sets.valid, info, len(names)), names),
+             "test": summarize(confusion_of(clf, sets.test, info, len(names)), names),
+             "extra": {f: summarize(confusion_of(clf, sp, info, len(names)), names) for f, sp in sets.extra.items()}}
+    kept = state.history[task.best(state)]
+    result = {"history": state.history, "kept": kept, "final": final}
+    if eng.is_main():
+        for where, m in [("the test set", final["test"]), *final["extra"].items()]:
+            if (text := warning(m, where)) is not None:
+                log.print(f"finetune {name}: {text}")
+        summary = report.run_metrics(cfg, name, result)
+        report.write_metrics(run_dir, summary)
+        artifact.save(artifact_dir, clf.cpu(), cfg, "classifier", tok, extra={
             "objective": None, "run": name, "steps": state.step, "epochs": len(state.history),
-            "test_accuracy": final.get("test_accuracy"), "extra_accuracy": final.get("extra_accuracy"),
-            "history": state.history,
+            "kept_epoch": kept["epoch"], "kept_step": kept["step"], "selected_on": summary["selected_on"],
+            "test_accuracy": final["test"]["accuracy"], "test_macro_f1": final["test"]["macro_f1"],
+            "valid_accuracy": final["valid"]["accuracy"],
+            "extra_accuracy": {f: m["accuracy"] for f, m in final["extra"].items()},
+            "metrics": final, "history": state.history,
             "pretrained_from": None if pretrained is None else {
                 "path": str(pretrained.path), "weights_sha256": pretrained.meta.get("weights_sha256"),
                 "objective": pretrained.meta.get("objective")},
         })
-    return state.history
+    eng.barrier()
+    return result
 
 
 @torch.no_grad()
-def eval_accuracy(engine: torch.nn.Module, split: Split, info: eng.DistInfo) -> float:
-    """Test accuracy in percent; each rank scores a share of the batches, counts are summed over ranks."""
-    engine.eval()
-    correct = torch.zeros((), dtype=torch.int64, device=info.device)
-    count = 0
+def confusion_of(model: torch.nn.Module, split: Split, info: eng.DistInfo, classes: int) -> np.ndarray:
+    """(C, C) confusion matrix (rows true, columns predicted); each rank scores a share, counts summed over ranks.
+    `model(ids, pad)` gives (B, C) logits: the DeepSpeed engine or a plain Classifier."""
+    was_training = model.training
+    model.eval()
+    cm = torch.zeros(classes * classes, dtype=torch.int64, device=info.device)
     batches = bucket_batches(split.lengths, EVAL_BATCH, 0, 0, shuffle=False)
     for idx in batches[info.rank::info.world_size]:
         ids, pad, labels = loop.to_device(split.batch(idx), info.device)
-        correct += (engine(ids, pad).argmax(dim=-1) == labels).sum()
-        count += len(idx)
-    engine.train()
-    c, n = eng.all_reduce_sum([float(correct), count])
-    return 100.0 * c / max(1.0, n)
-
-
-# ---------------------------------------------------------------------------------------------- comparison
-
-
-def write_compare(run_dir: Path, results: dict[str, list[dict[str, Any]]], cfg: RunConfig,
-                  pretrained: artifact.Artifact | None) -> None:
-    """compare.csv, compare.md and compare.png: test accuracy per epoch, scratch vs pretrained."""
-    s, p = results["scratch"], results["pretrained"]
-    rows = [(a["epoch"], a["test_accuracy"], b["test_accuracy"]) for a, b in zip(s, p, strict=True)]
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["epoch", "scratch_accuracy", "pretrained_accuracy", "difference"])
-    w.writerows([e, f"{a:.2f}", f"{b:.2f}", f"{b - a:+.2f}"] for e, a, b in rows)
-    write_text_atomic(run_dir / "compare.csv", buf.getvalue())
-    objective = pretrained.meta.get("objective") if pretrained else None
-    md = [f"Test accuracy (%) per epoch on `{cfg.data.test}`, preset `{cfg.preset}`, seed {cfg.seed}; "
-          f"pretrained encoder: `{pretrained.path if pretrained else ''}` (objective {objective}).", "",
-          "| epoch | from scratch | pretrained | difference |", "|---:|---:|---:|---:|"]
-    md += [f"| {e} | {a:.2f} | {b:.2f} | {b - a:+.2f} |" for e, a, b in rows]
-    best_s, best_p = max(r[1] for r in rows), max(r[2] for r in rows)
-    wins = sum(b > a for _, a, b in rows)
-    md += ["", f"Best: scratch {best_s:.2f}, pretrained {best_p:.2f}. "
-           f"Pretrained ahead at {wins} of {len(rows)} epochs.", ""]
-    extra_s, extra_p = s[-1].get("extra_accuracy", {}), p[-1].get("extra_accuracy", {})
-    if extra_s:
-        md += ["Accuracy (%) of the final weights on the other test sets (`data.extra_test`):", "",
-               "| test set | from scratch | pretrained | difference |", "|---|---:|---:|---:|"]
-        md += [f"| `{f}` | {a:.2f} | {extra_p[f]:.2f} | {extra_p[f] - a:+.2f} |" for f, a in extra_s.items()]
-        md += [""]
-    write_text_atomic(run_dir / "compare.md", "\n".join(md))
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    epochs = [r[0] for r in rows]
-    ax.plot(epochs, [r[1] for r in rows], marker="o", label="from scratch")
-    ax.plot(epochs, [r[2] for r in rows], marker="s", label=f"pretrained ({objective})")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_xticks(epochs)
-    ax.set_title(f"{Path(cfg.data.test).parent.name or cfg.data.test}: pretrained vs scratch ({cfg.preset})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = run_dir / ".compare.png.tmp"
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    tmp.replace(run_dir / "compare.png")
-    print(f"comparison: {run_dir / 'compare.md'}, {run_dir / 'compare.png'}", file=sys.stdout)
+        cm += torch.bincount(labels * classes + model(ids, pad).argmax(dim=-1), minlength=classes * classes)
+    model.train(was_training)
+    return np.rint(eng.all_reduce_sum(cm.cpu().tolist())).astype(np.int64).reshape(classes, classes)

@@ -11,8 +11,12 @@ step rolls over. A checkpoint saved as (e + 1, 0) resumes the same way.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from trainer import checkpoint as ckpt
 from trainer import engine as eng
@@ -28,6 +33,8 @@ from trainer import monitor
 from trainer.config import ConfigError, RunConfig
 from trainer.distributed import file_lock
 from trainer.tokenizer import Tokenizer, build_tokenizer
+
+SIGNALS = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 
 
 @dataclass(frozen=True)
@@ -107,52 +114,137 @@ class Task(Step, Protocol):
     def report(self, engine: Any, state: ckpt.LoopState, interval: Interval, evaluate: bool) -> dict[str, Any]:
         """The log row at a log point; with `evaluate`, also the evaluation (and its LoopState.history record)."""
 
+    def improved(self, state: ckpt.LoopState) -> bool:
+        """After an evaluation: these weights are the best so far (the loop checkpoints them, then calls keep)."""
+
+    def keep(self, engine: Any, ckpt_dir: Path, tag: str, state: ckpt.LoopState) -> None:
+        """Store the weights just checkpointed as the ones the artifact will hold (call on every rank)."""
+
+    def stop_early(self, state: ckpt.LoopState) -> bool:
+        """After an evaluation: end the run here (early stopping)."""
+
 
 def train(engine: Any, task: Task, state: ckpt.LoopState, cadence: Cadence, plan: eng.BatchPlan,
           info: eng.DistInfo, seed: int, log: monitor.RunLog, ckpt_dir: Path, keep: int,
           meta: dict[str, Any]) -> bool:
     """Optimizer steps from `state` on; True when the run reached its end, False at the cadence's stop step.
 
-    Either way the state of the last step is in a checkpoint (a finished run's checkpoint holds done=True)."""
+    Either way the state of the last step is in a checkpoint (a finished run's checkpoint holds done=True). SIGINT or
+    SIGTERM: every rank stops after the same step, the checkpoint of that step is written, then Interrupted."""
     t0 = t_log = time.perf_counter()
     loss_acc = torch.zeros((), device=info.device)  # summed loss since the last log row (on the device: no sync)
     count = tokens = examples = 0  # denominators (all ranks), this process's real tokens and sequences
     batches = task.batches(state.epoch)
     try:
-        while state.step < cadence.total and not state.done:
-            if state.batch >= len(batches):  # the epoch is used up
-                state.epoch, state.batch = state.epoch + 1, 0
-                batches = task.batches(state.epoch)
-            batch = batches[state.batch]
-            n, t, e = optimizer_step(engine, task, batch, state.epoch, state.step, plan, info, seed, loss_acc)
-            count, tokens, examples = count + n, tokens + t, examples + e
-            state.step, state.batch, state.tokens = state.step + 1, state.batch + 1, state.tokens + task.seen(batch)
-            log.advance()
-            epoch_end = state.batch == len(batches)
-            logged = cadence.log(state.step, epoch_end)
-            if logged:
-                (loss_sum,) = eng.all_reduce_sum([float(loss_acc)])  # the one host-device sync
-                refuse_diverged(loss_sum, state.step, ckpt_dir)
-                now = time.perf_counter()
-                interval = Interval(loss_sum, count, tokens / max(1e-9, now - t_log),
-                                    examples / max(1e-9, now - t_log), now - t0)
-                log.log(state.step, **task.report(engine, state, interval, cadence.evaluate(state.step, epoch_end)))
-                loss_acc.zero_()
-                count, tokens, examples, t_log = 0, 0, 0, time.perf_counter()
-            state.done = state.step == cadence.total
-            if cadence.checkpoint(state.step):  # only finite weights are saved: the previous checkpoint stays "latest"
-                if not logged:
-                    refuse_diverged(eng.all_reduce_sum([float(loss_acc)])[0], state.step, ckpt_dir)
-                if not eng.weights_finite(engine):
-                    refuse_diverged(float("nan"), state.step, ckpt_dir, what="a weight")
-                tag = ckpt.save(engine, ckpt_dir, state, keep, meta)
-            if cadence.stop(state.step):
-                log.print(f"stopped at step {state.step} (--stop-at); checkpoint {ckpt_dir / tag}; "
-                          "continue with --resume")
-                return False
+        with StopSignals() as signals:
+            while state.step < cadence.total and not state.done:
+                if state.batch >= len(batches):  # the epoch is used up
+                    state.epoch, state.batch = state.epoch + 1, 0
+                    batches = task.batches(state.epoch)
+                batch = batches[state.batch]
+                n, t, e = optimizer_step(engine, task, batch, state.epoch, state.step, plan, info, seed, loss_acc)
+                count, tokens, examples = count + n, tokens + t, examples + e
+                state.step, state.batch, state.tokens = state.step + 1, state.batch + 1, state.tokens + task.seen(batch)
+                log.advance()
+                epoch_end = state.batch == len(batches)
+                logged, evaluated = cadence.log(state.step, epoch_end), cadence.evaluate(state.step, epoch_end)
+                if logged:
+                    (loss_sum,) = eng.all_reduce_sum([float(loss_acc)])  # the one host-device sync
+                    refuse_diverged(loss_sum, state.step, ckpt_dir)
+                    now = time.perf_counter()
+                    interval = Interval(loss_sum, count, tokens / max(1e-9, now - t_log),
+                                        examples / max(1e-9, now - t_log), now - t0)
+                    log.log(state.step, **task.report(engine, state, interval, evaluated))
+                    loss_acc.zero_()
+                    count, tokens, examples, t_log = 0, 0, 0, time.perf_counter()
+                improved = evaluated and task.improved(state)
+                state.done = state.step == cadence.total or (evaluated and task.stop_early(state))
+                signum = signals.agreed()
+                tag = None
+                if cadence.checkpoint(state.step) or state.done or improved or signum:
+                    tag = _checkpoint(engine, state, loss_acc, logged, ckpt_dir, keep, meta)
+                if improved:
+                    assert tag is not None
+                    task.keep(engine, ckpt_dir, tag, state)
+                if signum:
+                    log.print(f"interrupted by {SIGNALS.get(signum, signum)} after step {state.step}: checkpoint "
+                              f"{ckpt_dir / str(tag)}; continue with the same command and --out plus --resume")
+                    raise Interrupted(signum)
+                if state.done and state.step < cadence.total:
+                    log.print(f"early stop after step {state.step}: no better validation score in "
+                              "finetune.patience epochs")
+                if cadence.stop(state.step):
+                    log.print(f"stopped at step {state.step} (--stop-at); checkpoint {ckpt_dir / str(tag)}; "
+                              "continue with --resume")
+                    return False
         return True
     finally:
         log.close()
+
+
+def _checkpoint(engine: Any, state: ckpt.LoopState, loss_acc: torch.Tensor, logged: bool, ckpt_dir: Path, keep: int,
+                meta: dict[str, Any]) -> str:
+    """Save the state of this step; only finite weights are saved, so the previous checkpoint stays "latest"."""
+    if not logged:
+        refuse_diverged(eng.all_reduce_sum([float(loss_acc)])[0], state.step, ckpt_dir)
+    if not eng.weights_finite(engine):
+        refuse_diverged(float("nan"), state.step, ckpt_dir, what="a weight")
+    return ckpt.save(engine, ckpt_dir, state, keep, meta)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a run after a checkpoint; `code` is the exit status (130, 143)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(SIGNALS.get(signum, str(signum)))
+        self.signum, self.code = signum, 128 + signum
+
+
+class StopSignals:
+    """SIGINT/SIGTERM during training: note the signal; every step, `agreed()` tells every rank whether any rank got
+    one, so they all stop after the same step and write one checkpoint. A second Ctrl-C stops at once.
+
+    The agreement is an all-reduce (max) of one int per step over a gloo group: on CPU the run's own group, on GPU a
+    side group, so the flag never waits on a CUDA stream (the loop's one host-device sync stays the log row)."""
+
+    def __init__(self) -> None:
+        self.signum, self.at = 0, 0.0
+        self.old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum:
+            # Ctrl-C pressed again stops at once, without a checkpoint. Not a signal within the first second: under
+            # the DeepSpeed launcher one Ctrl-C brings SIGINT from the terminal and SIGTERM from the launcher.
+            if signum == signal.SIGINT and time.monotonic() - self.at > 1.0:
+                raise Interrupted(signum)
+            return
+        self.signum, self.at = signum, time.monotonic()
+        if eng.is_main():
+            os.write(2, f"{SIGNALS[signum]}: stopping after this step with a checkpoint (Ctrl-C again: at once, "
+                        "without one)\n".encode())
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self.old = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self.old.items():
+            signal.signal(s, handler)
+
+    def agreed(self) -> int:
+        """The signal any rank got (the largest number), 0 when none did."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.signum
+        t = torch.tensor([self.signum], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
+        return int(t.item())
+
+
+@functools.cache
+def _cpu_group() -> Any:
+    """The process group for small host-side collectives: the default one under gloo, a gloo group under NCCL."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
 
 class Diverged(ValueError):
@@ -200,6 +292,9 @@ def resume_tags(run_dir: Path, cfg: RunConfig, ckpt_dirs: list[Path], resume: st
     With --resume the run folder must hold the same config and at least one folder a checkpoint that verifies;
     without it no folder may hold checkpoints (a fresh run would mix its tags with another run's)."""
     if resume is None:
+        if (run_dir / "config.json").is_file():
+            raise ckpt.CheckpointError(f"{run_dir} holds a run ({run_dir / 'config.json'}): continue it with --resume "
+                                       "(alone, it takes the run's own config), or choose a new --out")
         for d in ckpt_dirs:
             ckpt.refuse_overwrite(d)
         return [None] * len(ckpt_dirs)
@@ -212,17 +307,24 @@ def resume_tags(run_dir: Path, cfg: RunConfig, ckpt_dirs: list[Path], resume: st
     return tags
 
 
-def run_tokenizer(cfg: RunConfig, run_dir: Path, given: Path | None) -> Tokenizer:
+def run_tokenizer(cfg: RunConfig, run_dir: Path, given: Path | None, texts: list[str] | None = None) -> Tokenizer:
     """RUN_DIR/tokenizer: built once (from `given`, or from the config) by the first rank to take the run folder's
     lock, then read by every rank. A lock, not rank 0 and a barrier: it works before the process group exists, and
-    no collective times out while a tokenizer is trained on a large corpus.
+    no collective times out while a tokenizer is trained on a large corpus. A trained tokenizer learns
+    data.pretrain, else `texts` (fine-tuning: the training split's).
 
     Its ids must be model.vocab_size and its cut tokenizer.max_len, so the run's config and its tokenizer folder
     (both copied into the artifact) never disagree."""
     folder = run_dir / "tokenizer"
     with file_lock(run_dir / ".tokenizer.lock"):
         if not folder.exists():
-            tok = Tokenizer.load(given) if given else build_tokenizer(cfg)
+            if given:
+                tok = Tokenizer.load(given)
+            elif cfg.tokenizer.kind == "train" and not cfg.data.pretrain and texts:
+                tc = cfg.tokenizer
+                tok = Tokenizer.train(texts, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed)
+            else:
+                tok = build_tokenizer(cfg)
             _check_tokenizer(tok, cfg, f"--tokenizer {given}" if given else "the built tokenizer")
             tok.save(folder)
         elif given and Tokenizer.load(given).fingerprint != Tokenizer.load(folder).fingerprint:

@@ -3,11 +3,10 @@
 bf16 halves the bytes of activations and weight copies and runs matrix multiplies on bf16 units where the hardware
 has them: NVIDIA GPUs from Ampere on (`torch.cuda.is_bf16_supported()`), and x86 CPUs with AVX512_BF16 or AMX (the
 `avx512_bf16` / `amx_bf16` flags in /proc/cpuinfo). Elsewhere bf16 is emulated, slower than fp32. `auto` is bf16
-exactly where those units exist, fp32 elsewhere: on the 2-core CPU with AVX512_BF16 and AMX that the benchmarks ran
-on, bf16 steps of the demo and lab models were faster than fp32 ones with DeepSpeed's bf16 engine and under
-autocast alike, at losses within 1% of fp32 (docs/BENCHMARKS.md, Precision; bench/train_throughput.py
---precisions fp32,bf16). The rule reads only the hardware, so every rank of a node, and a resumed run on the same
-machines, resolve it alike.
+exactly where those units exist, fp32 elsewhere; what it gains on a given model and machine, and how far its losses
+stay from fp32's, is what `bench/train_throughput.py --precisions fp32,bf16` measures side by side in one run
+(docs/BENCHMARKS.md, Precision). The rule reads only the hardware, so every rank of a node, and a resumed run on the
+same machines, resolve it alike.
 
 DeepSpeed's bf16 engine keeps fp32 master weights in its optimizer; the artifact always holds fp32 weights
 (trainer/engine.py fp32_state_dict). No torch import at module level: trainer/config.py-level code may ask.

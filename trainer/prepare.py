@@ -29,14 +29,14 @@ from typing import Any, TextIO
 import numpy as np
 
 from trainer import cli
-from trainer.blocks import read_blocks
+from trainer.atomic import write_bytes_atomic
+from trainer.blocks import block_texts, parquet_texts, read_blocks
 from trainer.corpus import (
     FORMAT,
     MANIFEST,
     TOKENIZER_DIR,
     PreparedError,
     ShardWriter,
-    atomic_write,
     encode_documents,
     files_of,
     read_manifest,
@@ -44,15 +44,8 @@ from trainer.corpus import (
     tokenizer_entry,
     verify,
 )
-from trainer.data import (
-    DataError,
-    Example,
-    block_texts,
-    expand_inputs,
-    file_format,
-    parquet_row_groups,
-    parquet_texts,
-)
+from trainer.data import DataError, Example, expand_inputs, file_format
+from trainer.tables import parquet_row_groups
 from trainer.tokenizer import Tokenizer, build_tokenizer
 
 EXAMPLES = """examples:
@@ -179,7 +172,7 @@ def prepare(files: list[Path], tokenizer: Tokenizer, out: Path, workers: int = 0
     def save(complete: bool) -> dict[str, Any]:
         body = {**header, "complete": complete, "documents": sum(s["documents"] for s in shards),
                 "tokens": sum(s["tokens"] for s in shards), "shards": shards}
-        atomic_write(out / MANIFEST, (json.dumps(body, indent=1) + "\n").encode())
+        write_bytes_atomic(out / MANIFEST, (json.dumps(body, indent=1) + "\n").encode())
         return body
 
     save(False)

@@ -8,8 +8,8 @@ missing or different copy on any node stops every rank with one line naming the 
 
 The documents, [<sos>] + pieces + [<eos>] back to back, are read as packed windows of `pretrain.seq_len` tokens
 (trainer/windows.py: full windows, no padding; a window may span two documents). The last
-`data.pretrain_eval_lines` documents are held out whole for the eval loss. The loss is the mean over predicted
-tokens of the whole global batch, so 2 ranks x B equal 1 rank x 2B.
+`data.pretrain_eval_lines` documents (at most a tenth) are held out whole for the eval loss. The loss is the mean
+over predicted tokens of the whole global batch, so 2 ranks x B equal 1 rank x 2B.
   clm: input window[:-1] predicts window[1:] under the causal mask (windows overlap by one token, so every token
        but the stream's first is predicted once): seq_len predictions a window.
   mlm: round(mask_prob x seq_len) positions of a window are predicted (at least one), chosen among its pieces
@@ -59,7 +59,7 @@ EVAL_EPOCH = 1 << 30  # seeds the eval windows' MLM masks: fixed, so every eval 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    cli.add_config_args(parser, default_preset="demo")
+    cli.add_config_args(parser, default_preset="demo", resumable=True)
     cli.add_run_arguments(parser, tokenizer_help="use this tokenizer folder instead of building one (with "
                                                  "data.prepared: the folder's own, DIR/tokenizer, by default)")
 
@@ -146,7 +146,7 @@ def ready_data(cfg: RunConfig, opts: loop.RunOptions, run_dir: Path) -> tuple[To
     checked collectively at start); else the run's tokenizer, then RUN/prepared, each made by the first process to
     take its lock in the run folder (the others wait on the lock, then find it made)."""
     if cfg.data.prepared:
-        return None, Path(cfg.data.prepared).expanduser()
+        return None, Path(cfg.data.prepared).expanduser().absolute()  # its messages name the file on this node
     tok = loop.run_tokenizer(cfg, run_dir, opts.tokenizer)
     folder = run_dir / "prepared"
     with file_lock(run_dir / ".prepare.lock"):
@@ -222,6 +222,15 @@ class PretrainTask:
             state.history.append({"step": state.step, "loss": interval.loss, "eval_loss": row["eval_loss"]})
         return row
 
+    def improved(self, state: ckpt.LoopState) -> bool:
+        return False  # the artifact holds the last step's weights
+
+    def keep(self, engine: Any, ckpt_dir: Path, tag: str, state: ckpt.LoopState) -> None:
+        raise AssertionError("pretraining keeps the last weights")
+
+    def stop_early(self, state: ckpt.LoopState) -> bool:
+        return False
+
 
 def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     """Pretrain into `opts.out`; returns the artifact folder (None on ranks > 0, or when stopped by stop_at)."""
@@ -231,6 +240,11 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     (resume_tag,) = loop.resume_tags(run_dir, cfg, [ckpt_dir], opts.resume)
     ds, plan = eng.ds_config(cfg, "pretrain", local.world_size, opts.deepspeed_config or cfg.engine.deepspeed_config)
     cli.check_out(run_dir)  # every rank writes its checkpoint shards there
+    if not cfg.data.prepared and not cfg.data.pretrain:
+        raise ConfigError("data.pretrain is empty: name your unlabelled text files (--set data.pretrain=FILE,FILE), "
+                          "or a prepared folder (--set data.prepared=DIR)")
+    monitor.note(f"data: prepared: {cfg.data.prepared}" if cfg.data.prepared else
+                 f"data: pretrain: {', '.join(str(cfg.data.path(p)) for p in cfg.data.pretrain)}")
     problem, tok, folder = "", None, Path()
     try:
         tok, folder = ready_data(cfg, opts, run_dir)
@@ -243,7 +257,9 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     corpus, tok = check_data(folder, tok, cfg, opts, run_dir, info)
 
     overlap = 1 if pc.objective == "clm" else 0  # clm windows overlap by one token (module docstring)
-    train_w, eval_w = split(corpus, cfg.data.pretrain_eval_lines, pc.seq_len, overlap)
+    # Held-out: the last documents, at most a tenth of them
+    n_eval = min(cfg.data.pretrain_eval_lines, max(1, corpus.n_docs // 10))
+    train_w, eval_w = split(corpus, n_eval, pc.seq_len, overlap)
     if len(eval_w) == 0:
         raise ConfigError(f"the {cfg.data.pretrain_eval_lines} held-out documents (data.pretrain_eval_lines) hold "
                           f"{eval_w.hi - eval_w.lo} tokens, less than one window of {pc.seq_len + overlap}; hold "
@@ -264,8 +280,9 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
         state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
     log = monitor.RunLog(run_dir, total, state.step, f"pretrain {pc.objective}",
                          ["epoch", "loss", "ppl", "lr", "tokens_per_s", "eval_loss", "eval_ppl", "elapsed_s"])
-    log.print(f"pretrain {pc.objective}: {corpus.n_docs:,} documents, {corpus.n_tokens:,} tokens in {folder}, "
-              f"{len(train_w):,} windows of {pc.seq_len} ({per_epoch:,} global batches of {plan.global_batch}/epoch), "
+    log.print(f"pretrain {pc.objective}: {corpus.n_docs:,} documents ({n_eval:,} held out for the eval loss), "
+              f"{corpus.n_tokens:,} tokens in {folder}, {len(train_w):,} training windows of {pc.seq_len} "
+              f"({per_epoch:,} global batches of {plan.global_batch}/epoch), "
               f"{total:,} steps, world {info.world_size}, ZeRO {cfg.engine.zero_stage}, "
               f"{'bf16' if ds['bf16']['enabled'] else 'fp32'}"
               + (f", resumed at step {state.step}" if resume_tag else ""))

@@ -13,7 +13,7 @@ Two sources, one encode API:
   the working directory) on a user's raw text; vocab.txt holds exactly `vocab_size` pieces, so the model needs
   `vocab_size + 4` ids.
 
-Saved as the `tokenizer/` folder (spm.model, vocab.txt, tokenizer.json) that travels with every artifact and bundle.
+Saved as the `tokenizer/` folder (spm.model, vocab.txt, meta.json) that travels with every artifact and bundle.
 This module needs sentencepiece and numpy only (no torch).
 """
 
@@ -24,7 +24,6 @@ import io
 import os
 import random
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -40,12 +39,15 @@ from contract.tokens import (
     SOS,
     SPECIAL_PIECES,
     TOKENIZER_FILES,
+    TOKENIZER_META,
     Encoder,
     Kind,
     TokenizerMeta,
+    meta_path,
     read_tokenizer_files,
     text_lines,
 )
+from trainer.atomic import temp_dir
 from trainer.config import ConfigError, RunConfig
 from trainer.data import Example, detokenize, expand_inputs, iter_texts
 
@@ -244,17 +246,17 @@ class Tokenizer:
         """Write the tokenizer/ folder atomically: built in a temp sibling, then renamed over `folder`."""
         folder = Path(folder)
         folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        tmp = temp_dir(folder.parent, f".{folder.name}.")
         try:
             (tmp / "spm.model").write_bytes(self._model_proto)
             (tmp / "vocab.txt").write_text("".join(p + "\n" for p in self.pieces), encoding="utf-8")
             meta = TokenizerMeta(self.kind, self.max_len, self.vocab_size)
-            (tmp / "tokenizer.json").write_text(meta.to_json(), encoding="utf-8")
+            (tmp / TOKENIZER_META).write_text(meta.to_json(), encoding="utf-8")
             for name in TOKENIZER_FILES:
                 with open(tmp / name, "rb") as f:
                     os.fsync(f.fileno())
             if folder.exists():  # a directory cannot be replaced in one rename: move the old one aside first
-                old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", dir=folder.parent))
+                old = temp_dir(folder.parent, f".{folder.name}.old.")
                 os.replace(folder, old / folder.name)
                 os.replace(tmp, folder)
                 shutil.rmtree(old)
@@ -267,23 +269,31 @@ class Tokenizer:
 
     @classmethod
     def load(cls, folder: str | Path) -> Tokenizer:
-        """Read a tokenizer/ folder, checking it against its own tokenizer.json."""
+        """Read a tokenizer/ folder, checking it against its own meta.json (tokenizer.json in a folder written
+        before the rename)."""
         folder = Path(folder)
         if not folder.is_dir():
             raise TokenizerError(f"tokenizer folder not found: {folder}")
-        missing = [n for n in TOKENIZER_FILES if not (folder / n).is_file()]
+        paths = {n: folder / n for n in TOKENIZER_FILES}
+        paths[TOKENIZER_META] = meta_path(folder)
+        missing = [n for n, p in paths.items() if not p.is_file()]
         if missing:
             raise TokenizerError(
                 f"{folder}: missing {', '.join(missing)} (a tokenizer folder holds {', '.join(TOKENIZER_FILES)})"
             )
-        return cls.from_files({n: (folder / n).read_bytes() for n in TOKENIZER_FILES}, folder)
+        return cls.from_files({n: p.read_bytes() for n, p in paths.items()}, folder)
 
     @classmethod
-    def from_files(cls, files: Mapping[str, bytes], folder: Path) -> Tokenizer:
-        """The tokenizer of a folder's three files' bytes (a verified bundle's, for one); `folder` names them."""
+    def from_files(cls, files: Mapping[str, bytes], folder: Path, max_len: int | None = None) -> Tokenizer:
+        """The tokenizer of a folder's three files' bytes (a verified bundle's, for one); `folder` names them.
+        max_len: the cut (default: meta.json's; a bundle's meta.json has none, its manifest.json has it)."""
         tf = read_tokenizer_files(files, folder)
+        cut = tf.meta.max_len if max_len is None else max_len
+        if cut is None:
+            raise TokenizerError(f"{folder / TOKENIZER_META}: no max_len (a bundle's tokenizer folder: its "
+                                 "manifest.json holds it)")
         try:
-            return cls(tf.model_proto, tf.pieces, tf.meta.kind, tf.meta.max_len)
+            return cls(tf.model_proto, tf.pieces, tf.meta.kind, cut)
         except TokenizerError as e:
             raise TokenizerError(f"{folder}: {e}") from None
 
@@ -352,7 +362,9 @@ def build_tokenizer(cfg: RunConfig) -> Tokenizer:
                 f"but model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={tc.vocab_size + N_SPECIALS}"
             )
         paths = expand_inputs([cfg.data.path(p) for p in cfg.data.pretrain])  # globs too
-        tok = Tokenizer.train(paths, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed)
+        texts = (ex.text if ex.text is not None else detokenize(ex.pieces or [])  # data.text_field's column
+                 for p in paths for ex in iter_texts(p, cfg.data.text_field))
+        tok = Tokenizer.train(texts, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed)
     if tok.vocab_size != cfg.model.vocab_size:
         raise ConfigError(
             f"the {tc.kind} tokenizer has {tok.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}; "

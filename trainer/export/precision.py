@@ -12,7 +12,7 @@ import onnx
 
 from contract.manifest import PRECISIONS
 
-__all__ = ["PRECISIONS", "TOLERANCES", "Tolerance", "convert_fp16", "quantize_int8"]
+__all__ = ["INT8_CPU_BOUND", "PRECISIONS", "TOLERANCES", "Tolerance", "convert_fp16", "quantize_int8"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,14 @@ class Tolerance:
     def bound(self, ref: np.ndarray) -> float:
         return self.max_abs_diff + self.rel_diff * (float(np.abs(ref).max()) if ref.size else 0.0)
 
+    def __post_init__(self) -> None:
+        for name in ("max_abs_diff", "rel_diff", "max_accuracy_drop"):
+            value = getattr(self, name)
+            if not np.isfinite(value) or value < 0:
+                raise ValueError(f"tolerance {name} must be a finite number >= 0, got {value}")
+        if not 0 <= self.min_data_agreement <= 1:
+            raise ValueError(f"tolerance min_data_agreement must be in [0, 1], got {self.min_data_agreement}")
+
 
 # fp32: 1e-4 (measured <= 6e-7 with the exporter's decomposed attention, <= 2e-6 fused, at lab size).
 # fp16: 10-bit mantissa; measured 4e-4..7e-4 on the tiny model.
@@ -43,6 +51,13 @@ TOLERANCES: dict[str, Tolerance] = {
     "int8": Tolerance(max_abs_diff=5e-2, rel_diff=5e-2, min_data_agreement=0.98, max_accuracy_drop=1.0),
 }
 assert set(TOLERANCES) == set(PRECISIONS)
+
+# `export`'s default writes the int8 graph as the CPU graph only within this bound (the user did not ask for int8, so
+# it is tighter on labelled data than TOLERANCES["int8"]): on every validation batch the int8 tolerance on logits
+# and no decided label flipped; with --data, label agreement with PyTorch >= 99% and at most 0.5 accuracy points
+# lost. Measured on cls-books-fr test (docs/BENCHMARKS.md, Export): lab size 99.80% agreement, +0.00 points; demo
+# size +0.05 points. Beyond it, export says so and the CPU serves fp32.
+INT8_CPU_BOUND = Tolerance(max_abs_diff=5e-2, rel_diff=5e-2, min_data_agreement=0.99, max_accuracy_drop=0.5)
 
 
 def quantize_int8(src: Path, dst: Path, per_channel: bool = False, reduce_range: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Accuracy on a labelled file: the bundle's, PyTorch's, and how often they agree (`export --data`, `--check`)."""
+"""Accuracy on a labelled file: a graph's, PyTorch's, and how often they agree (`export --data`, `--check`)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from torch import nn
 from trainer.data import read_labeled
 from trainer.export.errors import ExportValidationError
 from trainer.export.graph import open_session
-from trainer.export.precision import TOLERANCES
+from trainer.export.precision import TOLERANCES, Tolerance
 from trainer.export.validate import ort_logits, torch_logits
 from trainer.tokenizer import Tokenizer
 
 
-def encode_file(tok: Tokenizer, data_file: Path, label_values: list[str], max_len: int,
-                limit: int = 0) -> tuple[list[list[int]], np.ndarray]:
+def encode_file(tok: Tokenizer, data_file: Path, label_values: list[str], max_len: int, limit: int = 0,
+                text_field: str = "text", label_field: str = "label") -> tuple[list[list[int]], np.ndarray]:
     """Ids (cut to max_len, <eos> kept) and label indices of a labelled file, read with the project's readers."""
-    examples = read_labeled(data_file, label_values)
+    examples = read_labeled(data_file, label_values, text_field, label_field)
     if limit:
         examples = examples[:limit]
     seqs = [tok.encode_example(ex, max_len) for ex in examples]
@@ -51,18 +51,23 @@ def predict(run: Callable[[np.ndarray, np.ndarray], np.ndarray], seqs: list[list
     return out
 
 
-def score_data(session: ort.InferenceSession, model: nn.Module | None, seqs: list[list[int]], labels: np.ndarray,
-               pad_id: int, batch_size: int = 32) -> dict[str, Any]:
-    """Accuracy of the bundle (and of PyTorch fp32 when `model` is given) and their label agreement."""
+def score_data(session: ort.InferenceSession, seqs: list[list[int]], labels: np.ndarray, pad_id: int,
+               reference: np.ndarray | None = None, batch_size: int = 32) -> dict[str, Any]:
+    """Accuracy of a graph and, given PyTorch's (N, C) logits on the same sequences (`reference`), PyTorch's accuracy
+    and their label agreement."""
     got = predict(lambda i, m: ort_logits(session, i, m), seqs, pad_id, batch_size)
     out: dict[str, Any] = {"examples": len(seqs), "bundle_accuracy": accuracy(got, labels)}
-    if model is not None:
-        ref = predict(lambda i, m: torch_logits(model, i, m), seqs, pad_id, batch_size)
-        out["torch_accuracy"] = accuracy(ref, labels)
+    if reference is not None:
+        out["torch_accuracy"] = accuracy(reference, labels)
         out["accuracy_change_points"] = round(out["bundle_accuracy"] - out["torch_accuracy"], 3)
-        out["label_agreement"] = float((got.argmax(1) == ref.argmax(1)).mean())
-        out["max_abs_diff"] = float(np.abs(got - ref).max())
+        out["label_agreement"] = float((got.argmax(1) == reference.argmax(1)).mean())
+        out["max_abs_diff"] = float(np.abs(got - reference).max())
     return out
+
+
+def torch_reference(model: nn.Module, seqs: list[list[int]], pad_id: int, batch_size: int = 32) -> np.ndarray:
+    """PyTorch fp32's (N, C) logits on the sequences: computed once, compared with every graph."""
+    return predict(lambda i, m: torch_logits(model, i, m), seqs, pad_id, batch_size)
 
 
 def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
@@ -70,13 +75,12 @@ def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
     return round(100.0 * float((logits.argmax(1) == labels).mean()), 3)
 
 
-def data_check(model: nn.Module, path: Path, precision: str, level: str, tok: Tokenizer, data_file: Path,
-                label_values: list[str], max_len: int, pad_id: int, limit: int) -> dict[str, Any]:
-    """Accuracy change on a labelled file, held to the precision's tolerance."""
-    tol = TOLERANCES[precision]
-    seqs, labels = encode_file(tok, data_file, label_values, max_len, limit)
+def data_check(path: Path, precision: str, level: str, seqs: list[list[int]], labels: np.ndarray,
+               reference: np.ndarray, pad_id: int, data_file: Path, tol: Tolerance | None = None) -> dict[str, Any]:
+    """Accuracy change of the graph at `path` on a labelled file, held to `tol` (default: the precision's)."""
+    tol = tol or TOLERANCES[precision]
     session = open_session(path, level, prefer_gpu=False)
-    report = score_data(session, model, seqs, labels, pad_id)
+    report = score_data(session, seqs, labels, pad_id, reference)
     report["file"] = str(data_file)
     drop = -report["accuracy_change_points"]
     if report["label_agreement"] < tol.min_data_agreement or drop > tol.max_accuracy_drop:

@@ -21,7 +21,7 @@ from contract.runtime import cuda_driver_present
 from contract.tokens import EOS, N_SPECIALS, OOV, SOS
 from trainer.export.errors import ExportValidationError
 from trainer.export.graph import open_session
-from trainer.export.precision import TOLERANCES
+from trainer.export.precision import TOLERANCES, Tolerance
 
 
 @dataclass
@@ -81,12 +81,18 @@ def compare(ref: np.ndarray, got: np.ndarray, bound: float) -> tuple[float, int,
 
 
 def validate(model: nn.Module, session: ort.InferenceSession, precision: str, max_len: int, vocab_size: int,
-             pad_id: int) -> dict[str, Any]:
-    """Run every validation case on both; raise ExportValidationError on the first case beyond tolerance."""
-    tol = TOLERANCES[precision]
+             pad_id: int, tol: Tolerance | None = None,
+             references: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """Run every validation case on both; raise ExportValidationError on the first case beyond `tol` (default: the
+    precision's). references: PyTorch's logits by case name, filled on first use and reused (one export validates
+    several graphs against the same model)."""
+    tol = tol or TOLERANCES[precision]
+    references = {} if references is None else references
     rows, same, total, worst = [], 0, 0, 0.0
     for case in validation_cases(max_len, vocab_size, pad_id):
-        ref = torch_logits(model, case.input_ids, case.attention_mask)
+        if case.name not in references:
+            references[case.name] = torch_logits(model, case.input_ids, case.attention_mask)
+        ref = references[case.name]
         got = ort_logits(session, case.input_ids, case.attention_mask)
         if got.shape != ref.shape or got.dtype != np.float32:
             raise ExportValidationError(f"{precision} bundle on input {case.name}: logits {got.dtype} {got.shape}, "
@@ -110,15 +116,16 @@ def validate(model: nn.Module, session: ort.InferenceSession, precision: str, ma
 
 
 def validate_graph(model: nn.Module, path: Path, precision: str, level: str, max_len: int, vocab_size: int,
-                     pad_id: int) -> dict[str, Any]:
+                   pad_id: int, tol: Tolerance | None = None,
+                   references: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Validation on CPU (the deterministic reference); an fp16 graph the CPU provider cannot run is validated on
     CUDA when present, and otherwise the manifest says it was not validated."""
-    tol = TOLERANCES[precision]
+    tol = tol or TOLERANCES[precision]
     base = {"reference": "PyTorch fp32 eager (trainer.model.Classifier)", "graph_optimization_level": level,
             "tolerance": asdict(tol)}
     try:
         session = open_session(path, level, prefer_gpu=False)
-        result = validate(model, session, precision, max_len, vocab_size, pad_id)
+        result = validate(model, session, precision, max_len, vocab_size, pad_id, tol, references)
     except (OrtFail, OrtNotImplemented) as e:
         if precision != "fp16":
             raise
@@ -126,5 +133,5 @@ def validate_graph(model: nn.Module, path: Path, precision: str, level: str, max
             return {**base, "passed": None, "skipped": f"onnxruntime's CPU provider cannot run this fp16 graph "
                                                        f"and no CUDA device is present: {e}"}
         session = open_session(path, level, prefer_gpu=True)
-        result = validate(model, session, precision, max_len, vocab_size, pad_id)
+        result = validate(model, session, precision, max_len, vocab_size, pad_id, tol, references)
     return {**base, "provider": session.get_providers()[0], "passed": True, **result}

@@ -53,9 +53,10 @@ class SentimentServiceServicer:
 
     def Classify(self, request, context):
         """Classifies a batch of raw texts (tokenized by the server). The answer holds one result per text, in the
-        order of the request. Errors: INVALID_ARGUMENT (empty list, empty text, too many texts, a text over the
-        character limit, or over the token limit when the server refuses long texts), RESOURCE_EXHAUSTED (queue
-        full or message too large), DEADLINE_EXCEEDED, UNAVAILABLE (starting or draining), UNAUTHENTICATED.
+        order of the request. Errors: INVALID_ARGUMENT (empty list, too many texts, a text without tokens, a text
+        over the character limit, or over the token limit when the server refuses long texts), RESOURCE_EXHAUSTED
+        (queue full, message too large, or too many answers waiting for their clients), DEADLINE_EXCEEDED,
+        UNAVAILABLE (starting or draining), UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

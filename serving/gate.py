@@ -1,0 +1,394 @@
+"""The gate every call passes: authentication, admission, time to send the body, bytes of answers held, status codes.
+
+`Gate` is the server's one gRPC interceptor. gRPC's threaded server runs interceptors in its polling thread, before
+a handler thread is used, and then hands the call to a thread of its pool. What that thread does first is what a
+hostile client can exploit (measured with the hand-built HTTP/2 clients of tests/hostile.py):
+  - a unary handler's thread first waits for the request body, with no bound: 160 streams that send their headers
+    and never their body held every thread and every RPC slot, so that every call, health included, answered
+    RESOURCE_EXHAUSTED for as long as the client held them, and this before any token was checked;
+  - a request-streaming handler's behaviour is called at once with an iterator of messages, and the wire does not
+    say whether a method is unary or streaming.
+So every handler is re-made here as request-streaming: a call without a valid token is refused from its metadata
+before its body is read (the refusal runs on a small pool of its own); every other call takes a slot (its own
+limit for model calls, another for health), then reads its message under a watchdog that cancels the call when
+the body has not arrived within `body_timeout_s`. Health runs on a pool of its own threads
+(`experimental_thread_pool`, gRPC's per-handler pool), so no model traffic can starve it. Model calls in progress
+and the answers they hold count as work for the memory reclaimer (serving/memory.py).
+
+Errors become status codes here (ServingError subclasses; anything else is a bug: INTERNAL, and its traceback is
+logged with a rate limit, so that no client can make the log grow without bound); the health port, an asyncio
+server of its own, maps its few refusals itself (serving/health_port.py). Every call is
+counted with the code its client really got, also when a handler sets a code without raising.
+"""
+
+from __future__ import annotations
+
+import heapq
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from serving.errors import BodyTimeout, InvalidInput, Overloaded, ServingError, Unauthenticated
+from serving.memory import Reclaimer
+from serving.metrics import Metrics
+
+log = logging.getLogger("serving.server")
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"  # open without a token (load balancers, probes)
+
+
+class _Malformed:
+    """Stands in for a request message that failed to parse (e.g. invalid UTF-8 in a string field)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """grpc answers a parse failure with INTERNAL; we want INVALID_ARGUMENT, so parse failures become values."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as e:
+            return _Malformed(e)
+
+    return parse
+
+
+class _Watch:
+    def __init__(self, cancel: Callable[[], None]) -> None:
+        self.cancel = cancel
+        self.fired = False
+
+
+class Watchdog:
+    """Cancels a call whose next request message has not arrived `timeout` s after it was armed. One thread for
+    all calls: arming is a heap push (deadlines come in order, so the thread is woken only when idle)."""
+
+    def __init__(self, timeout: float, on_fire: Callable[[], None] = lambda: None) -> None:
+        self.timeout = timeout
+        self.on_fire = on_fire
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int]] = []  # (deadline, token), lazily cleaned
+        self._armed: dict[int, _Watch] = {}  # token -> the watch of a call waiting for a message
+        self._next = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="body-watchdog", daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def watching(self, cancel: Callable[[], None]) -> Iterator[_Watch]:
+        """Arms the watchdog for the body of the `with`; `.fired` says afterwards whether it cancelled."""
+        watch = _Watch(cancel)
+        with self._cond:
+            token, self._next = self._next, self._next + 1
+            self._armed[token] = watch
+            heapq.heappush(self._heap, (time.monotonic() + self.timeout, token))
+            if len(self._heap) == 1:
+                self._cond.notify()
+        try:
+            yield watch
+        finally:
+            with self._cond:
+                self._armed.pop(token, None)
+
+    def _loop(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                deadline, token = self._heap[0]
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+                watch = self._armed.pop(token, None)
+                if watch is not None:  # still waiting for its message: cancel (non-blocking in gRPC)
+                    watch.fired = True
+                    watch.cancel()
+                    self.on_fire()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(5)
+
+
+class ResponseBudget:
+    """Bytes of answers built and not yet delivered: reserved when an answer is built, released when its call
+    ends (delivered, or cancelled by its client). gRPC keeps an answer that its client does not read in memory;
+    this bounds the sum. A held answer counts as work in progress for the reclaimer (serving/memory.py)."""
+
+    def __init__(self, limit: int, metrics: Metrics, reclaimer: Reclaimer | None = None) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+        self._gauge = metrics.response_bytes
+        self._reclaimer = reclaimer
+
+    @property
+    def spent(self) -> bool:
+        return self.used >= self.limit
+
+    def reserve(self, size: int) -> None:
+        """Raises Overloaded when `size` more bytes would pass the limit."""
+        with self._lock:
+            if self.used + size > self.limit:
+                raise Overloaded(f"{self.used} bytes of answers wait for their clients + {size} > "
+                                 f"max_response_bytes_in_flight {self.limit}; retry later")
+            self.used += size
+            self._gauge.set(self.used)
+        if self._reclaimer is not None:
+            self._reclaimer.enter()
+
+    def release(self, size: int) -> None:
+        """Runs in gRPC's polling thread (a call's done-callback): a lock and a notify, nothing more."""
+        with self._lock:
+            self.used -= size
+            self._gauge.set(self.used)
+        if self._reclaimer is not None:
+            self._reclaimer.leave()
+
+
+class _Throttle:
+    """At most `burst` full tracebacks per `period` s for one kind of failure; the rest are counted, and the count
+    is logged with the next traceback allowed."""
+
+    def __init__(self, period: float = 60.0, burst: int = 3) -> None:
+        self.period, self.burst = period, burst
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, int, int]] = {}  # key -> (window start, logged, suppressed)
+
+    def allow(self, key: str) -> tuple[bool, int]:
+        """(log this one?, how many were suppressed since the last one logged)."""
+        now = time.monotonic()
+        with self._lock:
+            start, logged, suppressed = self._seen.get(key, (now, 0, 0))
+            if now - start >= self.period:
+                start, logged = now, 0
+            if logged < self.burst:
+                self._seen[key] = (start, logged + 1, 0)
+                return True, suppressed
+            self._seen[key] = (start, logged, suppressed + 1)
+            return False, 0
+
+
+class Slots:
+    """Calls in progress at once, up to `limit`; `take` refuses at once past it (no queue). A slot taken counts as
+    work in progress for `reclaimer` (serving/memory.py), when given."""
+
+    def __init__(self, limit: int, what: str, reclaimer: Reclaimer | None = None) -> None:
+        self.limit, self.what = limit, what
+        self.used = 0
+        self._lock = threading.Lock()
+        self._reclaimer = reclaimer
+
+    @contextmanager
+    def take(self) -> Iterator[None]:
+        with self._lock:
+            if self.used >= self.limit:
+                raise Overloaded(f"server busy: {self.used} {self.what} calls in progress (limit {self.limit}); "
+                                 "retry later")
+            self.used += 1
+        if self._reclaimer is not None:
+            self._reclaimer.enter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.used -= 1
+            if self._reclaimer is not None:
+                self._reclaimer.leave()
+
+
+class Gate(grpc.ServerInterceptor):
+    """See the module docstring."""
+
+    def __init__(self, metrics: Metrics, *, auth_token: str | None, max_calls: int, health_workers: int,
+                 body_timeout_s: float, max_message_bytes: int, max_response_bytes: int,
+                 reclaimer: Reclaimer | None = None) -> None:
+        self.metrics = metrics
+        self.expected = f"Bearer {auth_token}".encode() if auth_token else None
+        self.body_timeout_s = body_timeout_s
+        self.model_slots = Slots(max_calls, "model", reclaimer)
+        self.health_slots = Slots(health_workers, "health")
+        self.health_pool = futures.ThreadPoolExecutor(health_workers, thread_name_prefix="health")
+        # Refusals only abort: two threads keep up with any rate the polling thread can hand them.
+        self.refusal_pool = futures.ThreadPoolExecutor(2, thread_name_prefix="refuse")
+        self.watchdog = Watchdog(body_timeout_s, on_fire=metrics.body_timeouts.inc)
+        self.budget = ResponseBudget(max_response_bytes, metrics, reclaimer)
+        self.max_message_bytes = max_message_bytes
+        self.throttle = _Throttle()
+
+    def close(self) -> None:
+        self.watchdog.close()
+        self.health_pool.shutdown(wait=False, cancel_futures=True)
+        self.refusal_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        if self.expected is None or details.method.startswith(HEALTH_PREFIX):
+            return True
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(given, self.expected)
+        return False
+
+    def intercept_service(self, continuation, details):  # noqa: ANN001 (grpc's untyped interface)
+        handler = continuation(details)
+        if handler is None:
+            return None  # unknown method: grpc answers UNIMPLEMENTED at once, without a thread
+        method = details.method.lstrip("/")
+        if not self._authorized(details):
+            self.metrics.requests.labels(method, "UNAUTHENTICATED").inc()
+            return self._refusal(handler, Unauthenticated("missing or wrong bearer token (metadata "
+                                                          "'authorization: Bearer <token>')"))
+        health = details.method.startswith(HEALTH_PREFIX)
+        call = _Call(self, method, self.health_slots if health else self.model_slots, model=not health)
+        parse = _safe(handler.request_deserializer)
+        if handler.unary_unary is not None:
+            made = grpc.stream_unary_rpc_method_handler(call.unary(handler.unary_unary), request_deserializer=parse,
+                                                        response_serializer=handler.response_serializer)
+        elif handler.unary_stream is not None:  # health Watch: non-blocking, answers through a callback
+            made = grpc.stream_stream_rpc_method_handler(call.watch(handler.unary_stream), request_deserializer=parse,
+                                                         response_serializer=handler.response_serializer)
+        elif handler.stream_stream is not None:  # reflection
+            made = grpc.stream_stream_rpc_method_handler(call.stream(handler.stream_stream),
+                                                         request_deserializer=parse,
+                                                         response_serializer=handler.response_serializer)
+        else:
+            return handler  # no stream-unary method is served
+        if health:
+            for behavior in (made.stream_unary, made.stream_stream):
+                if behavior is not None:
+                    behavior.experimental_thread_pool = self.health_pool
+        return made
+
+    def first(self, requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Any:
+        """The one message of a unary call, read under the watchdog."""
+        request = self.next_message(requests, context)
+        if request is None:
+            raise InvalidInput(f"{method}: the call ended without its request message")
+        if isinstance(request, _Malformed):
+            raise InvalidInput(f"request does not parse as {method}'s message: {request.error}")
+        return request
+
+    def next_message(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        """The next message of a call (None at its end); BodyTimeout when it took longer than body_timeout_s."""
+        with self.watchdog.watching(context.cancel) as watch:
+            request = next(requests, None)
+        if watch.fired:
+            raise BodyTimeout(f"request message not received within body_timeout_s={self.body_timeout_s}")
+        return request
+
+    def account(self, response: Any, context: grpc.ServicerContext) -> Any:
+        """Count an answer against the budget until its call ends; refuse one that gRPC could not send."""
+        size = response.ByteSize()
+        if size > self.max_message_bytes:
+            raise Overloaded(f"the answer would be {size} bytes > max_message_bytes {self.max_message_bytes}; "
+                             "send fewer texts per request")
+        self.budget.reserve(size)
+        if not context.add_callback(lambda: self.budget.release(size)):
+            self.budget.release(size)  # the call has already ended
+        return response
+
+    def log_internal(self, method: str, error: Exception) -> None:
+        allowed, suppressed = self.throttle.allow(f"{method}:{type(error).__name__}")
+        if allowed:
+            more = f" ({suppressed} more like it not logged)" if suppressed else ""
+            log.error("internal error in %s%s", method, more, exc_info=error)
+        else:
+            self.metrics.suppressed_logs.inc()
+
+    def _refusal(self, handler: grpc.RpcMethodHandler, error: ServingError) -> grpc.RpcMethodHandler:
+        """A request-streaming handler that only aborts: it never reads the body, so a client that never sends it
+        holds nothing; it runs on the refusal pool."""
+        code = grpc.StatusCode[error.code]
+
+        def abort(requests: Iterator[Any], context: grpc.ServicerContext, *callback: Any) -> Any:
+            context.abort(code, str(error))
+
+        abort.experimental_thread_pool = self.refusal_pool
+        make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else \
+            grpc.stream_unary_rpc_method_handler
+        return make(abort, response_serializer=handler.response_serializer)
+
+
+class _Call:
+    """The behaviours of one call of `method`: each takes a slot, reads under the watchdog, maps errors to codes,
+    counts the call with the code its client got."""
+
+    def __init__(self, gate: Gate, method: str, slots: Slots, model: bool) -> None:
+        self.gate, self.method, self.slots, self.model = gate, method, slots, model
+
+    @contextmanager
+    def _served(self, context: grpc.ServicerContext) -> Iterator[None]:
+        start, code = time.perf_counter(), None
+        try:
+            with self.slots.take():
+                if self.model and self.gate.budget.spent:  # refused before computing anything
+                    b = self.gate.budget
+                    raise Overloaded(f"{b.used} bytes of answers wait for their clients "
+                                     f"(max_response_bytes_in_flight {b.limit}); retry later")
+                yield
+        except grpc.RpcError:
+            code = "CANCELLED"  # the client went away: gRPC raised this itself and ends the call quietly
+            raise
+        except ServingError as e:
+            code = e.code
+            context.abort(grpc.StatusCode[e.code], str(e))
+        except Exception as e:
+            chosen = context.code()
+            if chosen not in (None, grpc.StatusCode.OK):  # the handler chose its code (set_code, abort), then raised
+                code = chosen.name
+                context.abort(chosen, (context.details() or b"").decode("utf-8", "replace"))
+            code = "INTERNAL"
+            self.gate.log_internal(self.method, e)
+            context.abort(grpc.StatusCode.INTERNAL, "internal server error (details in the server log)")
+        finally:
+            if code is None:  # also a code set without raising (health Check's NOT_FOUND)
+                code = context.code().name if context.code() is not None else "OK"
+            self.gate.metrics.requests.labels(self.method, code).inc()
+            self.gate.metrics.request_seconds.labels(self.method).observe(time.perf_counter() - start)
+
+    def unary(self, inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+        def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            with self._served(context):
+                request = self.gate.first(requests, context, self.method)
+                return self.gate.account(inner(request, context), context) if self.model else \
+                    inner(request, context)
+
+        return behavior
+
+    def watch(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def behavior(requests: Iterator[Any], context: grpc.ServicerContext, send: Any = None) -> Any:
+            with self._served(context):
+                return inner(self.gate.first(requests, context, self.method), context, send)
+
+        behavior.experimental_non_blocking = getattr(inner, "experimental_non_blocking", False)
+        return behavior
+
+    def stream(self, inner: Callable[[Iterator[Any], grpc.ServicerContext], Iterator[Any]]) -> Callable[..., Any]:
+        def messages(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            while (request := self.gate.next_message(requests, context)) is not None:
+                yield request
+
+        def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            with self._served(context):  # held while the stream lives
+                yield from inner(messages(requests, context), context)
+
+        return behavior

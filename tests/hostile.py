@@ -1,0 +1,155 @@
+"""Hand-built HTTP/2 clients that behave as an attacker would, for the attack tests (tests/test_reliability_attacks.py).
+
+A gRPC library client always sends its request body and reads its responses; these do not:
+  - `HalfOpen`: one connection, many gRPC streams whose HEADERS are sent and whose body (DATA) never is;
+  - `Unread`: one connection that sends whole requests but never lets the server send a response byte
+    (HTTP/2 flow-control window 0), so that every response stays queued in the server.
+Built on the `h2` package (HTTP/2 framing and HPACK only: every frame is chosen here). A reader thread answers
+the server's PINGs and SETTINGS and records how each stream ended.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+import threading
+from pathlib import Path
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+
+
+class _Connection:
+    """An h2 client connection on a real socket, with a reader thread that records each stream's end."""
+
+    def __init__(self, port: int, *, tls_ca: Path | None = None, window: int | None = None) -> None:
+        raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if tls_ca is not None:
+            context = ssl.create_default_context(cafile=str(tls_ca))
+            context.set_alpn_protocols(["h2"])
+            raw = context.wrap_socket(raw, server_hostname="localhost")
+        raw.settimeout(None)
+        self.sock = raw
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.h2.initiate_connection()
+        if window is not None:  # the window the server may send into on each stream (0 = not one byte)
+            self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+        self.lock = threading.Lock()
+        self.ended: dict[int, str] = {}  # stream id -> grpc-status (or "RST <code>") once it ended
+        self.max_streams: int | None = None  # the server's SETTINGS_MAX_CONCURRENT_STREAMS
+        self.closed = threading.Event()
+        self._changed = threading.Condition()
+        self._flush()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+
+    def start_reading(self) -> None:
+        self._reader.start()
+
+    def _flush(self) -> None:
+        data = self.h2.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                data = self.sock.recv(65536)
+                if not data:
+                    break
+                with self.lock:
+                    events = self.h2.receive_data(data)
+                    for e in events:
+                        self._on(e)
+                    self._flush()
+                with self._changed:
+                    self._changed.notify_all()
+        except (OSError, h2.exceptions.ProtocolError):
+            pass
+        finally:
+            self.closed.set()
+            with self._changed:
+                self._changed.notify_all()
+
+    def _on(self, event: h2.events.Event) -> None:
+        if isinstance(event, h2.events.RemoteSettingsChanged):
+            changed = event.changed_settings.get(h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS)
+            if changed is not None:
+                self.max_streams = changed.new_value
+        elif isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+            headers = dict(event.headers)
+            if "grpc-status" in headers:
+                self.ended[event.stream_id] = headers["grpc-status"]
+        elif isinstance(event, h2.events.StreamReset):
+            self.ended.setdefault(event.stream_id, f"RST {int(event.error_code)}")
+
+    def open_stream(self, path: str, metadata: list[tuple[str, str]] = (), end: bool = False) -> int:
+        """Send the HEADERS of one gRPC call (no deadline); returns the stream id."""
+        with self.lock:
+            sid = self.h2.get_next_available_stream_id()
+            headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "localhost"),
+                       ("content-type", "application/grpc"), ("te", "trailers"), *metadata]
+            self.h2.send_headers(sid, headers, end_stream=end)
+            self._flush()
+        return sid
+
+    def send_message(self, sid: int, message: bytes, timeout: float = 60.0) -> None:
+        """The gRPC body: one length-prefixed message, then the end of the stream (as fast as the server's
+        flow-control windows allow: the reader thread applies its WINDOW_UPDATEs)."""
+        body = b"\x00" + struct.pack(">I", len(message)) + message
+        while body:
+            with self.lock:
+                n = min(len(body), self.h2.local_flow_control_window(sid), self.h2.max_outbound_frame_size)
+                if n:
+                    self.h2.send_data(sid, body[:n], end_stream=n == len(body))
+                    body = body[n:]
+                    self._flush()
+            if not n and not self.wait(lambda: self.h2.local_flow_control_window(sid) > 0, timeout):
+                raise TimeoutError(f"stream {sid}: the server's flow-control window stayed closed")
+
+    def wait(self, condition, timeout: float) -> bool:  # noqa: ANN001
+        with self._changed:
+            return self._changed.wait_for(lambda: condition() or self.closed.is_set(), timeout)
+
+    def close(self) -> None:
+        """Closes the socket (the server sees every open stream cancelled)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        if self._reader.is_alive():
+            self._reader.join(5)
+
+
+class HalfOpen(_Connection):
+    """`n` streams to `path` on one connection: HEADERS only, the body never sent, no deadline."""
+
+    def __init__(self, port: int, path: str, n: int, *, tls_ca: Path | None = None,
+                 metadata: list[tuple[str, str]] = ()) -> None:
+        super().__init__(port, tls_ca=tls_ca)
+        # All sent before the server's SETTINGS are read: h2 would otherwise keep to the server's
+        # MAX_CONCURRENT_STREAMS itself, and an attacker does not.
+        self.streams = [self.open_stream(path, metadata) for _ in range(n)]
+        self.start_reading()
+
+    @property
+    def open_count(self) -> int:
+        """Streams the server has not ended (it still holds them)."""
+        with self.lock:
+            return sum(sid not in self.ended for sid in self.streams)
+
+
+class Unread(_Connection):
+    """Whole requests sent, responses never read: the server may not send one byte of DATA (window 0)."""
+
+    def __init__(self, port: int, *, tls_ca: Path | None = None) -> None:
+        super().__init__(port, tls_ca=tls_ca, window=0)
+        self.start_reading()
+
+    def call(self, path: str, message: bytes, metadata: list[tuple[str, str]] = ()) -> int:
+        sid = self.open_stream(path, metadata)
+        self.send_message(sid, message)
+        return sid

@@ -1,0 +1,73 @@
+"""deploy/ci/export-gate.yml, the example export step of a user's CI: its commands, read from the file and run as
+written on the tiny preset (the export, the check with its gates, the image build as `make -n`), so the example cannot
+drift from the code it calls."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from procs import REPO
+
+WORKFLOW = REPO / "deploy" / "ci" / "export-gate.yml"
+TOOLS = Path(os.environ.get("TS_DEPLOY_TOOLS", REPO / ".venv-deploy" / "bin"))
+
+
+def workflow() -> dict:
+    """The workflow as data (PyYAML lives in .venv-deploy, not in the project's venv)."""
+    python = TOOLS / "python"
+    if not python.exists():
+        message = f"{python} missing: run `make deploy-venv`"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    to_json = "import json, sys, yaml; print(json.dumps(yaml.safe_load(sys.stdin)))"
+    out = subprocess.run([str(python), "-c", to_json], input=WORKFLOW.read_text(encoding="utf-8"),
+                         capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def run_step(steps: dict[str, str], step: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """One step's `run:` script, as the runner runs it (bash -e, the job's env, the checkout as working folder)."""
+    return subprocess.run(["bash", "-e", "-c", steps[step]], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_the_example_ci_job_runs_on_the_tiny_preset(tiny_classifier_artifact: Path, tiny_bundle: Path,
+                                                    data_dir: Path, tmp_path: Path) -> None:
+    wf = workflow()
+    (job,) = wf["jobs"].values()
+    steps = {s["id"]: s["run"] for s in job["steps"] if "id" in s}
+    assert list(steps) == ["export", "gate", "image"]
+    # The job's variables, with this test's paths and the tiny model's limits (it is barely trained: 48%).
+    env = {**os.environ, **{k: str(v) for k, v in wf["env"].items()},
+           "ARTIFACT": str(tiny_classifier_artifact), "BUNDLE": str(tmp_path / "bundle"),
+           "BASELINE": str(tiny_bundle), "DATA": str(data_dir / "cls-books-fr" / "test.review.txt"),
+           "DATA_LIMIT": "100", "MIN_ACCURACY": "30", "MIN_AGREEMENT": "90", "MAX_DROP": "10",
+           "REPORTS": str(tmp_path / "reports")}
+
+    export = run_step(steps, "export", env)
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert (tmp_path / "bundle" / "manifest.json").is_file()
+
+    gate = run_step(steps, "gate", env)
+    assert gate.returncode == 0, gate.stdout[-3000:] + gate.stderr[-3000:]
+    report = json.loads((tmp_path / "reports" / "check.json").read_text())
+    assert report["passed"] and {g["gate"] for g in report["gates"]} == {"min-accuracy", "min-agreement", "max-drop"}
+    assert (tmp_path / "reports" / "check.xml").read_text().startswith('<?xml version="1.0" encoding="UTF-8"?>')
+
+    # A gate the bundle cannot meet fails the step with exit 1; with no baseline the drop gate is left out.
+    strict = {**env, "MIN_ACCURACY": "99.9", "BASELINE": str(tmp_path / "no-baseline-yet")}
+    gate = run_step(steps, "gate", strict)
+    assert gate.returncode == 1, gate.stdout[-3000:] + gate.stderr[-3000:]
+    report = json.loads((tmp_path / "reports" / "check.json").read_text())
+    assert not report["passed"] and "max-drop" not in {g["gate"] for g in report["gates"]}
+
+    # The image step, as make would run it (tests/test_container.py builds the bundled target for real).
+    image = run_step(steps, "image", {**env, "MAKEFLAGS": "-n"})
+    assert image.returncode == 0, image.stderr[-3000:]
+    assert image.stdout.strip() == (f"docker build -f Containerfile -t {env['IMAGE']} --target bundled "
+                                    f"--build-arg BUNDLE={env['BUNDLE']} .")
