@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from serving.errors import ConfigError
+from serving.errors import ServerConfigError
 
 
 @dataclass
@@ -88,13 +88,13 @@ class ServerConfig:
         if self.health_port is not None:
             _in_range("health_port", self.health_port, 0, 65535)
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+            raise ServerConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.optimization not in (None, "disable", "basic", "extended", "all"):
-            raise ConfigError(f"optimization must be disable, basic, extended or all, got {self.optimization!r}")
+            raise ServerConfigError(f"optimization must be disable, basic, extended or all, got {self.optimization!r}")
         if self.long_text not in ("truncate", "refuse"):
-            raise ConfigError(f"long_text must be 'truncate' or 'refuse', got {self.long_text!r}")
+            raise ServerConfigError(f"long_text must be 'truncate' or 'refuse', got {self.long_text!r}")
         if not self.model_name or "/" in self.model_name:
-            raise ConfigError(f"model_name must be a non-empty name without '/', got {self.model_name!r}")
+            raise ServerConfigError(f"model_name must be a non-empty name without '/', got {self.model_name!r}")
         _in_range("intra_op_threads", self.intra_op_threads, 0, 1024)
         _in_range("inter_op_threads", self.inter_op_threads, 0, 1024)
         _in_range("max_batch_size", self.max_batch_size, 1, 4096)
@@ -104,7 +104,7 @@ class ServerConfig:
         _in_range("batch_workers", self.batch_workers, 1, 64)
         _in_range("max_texts", self.max_texts, 1, 10_000)
         if self.max_queue < self.max_texts:
-            raise ConfigError(f"max_queue={self.max_queue} must be >= max_texts={self.max_texts}: one full "
+            raise ServerConfigError(f"max_queue={self.max_queue} must be >= max_texts={self.max_texts}: one full "
                               "request must fit in the queue")
         _in_range("max_queue", self.max_queue, 1, 1_000_000)
         _in_range("max_chars", self.max_chars, 1, 10_000_000)
@@ -126,23 +126,24 @@ class ServerConfig:
         _in_range("grace_s", self.grace_s, 0.0, 3600.0, integer=False)
         _in_range("drain_delay_s", self.drain_delay_s, 0.0, 3600.0, integer=False)
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError(f"tls_cert and tls_key go together, got tls_cert={self.tls_cert!r}, "
+            raise ServerConfigError(f"tls_cert and tls_key go together, got tls_cert={self.tls_cert!r}, "
                               f"tls_key={self.tls_key!r}")
         if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key (TLS) as well")
+            raise ServerConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key (TLS) as well")
         for name in ("tls_cert", "tls_key", "tls_client_ca"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
-                raise ConfigError(f"{name}: file not found: {path}")
+                raise ServerConfigError(f"{name}: file not found: {path}")
         if self.auth_token is not None and (len(self.auth_token) < 16 or not self.auth_token.isprintable()
                                             or " " in self.auth_token):
-            raise ConfigError("auth_token must be at least 16 printable characters without spaces "
+            raise ServerConfigError("auth_token must be at least 16 printable characters without spaces "
                               f"(got {len(self.auth_token)} characters)")
 
     def check_bundle_fit(self, max_len: int) -> None:
         """The token budget must hold one text of the bundle's max_len."""
         if self.max_batch_tokens < max_len:
-            raise ConfigError(f"max_batch_tokens={self.max_batch_tokens} must be >= the bundle's max_len {max_len}")
+            raise ServerConfigError(f"max_batch_tokens={self.max_batch_tokens} must be >= the bundle's "
+                                    f"max_len {max_len}")
 
     def replace(self, **changes: object) -> ServerConfig:
         return dataclasses.replace(self, **changes)
@@ -152,4 +153,4 @@ def _in_range(name: str, value: object, low: float, high: float, integer: bool =
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
         kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{name} must be {kind} in [{low}, {high}], got {value!r}")
+        raise ServerConfigError(f"{name} must be {kind} in [{low}, {high}], got {value!r}")

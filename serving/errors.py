@@ -66,5 +66,5 @@ class BodyTimeout(ServingError):
     code = "CANCELLED"
 
 
-class ConfigError(ValueError):
+class ServerConfigError(ValueError):
     """A server option is invalid; the message names the option, the value and the allowed range."""

@@ -26,7 +26,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
-from serving.errors import ConfigError
+from serving.errors import ServerConfigError
 from serving.health import SERVICE_NAME, Health
 from serving.memory import Reclaimer
 from serving.metrics import Metrics
@@ -41,7 +41,7 @@ class _Refused(Exception):
 
 
 class HealthPort:
-    """Binds in the constructor (ConfigError when the port is taken); serves from `start()` to `stop()`."""
+    """Binds in the constructor (ServerConfigError when the port is taken); serves from `start()` to `stop()`."""
 
     def __init__(self, health: Health, metrics: Metrics, host: str, port: int, options: list[tuple[str, Any]],
                  body_timeout_s: float, reclaimer: Reclaimer | None = None) -> None:
@@ -90,7 +90,7 @@ class HealthPort:
         try:
             return self._server.add_insecure_port(f"{host}:{port}")
         except RuntimeError as e:
-            raise ConfigError(f"cannot listen on {host}:{port} (health): {e}") from None
+            raise ServerConfigError(f"cannot listen on {host}:{port} (health): {e}") from None
 
     def _changed(self) -> None:
         """In the loop: wake every Watch."""

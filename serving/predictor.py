@@ -27,7 +27,7 @@ from contract.errors import one_line
 from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS
 from contract.runtime import CUDA, OPT_LEVELS, Device
 from contract.tokens import PAD, Encoded, Encoder
-from serving.errors import BundleError, ConfigError
+from serving.errors import BundleError, ServerConfigError
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +67,18 @@ class Predictor:
         shared with its gRPC threads (and here with the client): spinning threads take their time.
         graph: a graph file of the bundle to run instead of the manifest's choice for the device (benchmarks)."""
         if optimization is not None and optimization not in OPT_LEVELS:
-            raise ConfigError(f"optimization must be one of {list(OPT_LEVELS)}, got {optimization!r}")
+            raise ServerConfigError(f"optimization must be one of {list(OPT_LEVELS)}, got {optimization!r}")
         if intra_op_threads < 0 or inter_op_threads < 0:
-            raise ConfigError(f"thread counts must be >= 0, got intra {intra_op_threads}, inter {inter_op_threads}")
+            raise ServerConfigError(f"thread counts must be >= 0, got intra {intra_op_threads}, inter "
+                                    f"{inter_op_threads}")
         try:
             providers = runtime.providers(device)
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            raise ServerConfigError(str(e)) from None
         b = verify_bundle(bundle)
         if graph is not None and graph not in b.manifest.graphs:
-            raise ConfigError(f"graph {graph!r} is not in {b.folder} (its graphs: {', '.join(b.manifest.graphs)})")
+            raise ServerConfigError(f"graph {graph!r} is not in {b.folder} "
+                                    f"(its graphs: {', '.join(b.manifest.graphs)})")
         self.bundle_dir = b.folder
         self.manifest = b.manifest
         self.bundle_sha256 = b.bundle_sha256  # the manifest's own digest, over every file: GetModelMetadata says it
@@ -91,7 +93,7 @@ class Predictor:
         # The provider actually in use: get_available_providers() and a silent CPU fallback both lie.
         self.provider: str = self.session.get_providers()[0]
         if device == "cuda" and self.provider != CUDA:
-            raise ConfigError(f"device='cuda' but onnxruntime runs on {self.provider}: CUDA cannot load here "
+            raise ServerConfigError(f"device='cuda' but onnxruntime runs on {self.provider}: CUDA cannot load here "
                               "(see the onnxruntime log above)")
         cpu_graph = graph or b.manifest.graph_for("cpu")
         if self.provider != CUDA and self.graph != cpu_graph:  # 'auto' chose CUDA, onnxruntime fell back to CPU

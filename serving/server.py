@@ -39,7 +39,7 @@ from contract.comments import comments
 from serving import reflection
 from serving.batcher import Batcher
 from serving.config import ServerConfig
-from serving.errors import BundleError, ConfigError
+from serving.errors import BundleError, ServerConfigError
 from serving.gate import Gate
 from serving.gen.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from serving.gen.sentiment.v1 import sentiment_service_pb2, sentiment_service_pb2_grpc
@@ -145,10 +145,10 @@ class SentimentServer:
                 try:
                     self._metrics_server = MetricsServer(self.metrics.registry, metrics_host, cfg.metrics_port)
                 except OSError as e:
-                    raise ConfigError(f"cannot listen on {metrics_host}:{cfg.metrics_port} (metrics): "
+                    raise ServerConfigError(f"cannot listen on {metrics_host}:{cfg.metrics_port} (metrics): "
                                       f"{e.strerror or e}") from None
                 self.metrics_port = self._metrics_server.port
-        except ConfigError:
+        except ServerConfigError:
             self._close_listeners()
             self.batcher.close(timeout=0)
             raise
@@ -213,14 +213,14 @@ class SentimentServer:
 
 
 def check_ports_free(listeners: list[tuple[str, str, int | None]]) -> None:
-    """ConfigError naming the first port that is taken (or given twice), before anything listens. Port 0 and
+    """ServerConfigError naming the first port that is taken (or given twice), before anything listens. Port 0 and
     None (a listener that is off) are skipped."""
     seen: dict[int, str] = {}
     for what, host, port in listeners:
         if not port:
             continue
         if port in seen:
-            raise ConfigError(f"port {port} is given to both {seen[port]} and {what}")
+            raise ServerConfigError(f"port {port} is given to both {seen[port]} and {what}")
         seen[port] = what
         try:
             family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -229,7 +229,7 @@ def check_ports_free(listeners: list[tuple[str, str, int | None]]) -> None:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC and http.server bind
                 probe.bind(address)
         except OSError as e:
-            raise ConfigError(f"cannot listen on {host}:{port} ({what}): {e.strerror or e}") from None
+            raise ServerConfigError(f"cannot listen on {host}:{port} ({what}): {e.strerror or e}") from None
 
 
 def _add_port(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None,
@@ -240,7 +240,7 @@ def _add_port(server: grpc.Server, host: str, port: int, credentials: grpc.Serve
             return server.add_secure_port(address, credentials)
         return server.add_insecure_port(address)
     except RuntimeError as e:
-        raise ConfigError(f"cannot listen on {address} ({what}): {e}") from None
+        raise ServerConfigError(f"cannot listen on {address} ({what}): {e}") from None
 
 
 def _server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
@@ -312,9 +312,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         try:
             token = args.auth_token_file.read_text(encoding="utf-8").strip()
         except OSError as e:
-            raise ConfigError(f"{source}: {e.strerror}") from None
+            raise ServerConfigError(f"{source}: {e.strerror}") from None
     if token is not None and not token.strip():
-        raise ConfigError(f"{source}: the token is empty (unset the variable or leave out the option to serve "
+        raise ServerConfigError(f"{source}: the token is empty (unset the variable or leave out the option to serve "
                           "without authentication)")
     values["auth_token"] = token.strip() if token is not None else None
     return ServerConfig(**values)
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         server = SentimentServer(args.bundle, config_from_args(args))
-    except (BundleError, ConfigError) as e:
+    except (BundleError, ServerConfigError) as e:
         print(f"sentiment-server: error: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()

@@ -17,7 +17,7 @@ from procs import REPO
 from serving_fixtures import reviews
 
 from contract.runtime import CPU, CUDA, cuda_driver_present
-from serving.errors import BundleError, ConfigError
+from serving.errors import BundleError, ServerConfigError
 from serving.predictor import Predictor, softmax
 
 
@@ -91,7 +91,7 @@ def test_auto_asks_for_cuda_only_on_a_machine_with_a_gpu(tiny_bundle: Path) -> N
 def test_cuda_asked_where_it_cannot_run_is_an_error_not_a_silent_cpu(tiny_bundle: Path) -> None:
     if cuda_driver_present():
         pytest.skip("CUDA runs here")
-    with pytest.raises(ConfigError, match="device='cuda' but onnxruntime runs on CPUExecutionProvider"):
+    with pytest.raises(ServerConfigError, match="device='cuda' but onnxruntime runs on CPUExecutionProvider"):
         Predictor(tiny_bundle, device="cuda")
 
 
