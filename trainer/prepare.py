@@ -50,7 +50,7 @@ from trainer.tokenizer import Tokenizer, build_tokenizer
 
 EXAMPLES = """examples:
   python -m trainer prepare --preset demo --out runs/demo/prepared
-  python -m trainer prepare --preset lab --set 'data.pretrain=/corpus/part-*.txt.gz' --out /data/lab-prepared
+  python -m trainer prepare --preset demo --set 'data.pretrain=/corpus/part-*.txt.gz' --out /data/prepared  # your text
   python -m trainer pretrain --preset demo --set data.prepared=runs/demo/prepared --out runs/demo/pretrain
 """
 
