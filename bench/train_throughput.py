@@ -17,7 +17,8 @@ achieved FLOP/s, and the utilisation against a matrix-multiply peak measured in 
 on CPU).
 
 Data: cls-books-fr train reviews (`data.train`) with the preset's tokenizer (the lab's for --preset lab). LM: the
-reviews cut into next-token windows of --seq-len tokens (pretrain.py's cut_windows + Batcher, objective clm).
+reviews prepared as pretraining prepares them and read as packed next-token windows of --seq-len tokens
+(trainer/windows.py + pretrain.py's WindowBatcher, objective clm: full windows, no padding).
 Classifier: the reviews cut to --seq-len ids (tokenizer.max_len), labels from train.label.
 
 Model FLOPs per token (training = 3 x forward): 6 x N + 12 x L x d x T, where N counts the weights of every matrix
@@ -35,13 +36,17 @@ interpreter exit; engine.finish says why).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import datetime as dt
+import io
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,12 +62,14 @@ from trainer import engine as eng
 from trainer.artifact import write_text_atomic
 from trainer.batching import bucket_batches
 from trainer.config import ModelConfig, OptimConfig, RunConfig, override
-from trainer.corpus import encode_corpus
+from trainer.corpus import PreparedCorpus
 from trainer.finetune import ClassifierObjective, load_split
 from trainer.model import forward_flops_per_token
+from trainer.prepare import prepare
 from trainer.presets import preset
-from trainer.pretrain import LMObjective, WindowBatcher, cut_windows
+from trainer.pretrain import LMObjective, WindowBatcher
 from trainer.tokenizer import build_tokenizer
+from trainer.windows import EpochOrder, Windows
 
 LOOPS = ("plain", "deepspeed")
 
@@ -103,13 +110,24 @@ def global_batches(lengths: np.ndarray, plan: eng.BatchPlan, seed: int, need: in
 
 
 def lm_task(cfg: RunConfig, plan: eng.BatchPlan, need: int) -> Task:
+    """Next-token windows as pretrain.py reads them: the reviews prepared (trainer/prepare.py, one worker) into a
+    temporary folder, packed windows of seq_len + 1 ids (trainer/windows.py) in the order of its epochs."""
     tok = build_tokenizer(cfg)
-    corpus = encode_corpus([cfg.data.path(cfg.data.train)], tok)
-    full_len = corpus.lengths() + 2
-    windows = cut_windows(np.arange(len(corpus)), full_len, cfg.pretrain.seq_len, overlap=1)  # clm windows
-    batcher = WindowBatcher(corpus, windows, "clm", cfg.pretrain.mask_prob, tok.vocab_size, cfg.seed)
-    return Task("lm", "pretrain", global_batches(windows.length, plan, cfg.seed, need),
-                make=lambda part: batcher.make(part, 0), denominator=batcher.n_predicted,
+    folder = Path(tempfile.mkdtemp(prefix="train-throughput-prepared-"))
+    atexit.register(shutil.rmtree, folder, True)
+    prepare([cfg.data.path(cfg.data.train)], tok, folder, workers=1, log=io.StringIO())
+    corpus = PreparedCorpus(folder, tok.fingerprint)
+    windows = Windows(corpus, 0, corpus.n_tokens, cfg.pretrain.seq_len, overlap=1)  # clm windows
+    batcher = WindowBatcher(windows, "clm", cfg.pretrain.mask_prob, tok.vocab_size, cfg.seed)
+    batches: list[list[int]] = []
+    for epoch in range(need):  # as many epochs as it takes
+        order = EpochOrder(windows, epoch, plan.global_batch, cfg.seed)
+        if not len(order):
+            raise ValueError(f"{len(windows)} windows cannot fill one global batch of {plan.global_batch}")
+        batches += [order[b] for b in range(min(len(order), need - len(batches)))]
+        if len(batches) == need:
+            break
+    return Task("lm", "pretrain", batches, make=lambda part: batcher.make(part, 0), denominator=batcher.n_predicted,
                 new_model=lambda: LMObjective(cfg.model, causal=True), optim=cfg.pretrain.optim,
                 flops_per_token=model_flops_per_token(cfg.model, "lm", cfg.pretrain.seq_len))
 
@@ -259,17 +277,19 @@ def matmul_peak(info: eng.DistInfo) -> tuple[float, str]:
     return 2.0 * n**3 / best, f"{'bf16' if cuda else 'fp32'} {n}x{n} matmul"
 
 
-def measure(task: Task, cfg: RunConfig, ds: dict[str, Any], plan: eng.BatchPlan, info: eng.DistInfo,
-            args: argparse.Namespace) -> dict[str, list[Window]]:
-    """Alternate windows of the two loops; returns every window (warm-up first) per loop."""
+def measure(task: Task, variants: dict[str, tuple[RunConfig, dict[str, Any]]], plan: eng.BatchPlan,
+            info: eng.DistInfo, args: argparse.Namespace) -> dict[tuple[str, str], list[Window]]:
+    """Alternate windows of every loop in every precision (`variants`: precision -> its config and DeepSpeed JSON);
+    returns every window (warm-up first) per (loop, precision)."""
     n_windows = args.warmup + args.windows
-    kinds = kinds_of(args)
-    loops = {k: Loop(k, task, cfg, ds, plan, info, n_windows * args.steps) for k in kinds}
-    out: dict[str, list[Window]] = {k: [] for k in kinds}
+    keys = [(k, p) for k in kinds_of(args) for p in variants]
+    loops = {(k, p): Loop(k, task, variants[p][0], variants[p][1], plan, info, n_windows * args.steps)
+             for k, p in keys}
+    out: dict[tuple[str, str], list[Window]] = {key: [] for key in keys}
     for w in range(n_windows):
         batches = task.batches[w * args.steps:(w + 1) * args.steps]  # the same batches for every loop
-        for k in kinds if w % 2 == 0 else kinds[::-1]:
-            out[k].append(loops[k].window(batches))
+        for key in keys if w % 2 == 0 else keys[::-1]:
+            out[key].append(loops[key].window(batches))
     return out
 
 
@@ -277,19 +297,18 @@ def kinds_of(args: argparse.Namespace) -> tuple[str, ...]:
     return (*LOOPS, "compiled") if args.compile else LOOPS
 
 
-def rows_for(task: Task, windows: dict[str, list[Window]], cfg: RunConfig, plan: eng.BatchPlan,
+def rows_for(task: Task, windows: dict[tuple[str, str], list[Window]], cfg: RunConfig, plan: eng.BatchPlan,
              info: eng.DistInfo, peak: float, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    kinds = kinds_of(args)
-    rate = {k: [w.tokens / w.seconds for w in windows[k][args.warmup:]] for k in kinds}
-    med = {k: statistics.median(rate[k]) for k in kinds}
-    for k in kinds:
-        ws, measured = windows[k], windows[k][args.warmup:]
-        tps = med[k]
+    rate = {key: [w.tokens / w.seconds for w in ws[args.warmup:]] for key, ws in windows.items()}
+    med = {key: statistics.median(r) for key, r in rate.items()}
+    for (k, prec), ws in windows.items():
+        measured = ws[args.warmup:]
+        tps = med[(k, prec)]
         flops = task.flops_per_token * tps
         row: dict[str, Any] = {
             "task": task.name, "loop": k, "processes": info.world_size, "threads_per_process": torch.get_num_threads(),
-            "device": info.device.type, "precision": cfg.engine.precision, "preset": cfg.preset,
+            "device": info.device.type, "precision": prec, "preset": cfg.preset,
             "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "global_batch": plan.global_batch,
             "seq_len": args.seq_len, "steps_per_window": args.steps, "warmup_windows": args.warmup,
             "measured_windows": len(measured),
@@ -299,14 +318,21 @@ def rows_for(task: Task, windows: dict[str, list[Window]], cfg: RunConfig, plan:
             "pad_fraction": 1 - sum(w.tokens for w in measured) / max(1, sum(w.positions for w in measured)),
             "flops_per_token": task.flops_per_token, "achieved_flops": flops,
             "peak_flops": peak, "utilisation": flops / peak if peak > 0 else None,
-            "tokens_per_s_windows": rate[k],
-            "tokens_per_window": [w.tokens for w in ws],  # warm-up included: the same list for both loops
+            "tokens_per_s_windows": rate[(k, prec)],
+            "tokens_per_window": [w.tokens for w in ws],  # warm-up included: the same list for every loop
             "loss_windows": [w.loss for w in ws],
         }
         if k != "plain":
-            row["ratio_vs_plain"] = med[k] / med["plain"]
-            row["ratio_paired_median"] = statistics.median(d / p for d, p in zip(rate[k], rate["plain"],
-                                                                                   strict=True))
+            row["ratio_vs_plain"] = med[(k, prec)] / med[("plain", prec)]
+            row["ratio_paired_median"] = statistics.median(d / p for d, p in zip(rate[(k, prec)],
+                                                                                   rate[("plain", prec)], strict=True))
+        if prec != "fp32" and (k, "fp32") in windows:  # the same loop in fp32, timed in the same run
+            ref = windows[(k, "fp32")]
+            row["ratio_vs_fp32"] = med[(k, prec)] / med[(k, "fp32")]
+            row["ratio_vs_fp32_paired_median"] = statistics.median(
+                a / b for a, b in zip(rate[(k, prec)], rate[(k, "fp32")], strict=True))
+            row["loss_vs_fp32"] = max(abs(a - b) / abs(b) for a, b in zip(
+                [w.loss for w in ws], [w.loss for w in ref], strict=True))  # worst relative gap, any window
         rows.append(row)
     return rows
 
@@ -337,16 +363,19 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"peak: {meta['peak']} = {meta['peak_flops'] / 1e9:.1f} GFLOP/s per process; "
              f"{meta['windows']} windows of {meta['steps']} steps after {meta['warmup']} warm-up windows, "
              f"median per loop.", "",
-             "| task | loop | processes x threads | global batch x seq | step ms | tokens/s | tokens/s per process "
-             "| vs plain | data wait % | pad % | MFLOP/token | GFLOP/s | of peak % | loss, last window |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| task | loop | precision | processes x threads | global batch x seq | step ms | tokens/s | tokens/s per "
+             "process | vs plain | vs fp32 (loss gap) | data wait % | pad % | MFLOP/token | GFLOP/s | of peak % | "
+             "loss, last window |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = f"{r['ratio_vs_plain']:.3f} (paired {r['ratio_paired_median']:.3f})" if "ratio_vs_plain" in r else ""
+        vs32 = (f"{r['ratio_vs_fp32']:.3f} (paired {r['ratio_vs_fp32_paired_median']:.3f}; "
+                f"{100 * r['loss_vs_fp32']:.2f}%)" if "ratio_vs_fp32" in r else "")
         util = f"{100 * r['utilisation']:.1f}" if r["utilisation"] is not None else "-"
         lines.append(
-            f"| {r['task']} | {r['loop']} | {r['processes']} x {r['threads_per_process']} | "
+            f"| {r['task']} | {r['loop']} | {r['precision']} | {r['processes']} x {r['threads_per_process']} | "
             f"{r['global_batch']} x {r['seq_len']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
-            f"{r['tokens_per_s_per_process']:.0f} | {ratio} | {100 * r['data_wait_fraction']:.2f} | "
+            f"{r['tokens_per_s_per_process']:.0f} | {ratio} | {vs32} | {100 * r['data_wait_fraction']:.2f} | "
             f"{100 * r['pad_fraction']:.1f} | {r['flops_per_token'] / 1e6:.3f} | {r['achieved_flops'] / 1e9:.2f} | "
             f"{util} | {r['loss_windows'][-1]:.4f} |")
     scaled = [r for r in rows if "scaling_vs_baseline" in r]
@@ -388,12 +417,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=5, help="measured windows per loop (5)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, as for `python -m trainer` (repeatable)")
+    p.add_argument("--precisions", default="", metavar="LIST",
+                   help="fp32, bf16, or fp32,bf16: each loop in each, windows interleaved in one run (default: bf16 "
+                        "on a GPU, fp32 on a CPU; engine.precision=auto resolves to what the hardware has)")
     p.add_argument("--json", metavar="PATH", help="also write the rows (and run details) as JSON")
     p.add_argument("--compile", action="store_true",
                    help="also time the plain loop under torch.compile (inductor; its compile time is in the warm-up)")
     p.add_argument("--baseline", metavar="JSON", help="a --json of another run (e.g. 1 process): report scaling")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # from the DeepSpeed launcher
     args = p.parse_args(argv)
+    if any(x not in ("fp32", "bf16") for x in args.precisions.split(",") if args.precisions):
+        p.error(f"--precisions takes fp32, bf16 or fp32,bf16, got {args.precisions!r}")
     for name in ("micro_batch", "seq_len", "steps", "warmup", "windows"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}, got {getattr(args, name)}")
@@ -423,9 +457,13 @@ def run(args: argparse.Namespace) -> None:
     rows: list[dict[str, Any]] = []
     for name in (["lm", "classifier"] if args.task == "both" else [args.task]):
         section = "pretrain" if name == "lm" else "finetune"
-        ds, plan = eng.ds_config(cfg, section, info.world_size, cfg.engine.deepspeed_config or None)
+        variants = {}
+        for prec in args.precisions.split(",") if args.precisions else [cfg.engine.precision]:
+            c = override(cfg, {"engine.precision": prec})
+            ds, plan = eng.ds_config(c, section, info.world_size, c.engine.deepspeed_config or None)
+            variants[prec] = (c, ds)
         task = (lm_task if name == "lm" else classifier_task)(cfg, plan, need)
-        rows += rows_for(task, measure(task, cfg, ds, plan, info, args), cfg, plan, info, peak, args)
+        rows += rows_for(task, measure(task, variants, plan, info, args), cfg, plan, info, peak, args)
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "processes": info.world_size,
             "loadavg_start": load0, "loadavg_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),

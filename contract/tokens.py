@@ -198,13 +198,13 @@ class Encoder:
             raise TokenizerError(f"no max_len given and {TOKENIZER_META} has none (a bundle's: use manifest.json's)")
         return cls(files.model_proto, files.pieces, cut)
 
-    def piece_ids(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def piece_ids(self, texts: Sequence[str], threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Piece ids of many texts, no specials and no cut: (flat ids int64 (N,), lengths int64 (len(texts),)).
-        One threaded sentencepiece call, then the gather."""
+        One sentencepiece call on `threads` threads (default: the cores, at most 8), then the gather."""
         if len(texts) == 1:  # the server's case: a thread pool per call would cost more than the text
             spm_ids = [self.processor.encode(texts[0])]
         else:
-            spm_ids = self.processor.encode(list(texts), num_threads=_threads())  # list of lists of spm ids
+            spm_ids = self.processor.encode(list(texts), num_threads=threads or _threads())  # lists of spm ids
         lengths = np.fromiter((len(x) for x in spm_ids), dtype=np.int64, count=len(spm_ids))
         flat = np.fromiter(itertools.chain.from_iterable(spm_ids), dtype=np.int64, count=int(lengths.sum()))
         ids = self.spm_to_id[flat]

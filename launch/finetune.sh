@@ -17,5 +17,6 @@ root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(root, ".cache", "torch_extensions"))
 sys.path.insert(0, root)
 from trainer.__main__ import main  # noqa: E402
-sys.exit(main(["finetune", *sys.argv[1:]]))
+if __name__ == "__main__":  # not when a worker process re-imports this file (multiprocessing)
+    sys.exit(main(["finetune", *sys.argv[1:]]))
 #END

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from trainer.batching import bucket_batches, pad_batch, padding_fraction
-from trainer.corpus import Corpus, encode_corpus
-from trainer.data import DataError, Example, iter_texts, read_labeled
+from trainer.corpus import encode_documents
+from trainer.data import DataError, Example, has_labels, iter_texts, label_values, read_labeled
 from trainer.tokenizer import Tokenizer
 
 
@@ -182,44 +182,77 @@ def test_jsonl_and_tsv_field_errors(tmp_path: Path) -> None:
     ragged = _write(tmp_path / "r.tsv", "label\tsentence\n1\tgood\textra\n")
     with pytest.raises(DataError, match=r"r\.tsv:2: 3 tab-separated fields, the header has 2"):
         read_labeled(ragged, ["0", "1"])
-    with pytest.raises(DataError, match=r"unsupported file type '\.csv'; supported: \.txt, \.jsonl, \.tsv, \.spm"):
-        list(iter_texts(_write(tmp_path / "x.csv", "a,b\n")))
+    with pytest.raises(DataError, match=r"unsupported file type '\.xml'; supported: \.txt, \.jsonl, \.tsv, \.spm, "
+                                        r"\.csv, \.parquet"):
+        list(iter_texts(_write(tmp_path / "x.xml", "<a/>\n")))
 
 
 # ---------------------------------------------------------------------------------------------- corpus
 
 
-def test_encode_corpus_on_a_slice(data_dir: Path, lab: Tokenizer, tmp_path: Path) -> None:
+def test_encode_documents_frames_each_document_uncut(data_dir: Path, lab: Tokenizer) -> None:
     books = data_dir / "cls-books-fr"
-    paths = [books / "train.review.spm", data_dir / "imdb/unsup.txt.gz"]
-    corpus = encode_corpus(paths, lab, max_docs=1607, chunk_docs=100)  # all 1600 lab reviews, 7 IMDB ones
-    assert len(corpus) == 1607 and corpus.tokens.dtype == np.uint16 and corpus.offsets.dtype == np.int64
-    assert corpus.n_tokens == len(corpus.tokens) == int(corpus.lengths().sum())
-
-    spm_lines = [e.pieces for e in itertools.islice(iter_texts(paths[0]), 3)]
-    for i, pieces in enumerate(spm_lines):  # pieces route, no specials, no cut
-        assert corpus.doc(i).tolist() == [lab.piece_to_id(p) for p in pieces or []]
-    assert corpus.lengths().max() > lab.max_len  # documents are not cut to max_len
-    imdb = [e.text or "" for e in itertools.islice(iter_texts(paths[1]), 7)]
-    assert [corpus.doc(1600 + i).tolist() for i in range(7)] == [ids[1:-1] for ids in lab.encode_batch(imdb, 10**6)]
-
-    saved = corpus.save(tmp_path / "corpus.npz")
-    back = Corpus.load(saved, fingerprint=lab.fingerprint)
-    assert np.array_equal(back.tokens, corpus.tokens) and np.array_equal(back.offsets, corpus.offsets)
-    assert back.tokens.dtype == np.uint16 and back.vocab_size == 50_001
-    with pytest.raises(DataError, match="made by tokenizer"):
-        Corpus.load(saved, fingerprint="0" * 64)
-    with pytest.raises(DataError, match="corpus file not found"):
-        Corpus.load(tmp_path / "none.npz")
-    with pytest.raises(IndexError):
-        corpus.doc(1607)
+    spm = _first(books / "train.review.spm", 300)
+    imdb = _first(data_dir / "imdb/unsup.txt.gz", 7)
+    ids, lengths = encode_documents(spm + imdb, lab)
+    assert ids.dtype == np.int64 and len(ids) == int(lengths.sum()) and len(lengths) == 307
+    docs = np.split(ids, np.cumsum(lengths)[:-1])
+    for ex, doc in zip(spm[:3], docs, strict=False):  # the lab's pieces map directly: no re-encoding
+        assert doc.tolist() == [Tokenizer.SOS, *[lab.piece_to_id(p) for p in ex.pieces or []], Tokenizer.EOS]
+    assert lengths.max() > lab.max_len  # documents are not cut to max_len
+    assert [d.tolist() for d in docs[300:]] == lab.encode_batch([e.text or "" for e in imdb], 10**6)
 
 
-def test_encode_corpus_with_a_trained_tokenizer_detokenizes_spm(data_dir: Path, tiny_tokenizer) -> None:
+def test_encode_documents_with_a_trained_tokenizer_detokenizes_spm(data_dir: Path, tiny_tokenizer) -> None:
     books = data_dir / "cls-books-fr"
-    from_spm = encode_corpus([books / "train.review.spm"], tiny_tokenizer, max_docs=20)
-    from_txt = encode_corpus([books / "train.review.txt"], tiny_tokenizer, max_docs=20)
-    assert np.array_equal(from_spm.tokens, from_txt.tokens) and np.array_equal(from_spm.offsets, from_txt.offsets)
+    from_spm = encode_documents(_first(books / "train.review.spm", 20), tiny_tokenizer)
+    from_txt = encode_documents(_first(books / "train.review.txt", 20), tiny_tokenizer)
+    assert all(np.array_equal(a, b) for a, b in zip(from_spm, from_txt, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------- csv, parquet
+
+
+def test_csv_quoted_fields_for_fine_tuning_and_pretraining(tmp_path: Path) -> None:
+    rows = 'id,review,stars\n1,"Good, really ""good""",pos\n2,"two\nlines, one review",neg\n\n3,plain,pos\n'
+    f = _write(tmp_path / "r.csv", rows)
+    got = read_labeled(f, ["neg", "pos"], text_field="review", label_field="stars")
+    assert [(e.text, e.label, e.source.rsplit(":", 1)[1]) for e in got] == [
+        ('Good, really "good"', 1, "2"), ("two\nlines, one review", 0, "3"), ("plain", 1, "6")]
+    assert [e.text for e in iter_texts(f, text_field="review")] == [e.text for e in got]
+    assert label_values(f, "review", "stars") == ["neg", "pos"] and has_labels(f, "stars") and not has_labels(f)
+    bad = _write(tmp_path / "bad.csv", 'text,label\nfine,1\n"a, b",1,extra\n')
+    with pytest.raises(DataError, match=r"bad\.csv:3: row 2 \(line 3\) has 3 comma-separated fields, the header has 2"):
+        read_labeled(bad, ["0", "1"])
+    stray = _write(tmp_path / "q.csv", 'text,label\nok,1\n"quoted" then not,1\n')
+    with pytest.raises(DataError, match=r"q\.csv:3: malformed CSV record"):
+        list(iter_texts(stray))
+    with pytest.raises(DataError, match=r"u\.csv:3: unknown label '7'"):
+        read_labeled(_write(tmp_path / "u.csv", 'text,label\na,1\n"b\nb",7\n'), ["0", "1"])
+
+
+def test_parquet_columns_from_the_config_read_by_row_group(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainer.tables import parquet_row_groups
+
+    f = tmp_path / "r.parquet"
+    texts = [f"review {i}" for i in range(25)]
+    pq.write_table(pa.table({"body": texts, "y": [i % 3 for i in range(25)], "other": list(range(25))}), f,
+                   row_group_size=10)
+    assert parquet_row_groups(f) == [10, 10, 5]
+    got = read_labeled(f, ["0", "1", "2"], text_field="body", label_field="y")
+    assert [e.text for e in got] == texts and [e.label for e in got] == [i % 3 for i in range(25)]
+    assert got[12].source == f"{f}:13" and has_labels(f, "y") and not has_labels(f)
+    with pytest.raises(DataError, match=r"r\.parquet: no column 'text' \(columns: \['body', 'y', 'other'\]"):
+        list(iter_texts(f))
+    nulls = tmp_path / "n.parquet"
+    pq.write_table(pa.table({"text": ["a", None, "c"], "label": ["1", "0", None]}), nulls, row_group_size=2)
+    with pytest.raises(DataError, match=r"n\.parquet:2: row 2 \(row group 0\): column 'text' is null"):
+        list(iter_texts(nulls))
+    with pytest.raises(DataError, match=r"not a readable parquet file"):
+        list(iter_texts(_write(tmp_path / "fake.parquet", "not parquet\n")))
 
 
 # ---------------------------------------------------------------------------------------------- batching

@@ -18,9 +18,10 @@ from procs import REPO
 from trainer import engine as eng
 from trainer import loop
 from trainer.config import OptimConfig, override
-from trainer.corpus import Corpus
+from trainer.corpus import FORMAT, MANIFEST, PreparedCorpus, ShardWriter, token_dtype
 from trainer.presets import lab, tiny
-from trainer.pretrain import WindowBatcher, cut_windows
+from trainer.pretrain import WindowBatcher
+from trainer.windows import Windows
 
 
 def write(tmp_path: Path, data: object, name: str = "ds.json") -> str:
@@ -157,52 +158,52 @@ def test_plain_python_is_one_process_on_loopback() -> None:
 # ---------------------------------------------------------------------------------------------- windows, masks
 
 
-def corpus_of(lengths: list[int], vocab: int = 99, seed: int = 0) -> Corpus:
+def corpus_of(tmp_path: Path, lengths: list[int], vocab: int = 99, seed: int = 0) -> tuple[PreparedCorpus, np.ndarray]:
+    """A prepared folder of random documents of `lengths` pieces (one shard) -> (corpus, its stream as int64)."""
     rng = np.random.default_rng(seed)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    tokens = rng.integers(4, vocab, size=int(offsets[-1])).astype(np.uint16)
-    return Corpus(tokens, offsets, vocab)
+    docs = [np.concatenate([[0], rng.integers(4, vocab, size=n), [2]]) for n in lengths]  # <sos> pieces <eos>
+    stream = np.concatenate(docs).astype(np.int64)
+    w = ShardWriter(tmp_path, 0, token_dtype(vocab))
+    w.add(stream, np.array([len(d) for d in docs]), (0, len(docs)))
+    shard = w.close()
+    (tmp_path / MANIFEST).write_text(json.dumps({
+        "format": FORMAT, "complete": True, "tokenizer": {"fingerprint": "f" * 64, "files": {}}, "vocab_size": vocab,
+        "dtype": "uint16", "documents": len(docs), "tokens": len(stream), "shards": [shard]}))
+    return PreparedCorpus(tmp_path), stream
 
 
-def test_clm_windows_predict_every_token_once() -> None:
-    c = corpus_of([0, 1, 5, 6, 7, 30, 100])
-    full = c.lengths() + 2
-    w = cut_windows(np.arange(len(c)), full, seq_len=7, overlap=1)
-    assert (w.length <= 8).all() and (w.length >= 2).all()
-    b = WindowBatcher(c, w, "clm", 0.15, 99, seed=0)
-    assert b.n_predicted(list(range(len(w.doc)))) == int((full - 1).sum())
-    ids, pad, pos, tgt = b.make(list(range(len(w.doc))), epoch=0)
-    flat = ids.reshape(-1).numpy()
-    # target at position t is the token after the input at t, within the document's sequence
-    for d in range(len(c)):
-        seq = np.concatenate([[0], c.doc(d).astype(np.int64), [2]])
-        got = [int(t) for t, doc in zip(tgt.numpy(), np.repeat(w.doc, w.length - 1), strict=True) if doc == d]
-        assert got == seq[1:].tolist()
-    assert not pad.reshape(-1)[pos].any() and (flat[pos] != 1).all()
+def test_clm_windows_predict_every_token_once(tmp_path: Path) -> None:
+    c, stream = corpus_of(tmp_path, [0, 1, 5, 6, 7, 30, 100])
+    w = Windows(c, 0, c.n_tokens, seq_len=7, overlap=1)
+    assert len(w) == (len(stream) - 1) // 7
+    b = WindowBatcher(w, "clm", 0.15, 99, seed=0)
+    every = list(range(len(w)))
+    assert b.n_predicted(every) == 7 * len(w)
+    ids, pad, pos, tgt = b.make(every, epoch=0)
+    assert ids.shape == (len(w), 7) and not pad.any() and pos.tolist() == list(range(7 * len(w)))
+    # Inputs tile the stream; each target is the token after its input, across document boundaries too.
+    assert ids.reshape(-1).tolist() == stream[:7 * len(w)].tolist()
+    assert tgt.tolist() == stream[1:7 * len(w) + 1].tolist()
+    assert b.make(every[::-1], epoch=3)[3].reshape(len(w), 7).flip(0).tolist() == tgt.reshape(len(w), 7).tolist()
 
 
-def test_mlm_masks_are_bert_style_and_seeded_per_window() -> None:
-    c = corpus_of([200] * 60 + [0, 3])
-    full = c.lengths() + 2
-    w = cut_windows(np.arange(len(c)), full, seq_len=24, overlap=0)
-    assert int(w.length.sum()) == int(full.sum())  # mlm windows tile each document exactly
-    b = WindowBatcher(c, w, "mlm", 0.15, 99, seed=3)
-    batch = list(range(len(w.doc)))
+def test_mlm_masks_are_bert_style_and_seeded_per_window(tmp_path: Path) -> None:
+    c, stream = corpus_of(tmp_path, [200] * 60 + [0, 3])
+    w = Windows(c, 0, c.n_tokens, seq_len=24, overlap=0)
+    b = WindowBatcher(w, "mlm", 0.15, 99, seed=3)
+    batch = list(range(len(w)))
     ids, pad, pos, tgt = b.make(batch, epoch=1)
-    assert len(tgt) == b.n_predicted(batch)
-    originals = np.concatenate([b.ids(i) for i in batch])
-    lengths = w.length[batch]
-    T = ids.shape[1]
-    flat_orig = np.full(len(batch) * T, -1)
-    for row, (i, n) in enumerate(zip(batch, lengths, strict=True)):
-        flat_orig[row * T : row * T + n] = b.ids(i)
-    assert (flat_orig[pos.numpy()] == tgt.numpy()).all()  # targets are the original tokens
-    assert not np.isin(tgt.numpy(), [0, 1, 2]).any()  # never <sos>, <pad> or <eos>
+    assert len(tgt) == b.n_predicted(batch) == len(batch) * round(0.15 * 24) and not pad.any()
+    originals = stream[:24 * len(w)]
+    assert (originals[pos.numpy()] == tgt.numpy()).all()  # targets are the original tokens
+    assert not np.isin(tgt.numpy(), [0, 1, 2]).any()  # never <sos>, <pad> or <eos> (every window has 4+ pieces)
     shown = ids.reshape(-1).numpy()[pos.numpy()]
     frac_mask = float((shown == 3).mean())
     frac_keep = float((shown == tgt.numpy()).mean())
     assert 0.74 < frac_mask < 0.86 and 0.05 < frac_keep < 0.16, (frac_mask, frac_keep)
-    assert abs(len(tgt) / (originals.size - 2 * len(c)) - 0.15) < 0.02
+    untouched = np.ones(ids.numel(), dtype=bool)
+    untouched[pos.numpy()] = False
+    assert (ids.reshape(-1).numpy()[untouched] == originals[untouched]).all()
     again = b.make(batch[::-1], epoch=1)[3].numpy()  # same windows, other order / other rank: same targets
     assert sorted(again.tolist()) == sorted(tgt.numpy().tolist())
     assert not np.array_equal(b.make(batch, epoch=2)[2].numpy(), pos.numpy())  # a new epoch masks anew
@@ -217,3 +218,23 @@ def test_global_batch_cut_is_independent_of_world_size() -> None:
     assert sorted(sum(accum, [])) == batch and len(accum) == 6
     assert loop.full_batches([[1, 2, 3], [4]], eng.BatchPlan(1, 1, 2)) == [[1, 2, 3]]
 
+
+
+# ---------------------------------------------------------------------------------------------- precision
+
+
+def test_precision_auto_reads_the_cpu_flags(tmp_path: Path) -> None:
+    from trainer import precision
+
+    with_bf16, without = tmp_path / "bf16", tmp_path / "plain"
+    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile\n")
+    without.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    assert precision.cpu_has_bf16(str(with_bf16)) and not precision.cpu_has_bf16(str(without))
+    assert not precision.cpu_has_bf16(str(tmp_path / "none"))  # no /proc/cpuinfo: no claim of bf16 units
+    here = precision.cpu_has_bf16()
+    assert precision.resolve("auto", cuda=False) == ("bf16" if here else "fp32")
+    assert precision.resolve("fp32", cuda=False) == "fp32" and precision.resolve("bf16", cuda=False) == "bf16"
+    with pytest.raises(ValueError, match="engine.precision must be fp32, bf16 or auto"):
+        precision.resolve("fp16", cuda=False)
+    ds, _ = eng.ds_config(override(tiny(), {"engine.precision": "auto"}), "pretrain", 1, cuda=False)
+    assert ds["bf16"]["enabled"] is here

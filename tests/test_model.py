@@ -160,3 +160,64 @@ def test_params_cli_prints_both_lab_totals():
     out = subprocess.run([sys.executable, "-m", "trainer", "params", "--preset", "lab"],
                          capture_output=True, text=True, check=True).stdout
     assert "21,018,401" in out and "10,968,602" in out
+
+
+# ---------------------------------------------------------------------------------------------- attention masks
+
+
+def _forward_before(enc, input_ids: torch.Tensor, padding_mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Encoder.forward as it was before the masks changed: a float additive padding mask and a causal mask built on
+    every call, is_causal=False (the reference the new forward must equal at every position a head reads)."""
+    from trainer.model import causal_mask
+
+    T = input_ids.shape[1]
+    x = enc.dropout(enc.embedding(input_ids) * enc.cfg.d_model ** 0.5 + enc.positions[:T].to(torch.float32))
+    pad = torch.zeros(padding_mask.shape).masked_fill(padding_mask, torch.finfo(torch.float32).min)
+    attn = causal_mask(T, torch.float32, x.device) if causal else None
+    return enc.layers(x, mask=attn, src_key_padding_mask=pad, is_causal=False)
+
+
+@pytest.mark.parametrize("train", [True, False])  # training mode, and eval under no_grad (the fused fast path)
+@pytest.mark.parametrize("causal", [True, False])
+def test_new_masks_give_the_old_outputs_at_every_real_position(causal: bool, train: bool) -> None:
+    cfg = ModelConfig(**{**tiny().model.__dict__, "dropout": 0.0})
+    torch.manual_seed(1)
+    enc = LanguageModel(cfg).encoder.train(train)
+    for lengths in ([13, 7, 1, 13], [9, 9, 9]):  # padded rows, and no padding at all
+        ids, pad = _batch(cfg, lengths, seed=len(lengths))
+        with torch.set_grad_enabled(train):
+            old = _forward_before(enc, ids, pad, causal)
+            new = enc(ids, pad, causal)
+            real = ~pad
+            assert torch.allclose(new[real], old[real], atol=1e-5, rtol=1e-5), (new[real] - old[real]).abs().max()
+            if not pad.any():  # no padding: None is the same as an all-False mask
+                assert torch.allclose(enc(ids, None, causal), old, atol=1e-5, rtol=1e-5)
+    # One cached causal mask, grown to the longest T, serves the shorter ones; bidirectional attention builds none.
+    assert [m.shape for m in enc._masks.values()] == ([(13, 13)] if causal else [])
+
+
+def test_unpadded_attention_reaches_sdpa_without_a_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What lets SDPA pick its flash / memory-efficient kernels on a GPU: causal attention arrives as is_causal with
+    no mask tensor, and full windows of the masked LM arrive with no mask at all; a padded bidirectional batch still
+    carries its padding (as a mask)."""
+    import torch.nn.functional as F
+
+    seen: list[tuple[bool, bool]] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        seen.append((attn_mask is None, bool(is_causal)))
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    cfg = tiny().model
+    enc = LanguageModel(cfg).encoder.train()
+    ids, pad = _batch(cfg, [11, 5, 11])
+    enc(ids, pad, causal=True)
+    assert seen and set(seen) == {(True, True)}  # padded or not, causal attention is plain causal
+    seen.clear()
+    enc(ids, None, causal=False)
+    assert set(seen) == {(True, False)}
+    seen.clear()
+    enc(ids, pad, causal=False)
+    assert set(seen) == {(False, False)}

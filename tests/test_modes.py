@@ -4,6 +4,7 @@ bundle exported by a CI job that runs as root is read by a server that runs as a
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import stat
@@ -14,14 +15,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import pytest
 from procs import REPO
 
 from trainer import artifact
 from trainer.atomic import write_text_atomic
-from trainer.corpus import Corpus
+from trainer.corpus import read_manifest
 from trainer.export import ExportOptions, export_bundle
+from trainer.prepare import prepare
 
 NOBODY = 65534
 
@@ -53,11 +54,13 @@ def test_artifact_tokenizer_bundle_and_files_follow_the_umask(mask: int, tiny_cl
         tok = tiny_tokenizer.save(tmp_path / "tokenizer")
         bundle = export_bundle(art, tmp_path / "bundle", ExportOptions(precision="fp32"))
         write_text_atomic(tmp_path / "notes.txt", "x\n")
-        corpus = Corpus(np.arange(5, dtype=np.int64), np.array([0, 2, 5], dtype=np.int64), 99, "f" * 64)
-        corpus.save(tmp_path / "corpus.npz")
-    for root in (art, tok, bundle):
+        (tmp_path / "docs.txt").write_text("Un livre magnifique.\nUn autre.\n", encoding="utf-8")
+        prepared = tmp_path / "prepared"
+        prepare([tmp_path / "docs.txt"], tiny_tokenizer, prepared, workers=1, shard_tokens=1, log=io.StringIO())
+    assert len(read_manifest(prepared)["shards"]) == 2  # shards, their indexes, the manifest and the tokenizer
+    for root in (art, tok, bundle, prepared):
         assert modes(root) == expected(root, mask)
-    for name in ("notes.txt", "corpus.npz"):
+    for name in ("notes.txt",):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~mask, name
     assert modes(art)["artifact/model.safetensors"] == 0o666 & ~mask  # safetensors alone would make it 0600
 

@@ -333,7 +333,7 @@ def test_a_planted_pickle_is_refused_and_never_executed(tiny_classifier_artifact
                                                         tmp_path: Path) -> None:
     from contract.manifest import manifest_digest
     from trainer import artifact
-    from trainer.corpus import Corpus
+    from trainer.corpus import PreparedCorpus
     from trainer.data import DataError
 
     marker = tmp_path / "pwned"
@@ -357,12 +357,12 @@ def test_a_planted_pickle_is_refused_and_never_executed(tiny_classifier_artifact
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match=r"model\.onnx: not a readable ONNX model"):
         Predictor(bundle, device="cpu")
-    # A saved corpus (.npz) holding a pickled object array.
-    corpus = tmp_path / "corpus.npz"
-    np.savez(corpus, tokens=np.array([_Planted(marker)], dtype=object), offsets=np.array([0, 1]),
-             vocab_size=np.array(99), fingerprint=np.array("x"))
-    with pytest.raises(DataError, match="not a saved corpus"):
-        Corpus.load(corpus)
+    # A prepared corpus whose manifest is a pickle (its shards are raw ids read through np.memmap: nothing to unpickle).
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "manifest.json").write_bytes(payload)
+    with pytest.raises(DataError, match="not a readable manifest"):
+        PreparedCorpus(prepared)
     assert not marker.exists()
     pickle.loads(payload)  # the control: unpickling it does create the marker
     assert marker.exists()

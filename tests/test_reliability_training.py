@@ -359,15 +359,16 @@ def test_bad_training_values_are_refused_before_any_work(base: list[str], tmp_pa
 def test_a_diverging_run_stops_without_an_artifact_and_its_last_checkpoint_resumes(tiny_tokenizer_dir: Path,
                                                                                       data_dir: Path,
                                                                                       tmp_path: Path) -> None:
-    """lr 3e5 (finite, so the config accepts it): losses 4.7, 1.7e12, 1.4e12, then nan at step 4. The run stops at
-    the first non-finite loss with one line, exit 2, no artifact; the step-2 checkpoint is `latest` (the step-4 save
-    never happened), verifies, and --resume replays the same steps from it to the same stop."""
+    """lr 3e5 (finite, so the config accepts it): huge losses, then nan at step 3 (the tiny preset's packed windows).
+    The run stops at the first non-finite loss with one line, exit 2, no artifact; with a checkpoint every step, the
+    step-2 checkpoint is `latest` (the step-3 save never happened), verifies, and --resume replays the same steps
+    from it to the same stop."""
     out = tmp_path / "run"
     args = ["pretrain", "--preset", "tiny", "--tokenizer", str(tiny_tokenizer_dir), "--set", f"data.root={data_dir}",
-            "--set", "pretrain.max_steps=12", "--set", "engine.log_every=1", "--set", "engine.checkpoint_every=2",
+            "--set", "pretrain.max_steps=12", "--set", "engine.log_every=1", "--set", "engine.checkpoint_every=1",
             "--set", "pretrain.optim.lr=3e5", "--out", str(out)]
     line = one_error_line(trainer_cli(args))
-    assert line.startswith("error: [rank 0] the loss is nan at step 4: training diverged; stopped without an "
+    assert line.startswith("error: [rank 0] the loss is nan at step 3: training diverged; stopped without an "
                            f"artifact; {out / 'checkpoints' / 'step00000002'} (the last checkpoint) holds finite"), line
     assert not (out / "artifact").exists() and ckpt.read_latest(out / "checkpoints") == "step00000002"
     assert ckpt.find(out / "checkpoints") == "step00000002"

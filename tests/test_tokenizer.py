@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import ConfigError, override
+from trainer.data import iter_texts
 from trainer.presets import tiny
 from trainer.tokenizer import Tokenizer, TokenizerError, build_tokenizer, detokenize
 
@@ -181,12 +182,22 @@ def test_from_lab_errors(books: Path, tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- build_tokenizer
 
 
-def test_build_tokenizer_trains_or_loads_and_checks_the_model_size(data_dir: Path) -> None:
+def test_build_tokenizer_trains_or_loads_and_checks_the_model_size(data_dir: Path, tmp_path: Path) -> None:
     cfg = override(tiny(), {"data.root": str(data_dir), "data.pretrain": "cls-books-fr/train.review.spm"})
     tok = build_tokenizer(cfg)  # .spm pieces are detokenized: the same text as train.review.txt
     assert tok.kind == "train" and tok.vocab_size == 99
     from_txt = build_tokenizer(override(cfg, {"data.pretrain": "cls-books-fr/train.review.txt"}))
     assert from_txt.pieces == tok.pieces
+    # A table whose text column is named by data.text_field (quoted CSV fields): the same texts, the same pieces.
+    import csv
+
+    table = tmp_path / "reviews.csv"
+    with open(table, "w", encoding="utf-8", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "review"])
+        w.writerows([i, e.text] for i, e in enumerate(iter_texts(data_dir / "cls-books-fr/train.review.txt")))
+    from_csv = build_tokenizer(override(cfg, {"data.pretrain": str(table), "data.text_field": "review"}))
+    assert from_csv.pieces == tok.pieces
 
     with pytest.raises(ConfigError, match=r"tokenizer.vocab_size=95 gives 99 ids .* model.vocab_size=100"):
         build_tokenizer(override(cfg, {"model.vocab_size": 100}))

@@ -13,7 +13,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import procs
 from procs import REPO
 
@@ -44,14 +43,15 @@ def test_plain_and_deepspeed_loops_train_the_same_batches(tmp_path: Path, data_d
         assert len(r["tokens_per_s_windows"]) == 2 and len(r["tokens_per_window"]) == 3
         assert 0 <= r["data_wait_fraction"] < 1 and 0 <= r["pad_fraction"] < 1
     by = {(r["task"], r["loop"]): r for r in rows}
-    # Real tokens per window and the padding of the measured windows, counted here from the data (at 40 ids some
-    # LM windows and a few reviews are shorter than their batch: a count of padded positions would differ).
+    # Real tokens per window and the padding of the measured windows, counted here from the data (at 40 ids a few
+    # reviews are shorter than their batch: a count of padded positions would differ).
     counted = tokens_and_positions(data_dir, steps=2, windows=3)
     for task in ("lm", "classifier"):
         tokens, positions = counted[task]
         assert by[(task, "plain")]["tokens_per_window"] == by[(task, "deepspeed")]["tokens_per_window"] == tokens
         pad = 1 - sum(tokens[1:]) / sum(positions[1:])  # after the warm-up window
-        assert pad > 0 and abs(by[(task, "deepspeed")]["pad_fraction"] - pad) < 1e-12
+        assert (pad > 0) == (task == "classifier")  # LM windows are packed: full, never padded
+        assert abs(by[(task, "deepspeed")]["pad_fraction"] - pad) < 1e-12
     for task in ("lm", "classifier"):
         plain, ds = by[(task, "plain")], by[(task, "deepspeed")]
         # Each loop counts its own tokens: equal lists mean the same batches, window by window.
@@ -71,24 +71,19 @@ def test_plain_and_deepspeed_loops_train_the_same_batches(tmp_path: Path, data_d
 def tokens_and_positions(data_dir: Path, steps: int, windows: int) -> dict[str, tuple[list[int], list[int]]]:
     """Per window of `steps` global batches of 13, as the bench orders them: the real input tokens, and the input
     positions with padding (13 x the longest). The tiny preset's tokenizer cut at 40 ids, cls-books-fr train
-    reviews; LM inputs are next-token windows minus their last token, classifier inputs whole (cut) reviews."""
+    reviews; LM inputs are packed next-token windows of 40 ids (never padded), classifier inputs whole (cut)
+    reviews."""
     from trainer.batching import bucket_batches
     from trainer.config import override
-    from trainer.corpus import encode_corpus
     from trainer.finetune import load_split
     from trainer.presets import preset
-    from trainer.pretrain import cut_windows
     from trainer.tokenizer import build_tokenizer
 
     cfg = override(preset("tiny"), {"data.root": str(data_dir), "tokenizer.max_len": 40, "pretrain.seq_len": 40})
     tok = build_tokenizer(cfg)
-    corpus = encode_corpus([cfg.data.path(cfg.data.train)], tok)
-    lm = cut_windows(np.arange(len(corpus)), corpus.lengths() + 2, 40, overlap=1).length - 1  # (W,) inputs
     clf = load_split(cfg, cfg.data.train, tok, 0).lengths  # (N,) <sos> + pieces + <eos>, at most 40
-    out = {}
-    for task, lengths in (("lm", lm), ("classifier", clf)):
-        batches = bucket_batches(lengths, 13, cfg.seed, 0)  # one epoch holds every window's batches here
-        per = [batches[w * steps:(w + 1) * steps] for w in range(windows)]
-        out[task] = ([int(sum(lengths[b].sum() for b in bs)) for bs in per],
-                     [int(sum(len(b) * lengths[b].max() for b in bs)) for bs in per])
-    return out
+    batches = bucket_batches(clf, 13, cfg.seed, 0)  # one epoch holds every window's batches here
+    per = [batches[w * steps:(w + 1) * steps] for w in range(windows)]
+    return {"lm": ([steps * 13 * 40] * windows, [steps * 13 * 40] * windows),
+            "classifier": ([int(sum(clf[b].sum() for b in bs)) for bs in per],
+                           [int(sum(len(b) * clf[b].max() for b in bs)) for bs in per])}

@@ -16,6 +16,8 @@ from trainer.cli import one_line_errors
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "params": ("trainer.params", "print the trainable-parameter table of a preset (the lab's question 3)"),
     "tokenizer": ("trainer.tokenizer_cli", "build the tokenizer of a config (load the lab's, or train one)"),
+    "prepare": ("trainer.prepare", "tokenize data.pretrain once, in parallel, into shards (pretrain --set "
+                                   "data.prepared=DIR)"),
     "pretrain": ("trainer.pretrain", "pretrain the encoder as a language model (DeepSpeed)"),
     "finetune": ("trainer.finetune", "fine-tune a classifier, pretrained or from scratch, or --compare both"),
     "generate": ("trainer.generate", "greedy completion of a prompt with a pretrained LM artifact"),

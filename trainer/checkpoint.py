@@ -92,6 +92,7 @@ def save(engine: Any, ckpt_dir: str | Path, state: LoopState, keep: int, meta: d
                 os.fsync(fh.fileno())
             files[str(f.relative_to(d / tag))] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
         marker = {"format": FORMAT, "tag": tag, "step": state.step, "world_size": eng.world_size(),
+                  "precision": _precision(engine),
                   "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "files": files, **meta}
         write_text_atomic(d / tag / MARKER, json.dumps(marker, indent=1) + "\n")
         write_text_atomic(d / LATEST, tag + "\n")
@@ -216,6 +217,11 @@ def load(engine: Any, ckpt_dir: str | Path, tag: str) -> tuple[LoopState, dict[s
             f"{Path(ckpt_dir) / tag / MARKER}: written by {marker.get('world_size')} ranks, this run has "
             f"{eng.world_size()}; resume with the same number of processes (the global batch depends on it)"
         )
+    if marker.get("precision", _precision(engine)) != _precision(engine):  # engine.precision=auto on other hardware
+        raise CheckpointError(
+            f"{Path(ckpt_dir) / tag / MARKER}: written in {marker['precision']}, this run trains in "
+            f"{_precision(engine)}; set engine.precision={marker['precision']} to resume it"
+        )
     for name in marker["files"]:
         if name.endswith(".pt"):
             refuse_unsafe_pickle(Path(ckpt_dir) / tag / name)
@@ -228,3 +234,7 @@ def load(engine: Any, ckpt_dir: str | Path, tag: str) -> tuple[LoopState, dict[s
     if path is None or not client or "loop" not in client:
         raise CheckpointError(f"{Path(ckpt_dir) / tag}: DeepSpeed found no loadable checkpoint with loop state")
     return LoopState.from_dict(client["loop"]), dict(client.get("meta", {}))
+
+
+def _precision(engine: Any) -> str:
+    return "bf16" if engine.bfloat16_enabled() else "fp32"

@@ -82,10 +82,17 @@ class DataConfig:
     """The data files of a run; any file may be gzipped. Relative paths start at `root`."""
 
     root: str = ""  # folder relative data paths start from ("": the working directory); presets: $TS_DATA
-    # Unlabelled text: pretraining, and the tokenizer (else the training texts): .txt, .jsonl, .tsv, .spm
+    # Unlabelled text: pretraining, and the tokenizer (else the training texts): .txt, .jsonl, .tsv, .csv,
+    # .parquet, .spm; globs too (part-*.txt.gz: matches sorted)
     pretrain: StrList = field(default_factory=list)
     pretrain_eval_lines: Count = 500  # last documents of data.pretrain held out for the eval loss (at most 10%)
-    train: str = ""  # labelled training file: .jsonl, .tsv, or .txt/.spm with a sibling .label file
+    # A folder written by `python -m trainer prepare` (absolute, or relative to the working directory like --out):
+    # pretraining reads it instead of tokenizing data.pretrain. Empty: the run prepares RUN/prepared itself.
+    prepared: str = ""
+    # How each node checks its copy of the prepared folder at start: sha256 of every file (a share per local rank),
+    # or size only (instant; for copies already checked).
+    verify: Literal["sha256", "size"] = "sha256"
+    train: str = ""  # labelled training file: .jsonl, .tsv, .csv, .parquet, or .txt/.spm with a sibling .label file
     valid: str = ""  # labelled file that picks the epoch kept ("": data.valid_split of data.train)
     test: str = ""  # labelled file scored every epoch and with the kept weights ("": data.test_split of data.train)
     valid_split: Probability = 0.1  # share of data.train held out (stratified) when data.valid is "" (0: refuse)
@@ -94,8 +101,8 @@ class DataConfig:
     labels: StrList = field(default_factory=list)  # label values in head order ([]: those of data.train, sorted)
     # Served name of each of data.labels, in its order, or value:name pairs (pos:positive,neg:negative); []: the values
     label_names: StrList = field(default_factory=list)
-    text_field: str = "text"  # .jsonl key / .tsv column of the text
-    label_field: str = "label"  # .jsonl key / .tsv column of the label
+    text_field: str = "text"  # .jsonl key / .tsv, .csv or .parquet column of the text
+    label_field: str = "label"  # .jsonl key / .tsv, .csv or .parquet column of the label
     max_train_examples: Count = 0  # 0 = all; else N training examples, seeded sample (quick runs)
     max_valid_examples: Count = 0  # 0 = all; else a seeded sample of N validation examples
     max_test_examples: Count = 0  # 0 = all; else a seeded sample of N test examples per epoch (all once at the end)
@@ -151,7 +158,9 @@ class EngineConfig:
     """How DeepSpeed runs the model (trainer/engine.py derives its JSON from this)."""
 
     zero_stage: Annotated[int, Field(ge=0, le=2)] = 0  # ZeRO 0, 1 or 2
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 weights and activations, fp32 master weights
+    # Number format: fp32; bf16 (bf16 weights and activations, fp32 master weights); auto: bf16 where the device
+    # has native bf16 units (trainer/precision.py), fp32 elsewhere
+    precision: Literal["fp32", "bf16", "auto"] = "fp32"
     grad_accum: Size = 1  # micro-batches per optimizer step
     deepspeed_config: str = ""  # a user's DeepSpeed JSON whose keys override the derived ones
     checkpoint_every: Count = 0  # steps between resumable checkpoints (0 = only at the end)

@@ -8,12 +8,22 @@ Formats, chosen by the file name (a trailing .gz means gzip, any format):
           text (SST-2's train/dev call it "sentence", its test "content").
   .spm    the lab's pre-tokenized sentencepiece pieces, space-separated; labels in the sibling .label file
           (train.review.spm -> train.label).
-Every problem raises `DataError` naming the file and line. Lines are split on "\\n" only and decoded one at a
-time, so a non-UTF-8 byte is reported with its line number and large files are streamed.
+  .csv    comma-separated with a header row (RFC 4180: fields quoted with ", which may hold commas, newlines and
+          doubled quotes ""); `text_field` / `label_field` name the columns as for .tsv. A record's number is the
+          line it starts on.
+  .parquet  columns `text_field` (a string column) and `label_field`, read one row group at a time (a file is never
+          loaded whole; pyarrow, imported only for these files). A record's number is its row in the file, from 1.
+          Not gzipped (parquet compresses its own pages).
+Every problem raises `DataError` naming the file and line (or row). Lines are split on "\\n" only and decoded one
+at a time, so a non-UTF-8 byte is reported with its line number and large files are streamed.
+
+Blocks of raw lines parsed in other processes (trainer/prepare.py's workers): trainer/blocks.py, on `_records`.
 """
 
 from __future__ import annotations
 
+import csv
+import glob
 import gzip
 import itertools
 import json
@@ -22,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-FORMATS = (".txt", ".jsonl", ".tsv", ".spm")
+FORMATS = (".txt", ".jsonl", ".tsv", ".spm", ".csv", ".parquet")
 LABEL_SUFFIX = ".label"
 
 
@@ -68,21 +78,25 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
     try:
         with opener(path, "rb") as f:
             for n, raw in enumerate(f, 1):  # binary iteration splits on b"\n" only
-                if raw.endswith(b"\n"):
-                    raw = raw[:-1]
-                if raw.endswith(b"\r"):
-                    raw = raw[:-1]
-                if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
-                    raw = raw[3:]
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(
-                        f"{path}:{n}: line {n} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
-                    ) from None
-                yield n, line
+                yield n, _decode_line(path, n, raw)
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise DataError(f"{path}: corrupt gzip data after line {n}: {e}") from None
+
+
+def _decode_line(path: Path, n: int, raw: bytes) -> str:
+    """Line n of `path` as bytes (with or without its "\\n" / "\\r\\n") -> text."""
+    if raw.endswith(b"\n"):
+        raw = raw[:-1]
+    if raw.endswith(b"\r"):
+        raw = raw[:-1]
+    if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{path}:{n}: line {n} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+        ) from None
 
 
 def _label_path(path: Path) -> Path:
@@ -100,11 +114,20 @@ def _label_path(path: Path) -> Path:
 # ---------------------------------------------------------------------------------------------- records
 
 
-def _records(path: Path, text_field: str, label_field: str, labeled: bool) -> Iterator[tuple[int, str, object]]:
-    """(line, text or pieces line, raw label or None) for non-blank records of a .txt/.spm/.jsonl/.tsv file."""
+def _records(path: Path, text_field: str, label_field: str, labeled: bool,
+             lines: Iterator[tuple[int, str]] | None = None) -> Iterator[tuple[int, str, object]]:
+    """(line, text or pieces line, raw label or None) for non-blank records of a file; `lines`: parse these
+    (numbered) lines of it instead of reading it (a block, after its header: `block_texts`)."""
+    from trainer import tables  # the table formats (tables.py imports this module's DataError)
+
     fmt = file_format(path)
-    lines = _lines(path)
-    if fmt in (".txt", ".spm"):
+    if fmt == ".parquet":
+        yield from tables.parquet_records(path, text_field, label_field, labeled)
+        return
+    lines = _lines(path) if lines is None else lines
+    if fmt == ".csv":
+        yield from tables.csv_records(path, lines, text_field, label_field, labeled)
+    elif fmt in (".txt", ".spm"):
         for n, line in lines:
             if line.strip():
                 yield n, line, None
@@ -112,7 +135,7 @@ def _records(path: Path, text_field: str, label_field: str, labeled: bool) -> It
         yield from _jsonl(path, lines, text_field, label_field, labeled)
     else:  # .tsv
         rows = ((n, line.split("\t")) for n, line in lines if line.strip())
-        yield from _table(path, rows, text_field, label_field, labeled, "tab-separated")
+        yield from tables.table(path, rows, text_field, label_field, labeled, "tab-separated")
 
 
 def _jsonl(path: Path, lines: Iterator[tuple[int, str]], text_field: str, label_field: str,
@@ -141,40 +164,6 @@ def _jsonl(path: Path, lines: Iterator[tuple[int, str]], text_field: str, label_
 def _name_it(option: str) -> str:
     """How a user names a field: the config key when training, the flag of `predict` and `export`."""
     return f"name yours with data.{option}=NAME (predict, export: --{option.replace('_', '-')} NAME)"
-
-
-def _table(path: Path, rows: Iterator[tuple[int, list[str]]], text_field: str, label_field: str, labeled: bool,
-           kind: str) -> Iterator[tuple[int, str, str | None]]:
-    """Records of a table whose first row is a header naming its columns (.tsv; any reader of rows of fields)."""
-    first = next(rows, None)
-    if first is None:
-        raise DataError(f"{path}: file is empty (expected a header row)")
-    _, columns = first
-    if text_field not in columns and label_field not in columns and any(len(c) > 40 or len(c.split()) > 3
-                                                                        for c in columns):
-        shown = [c if len(c) <= 24 else c[:21] + "..." for c in columns[:4]]
-        raise DataError(f"{path}:1: no header row: the first line reads like data ({shown}); add a first line "
-                        f"that names the columns ({label_field!r} and {text_field!r}, or set data.label_field and "
-                        "data.text_field to its names)")
-    text_col = _text_column(path, columns, text_field, label_field)
-    label_col = None
-    if labeled:
-        if label_field not in columns:
-            raise DataError(f"{path}:1: no column {label_field!r} in the header {columns}; {_name_it('label_field')}")
-        label_col = columns.index(label_field)
-    for n, fields in rows:
-        if len(fields) != len(columns):
-            raise DataError(f"{path}:{n}: {len(fields)} {kind} fields, the header has {len(columns)}")
-        yield n, fields[text_col], (fields[label_col] if label_col is not None else None)
-
-
-def _text_column(path: Path, columns: list[str], text_field: str, label_field: str) -> int:
-    if text_field in columns:
-        return columns.index(text_field)
-    others = [i for i, c in enumerate(columns) if c != label_field]
-    if len(others) == 1 and label_field in columns:
-        return others[0]
-    raise DataError(f"{path}:1: no column {text_field!r} in the header {columns}; {_name_it('text_field')}")
 
 
 def _example(path: Path, fmt: str, n: int, text: str, label: int | None) -> Example:
@@ -240,6 +229,10 @@ def has_labels(path: str | Path, label_field: str = "label") -> bool:
             return _label_path(path) is not None
         except DataError:
             return False
+    if fmt == ".parquet":
+        from trainer.tables import parquet_file
+
+        return label_field in parquet_file(path).schema_arrow.names
     for _, line in _lines(path):
         if not line.strip():
             continue
@@ -249,7 +242,7 @@ def has_labels(path: str | Path, label_field: str = "label") -> bool:
             except json.JSONDecodeError:
                 return True  # malformed: let the labeled reader name the line
             return not isinstance(obj, dict) or label_field in obj
-        return label_field in line.split("\t")
+        return label_field in (next(csv.reader([line])) if fmt == ".csv" else line.split("\t"))
     return False
 
 
@@ -281,3 +274,21 @@ def _labelled(path: Path, text_field: str, label_field: str) -> Iterator[tuple[i
             yield n, text, str(raw).strip(), f"{path}:{n}"
     if not count:
         raise DataError(f"{path}: file is empty (no examples)")
+
+
+def expand_inputs(patterns: Sequence[str | Path]) -> list[Path]:
+    """Paths and globs -> files, in the given order, each glob's matches sorted. A glob matching nothing is an error."""
+    out: list[Path] = []
+    for p in patterns:
+        if glob.has_magic(str(p)):
+            hits = sorted(glob.glob(str(p), recursive=True))
+            if not hits:
+                raise DataError(f"{p}: no file matches this pattern")
+            out += [Path(h) for h in hits]
+        else:
+            out.append(Path(p))
+    for p in out:
+        file_format(p)  # an unsupported name fails before any work
+        if not p.is_file():
+            raise DataError(f"{p}: file not found")
+    return out

@@ -5,9 +5,13 @@
   (unknown keys and batch sizes that do not divide are errors naming the file and the key).
 - `init_distributed()` starts torch.distributed with the same code under the DeepSpeed launcher, torchrun, Slurm
   (`SLURM_PROCID`... mapped to `RANK`...) or plain `python` (one process, loopback defaults): NCCL on GPU, gloo on CPU.
+  `local_env()` is the part of it that needs no process group (what a rank learns from its environment).
 - `initialize()` wraps a model into a DeepSpeed engine with our learning-rate schedule.
 - `finish()` is how every rank's entry point ends: gloo ranks intermittently abort at interpreter exit
   ("terminate called without an active exception"), so we tear down and leave with `os._exit`.
+Ranks, nodes and collectives without DeepSpeed are trainer/distributed.py's (re-exported below: callers say
+`eng.rank()`), which precision `auto` means is trainer/precision.py's, the learning-rate schedule is
+trainer/schedule.py's.
 Importing this module sets only DS_ACCELERATOR (below); `init_distributed()` sets the rest of a rank's environment.
 """
 
@@ -15,12 +19,9 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
-import socket
-import subprocess
 import sys
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -30,7 +31,23 @@ from typing import Any, Literal, NoReturn
 import torch
 import torch.distributed as dist
 
+from trainer import precision
 from trainer.config import OptimConfig, RunConfig
+from trainer.distributed import (  # noqa: F401  (re-exported: the stages call them as eng.*)
+    DistInfo,
+    EngineConfigError,
+    agree,
+    all_reduce_sum,
+    barrier,
+    dist_info,
+    free_port,
+    is_main,
+    prepare_env,
+    process_defaults,
+    rank,
+    world_size,
+)
+from trainer.schedule import lr_factor
 
 Stage = Literal["pretrain", "finetune"]
 
@@ -53,115 +70,18 @@ from deepspeed.utils.tensor_fragment import fragment_address  # noqa: E402
 SAFE_GLOBALS = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
 _FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 
-_REPO = Path(__file__).resolve().parents[1]
-
-
-def process_defaults(env: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """Environment defaults a training process needs before DeepSpeed compiles an op; `init_distributed` applies
-    them to os.environ. Returns the variables it set or changed.
-
-    - TORCH_EXTENSIONS_DIR: a checkout keeps DeepSpeed's JIT cache (ops compiled on first use) beside the code,
-      as the Makefile does; an installed package leaves DeepSpeed's default (~/.cache/torch_extensions).
-    - PATH: torch's JIT runs the first `ninja` on PATH. The venv's ninja (pip, 1.13) and the system's (apt, 1.11)
-      record different command hashes in the shared .ninja_log, so alternating them rebuilt the op (~30-90 s) on
-      every switch (`.venv/bin/python` run without the venv on PATH vs the launcher): the one beside this
-      interpreter goes first.
-    """
-    changed: dict[str, str] = {}
-    if (_REPO / "pyproject.toml").exists() and "TORCH_EXTENSIONS_DIR" not in env:
-        changed["TORCH_EXTENSIONS_DIR"] = str(_REPO / ".cache" / "torch_extensions")
-    here = str(Path(sys.executable).parent)
-    if (Path(here) / "ninja").exists() and env.get("PATH", "").split(os.pathsep)[0] != here:
-        changed["PATH"] = here + os.pathsep + env.get("PATH", "")
-    env.update(changed)
-    return changed
-
-
-class EngineConfigError(ValueError):
-    """A DeepSpeed JSON (ours merged with the user's) is invalid; the message names the file and the key."""
-
-
-# ---------------------------------------------------------------------------------------------- distributed
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_size: int
-    backend: str
-    device: torch.device
-
-
-def prepare_env(env: dict[str, str] | os._Environ) -> list[str]:
-    """Fill the variables torch.distributed reads (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) in `env`.
-
-    Under the DeepSpeed launcher or torchrun they are already set. Under Slurm (`srun`, or `deepspeed --launcher
-    slurm`, which sets no RANK) they come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and the job's first node.
-    Under plain `python` this is one process on loopback with a free port. Returns the names it set.
-    """
-    set_: list[str] = []
-
-    def default(name: str, value: str) -> None:
-        if name not in env:
-            env[name] = value
-            set_.append(name)
-
-    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        default("RANK", env["SLURM_PROCID"])
-        default("WORLD_SIZE", env["SLURM_NTASKS"])
-        default("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
-        if "SLURM_NTASKS_PER_NODE" in env:
-            default("LOCAL_SIZE", env["SLURM_NTASKS_PER_NODE"].split("(")[0].split(",")[0])
-        default("MASTER_ADDR", _slurm_first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", ""))))
-        # Every rank must pick the same port without talking: derive it from the job id.
-        default("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-    default("RANK", "0")
-    default("WORLD_SIZE", "1")
-    default("LOCAL_RANK", "0")
-    default("LOCAL_SIZE", env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))  # torchrun names it LOCAL_WORLD_SIZE
-    default("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in env:
-        if env["WORLD_SIZE"] != "1":
-            raise EngineConfigError(
-                f"MASTER_PORT is not set for a world of {env['WORLD_SIZE']} processes: start the ranks with "
-                "`deepspeed`, `torchrun` or `srun`, or set MASTER_ADDR and MASTER_PORT"
-            )
-        default("MASTER_PORT", str(free_port()))
-    return set_
-
-
-def _slurm_first_host(nodelist: str) -> str:
-    """First host of a Slurm node list ("gpu[07-09,12],cpu1" -> "gpu07"); scontrol when available."""
-    if not nodelist:
-        return "127.0.0.1"
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                             timeout=10, check=True).stdout.split()
-        if out:
-            return out[0]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    first = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
-    if "[" in first:
-        prefix, rest = first.split("[", 1)
-        return prefix + rest.split(",")[0].split("-")[0].rstrip("]")
-    return first
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def local_env() -> DistInfo:
+    """What this process is, from its environment alone (`process_defaults`, `prepare_env`): usable before the
+    process group exists, e.g. to prepare a corpus with no collective waiting on it."""
+    process_defaults(os.environ)
+    prepare_env(os.environ)
+    return dist_info()
 
 
 def init_distributed(timeout_s: int = 1800) -> DistInfo:
-    """Make this process a rank: the environment defaults (`process_defaults`, `prepare_env`), then start (or join)
-    the process group: NCCL on GPU, gloo on CPU. Safe to call twice."""
-    process_defaults(os.environ)
-    prepare_env(os.environ)
-    info = dist_info()
+    """Make this process a rank: `local_env()`, then start (or join) the process group: NCCL on GPU, gloo on CPU.
+    Safe to call twice."""
+    info = local_env()
     if info.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Unbound ranks on one CPU each default to a thread per core, so every core runs several ranks' threads that
         # wait on each other: split the cores between the ranks.
@@ -192,48 +112,11 @@ def _skip_shm_allreduce() -> None:
     ops.__compatible_ops__["deepspeed_shm_comm"] = False  # DeepSpeed's own switch: build_shm_op() then returns None
 
 
-def dist_info() -> DistInfo:
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_size = int(os.environ.get("LOCAL_SIZE", world))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if cuda else torch.device("cpu")
-    return DistInfo(rank, world, local_rank, local_size, "nccl" if cuda else "gloo", device)
-
-
-def _quiet_deepspeed(rank: int) -> None:
+def _quiet_deepspeed(rank_: int) -> None:
     # DeepSpeed logs every config key at INFO; our own log lines (rank 0) say what matters.
     import logging
 
-    deepspeed.utils.logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-
-
-def is_main() -> bool:
-    """Only rank 0 logs, plots and writes artifacts; every rank writes its engine-checkpoint shards."""
-    return rank() == 0
-
-
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a few floats over ranks (fp64). A host-device sync: call at log intervals only."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t)
-    return [float(v) for v in t.cpu()]
+    deepspeed.utils.logger.setLevel(logging.WARNING if rank_ == 0 else logging.ERROR)
 
 
 def finish(code: int = 0) -> NoReturn:
@@ -285,7 +168,7 @@ def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = 
         "gradient_accumulation_steps": cfg.engine.grad_accum,
         "gradient_clipping": optim.grad_clip,
         "zero_optimization": {"stage": cfg.engine.zero_stage},
-        "bf16": {"enabled": cfg.engine.precision == "bf16"},
+        "bf16": {"enabled": precision.resolve(cfg.engine.precision, cuda) == "bf16"},
         "optimizer": {
             # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false: say which one we mean.
             "type": "AdamW" if optim.name == "adamw" else "Adam",
@@ -413,26 +296,6 @@ def _batch_plan(merged: dict[str, Any], user: dict[str, Any], world: int, source
                 f"gradient_accumulation_steps={accum} x world size {world} (= {micro * accum * world})"
             )
     return BatchPlan(micro, accum, world)
-
-
-# ---------------------------------------------------------------------------------------------- schedule
-
-
-def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:
-    """Multiplier of optim.lr for optimizer step `step` (0-based).
-
-    Linear warmup from lr/warmup (never 0: DeepSpeed's WarmupLR with warmup_min_lr 0 trains step 1 at lr 0), then
-    constant, linear or cosine decay that ends at 0.1 x lr on the last step.
-    """
-    w = optim.warmup_steps
-    if step < w:
-        return (step + 1) / w
-    if optim.schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - w) / max(1, total_steps - 1 - w))
-    if optim.schedule == "linear":
-        return 1.0 - 0.9 * progress
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 # ---------------------------------------------------------------------------------------------- engine

@@ -18,7 +18,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,6 +31,7 @@ from trainer import checkpoint as ckpt
 from trainer import engine as eng
 from trainer import monitor
 from trainer.config import ConfigError, RunConfig
+from trainer.distributed import file_lock
 from trainer.tokenizer import Tokenizer, build_tokenizer
 
 SIGNALS = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
@@ -104,7 +105,7 @@ class Step(Protocol):
 class Task(Step, Protocol):
     """What a stage gives the loop."""
 
-    def batches(self, epoch: int) -> list[list[int]]:
+    def batches(self, epoch: int) -> Sequence[list[int]]:
         """The epoch's global batches of example indices, in training order (the same on every rank)."""
 
     def seen(self, batch: list[int]) -> int:
@@ -307,13 +308,15 @@ def resume_tags(run_dir: Path, cfg: RunConfig, ckpt_dirs: list[Path], resume: st
 
 
 def run_tokenizer(cfg: RunConfig, run_dir: Path, given: Path | None, texts: list[str] | None = None) -> Tokenizer:
-    """RUN_DIR/tokenizer: built once by rank 0 (from `given`, or from the config), then read by every rank.
-    A trained tokenizer learns data.pretrain, else `texts` (fine-tuning: the training split's).
+    """RUN_DIR/tokenizer: built once (from `given`, or from the config) by the first rank to take the run folder's
+    lock, then read by every rank. A lock, not rank 0 and a barrier: it works before the process group exists, and
+    no collective times out while a tokenizer is trained on a large corpus. A trained tokenizer learns
+    data.pretrain, else `texts` (fine-tuning: the training split's).
 
     Its ids must be model.vocab_size and its cut tokenizer.max_len, so the run's config and its tokenizer folder
     (both copied into the artifact) never disagree."""
     folder = run_dir / "tokenizer"
-    if eng.is_main():
+    with file_lock(run_dir / ".tokenizer.lock"):
         if not folder.exists():
             if given:
                 tok = Tokenizer.load(given)
@@ -326,7 +329,6 @@ def run_tokenizer(cfg: RunConfig, run_dir: Path, given: Path | None, texts: list
             tok.save(folder)
         elif given and Tokenizer.load(given).fingerprint != Tokenizer.load(folder).fingerprint:
             raise ConfigError(f"--tokenizer {given} differs from the run's {folder}; use a new --out")
-    eng.barrier()
     tok = Tokenizer.load(folder)
     _check_tokenizer(tok, cfg, str(folder))
     return tok

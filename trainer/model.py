@@ -1,8 +1,9 @@
 """The lab's Transformer encoder with a language-model head and a classification head. Plain PyTorch.
 
 Shapes: B batch, T sequence, d = d_model, V vocabulary, C classes. Tensors are batch-first.
-`padding_mask` is (B, T) bool, True at <pad> positions (PyTorch's key_padding_mask convention). Sequences are
-right-padded: real tokens first, so the last real token of row b sits at `lengths[b] - 1`.
+`padding_mask` is (B, T) bool, True at <pad> positions (PyTorch's key_padding_mask convention), or None when no
+row is padded (packed pretraining windows). Sequences are right-padded: real tokens first, so the last real token of
+row b sits at `lengths[b] - 1`; causal attention then needs no padding mask at all (Encoder.forward says why).
 
 Both heads hold the encoder under the same name (`encoder.*`), so a classifier loads a pretrained encoder by key
 (like HF `BertForSequenceClassification`); only `head.*` differs.
@@ -48,15 +49,48 @@ class Encoder(nn.Module):
         )
         # enable_nested_tensor=False: the nested fast path changes padded outputs and breaks ONNX export.
         self.layers = nn.TransformerEncoder(layer, num_layers=cfg.n_layers, enable_nested_tensor=False)
+        self._masks: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # causal masks, see _causal_mask
 
-    def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor, causal: bool) -> torch.Tensor:
-        """(B, T) ids, (B, T) bool -> (B, T, d) hidden states."""
+    def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """(B, T) ids, (B, T) bool or None (no padding) -> (B, T, d) hidden states; with `causal`, the outputs at
+        <pad> positions are unspecified (no head reads them)."""
         T = input_ids.shape[1]
         x = self.embedding(input_ids) * math.sqrt(self.cfg.d_model)  # (B, T, d)
         # Buffers follow the activations' dtype (bf16 under DeepSpeed casts parameters, not buffers).
         x = self.dropout(x + self.positions[:T].to(x.dtype))
-        # Both masks as additive floats in the activations' dtype: mixing a float causal mask with a bool
-        # padding mask is deprecated. A row is never fully masked: position 0 (<sos>) is always real.
+        if torch.compiler.is_exporting():
+            return self._exported(x, padding_mask, causal)
+        if causal:
+            # Right padding: real position t attends to 0..t, all real, so a padding mask would change only the
+            # outputs at <pad> positions. Without one, attention is plain causal (is_causal=True reaches SDPA as
+            # is_causal, the mask is dropped), which PyTorch runs with its flash / memory-efficient kernels on a GPU;
+            # a float padding mask merged into the causal one kept it on the others. The cached mask is only what
+            # nn.TransformerEncoder requires beside the flag (and what its inference fast path applies).
+            return self.layers(x, mask=self._causal_mask(T, x), is_causal=True)
+        if padding_mask is None:  # full windows (packed pretraining): no mask at all
+            return self.layers(x)
+        return self.layers(x, src_key_padding_mask=padding_mask)  # (B, T) bool, True at <pad>
+
+    def _causal_mask(self, T: int, x: torch.Tensor) -> torch.Tensor:
+        """(T, T) additive causal mask in x's dtype, from a cache per (dtype, device) grown to the longest T seen
+        (not a buffer: not saved, not moved by .to(); torch.compile builds it in its graph instead)."""
+        if torch.compiler.is_compiling():
+            return causal_mask(T, x.dtype, x.device)
+        key = (x.dtype, x.device)
+        cached = self._masks.get(key)
+        if cached is None or cached.shape[0] < T:
+            cached = self._masks[key] = causal_mask(T, x.dtype, x.device)
+        return cached if cached.shape[0] == T else cached[:T, :T]
+
+    def _exported(self, x: torch.Tensor, padding_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """The graph the ONNX exporter records, as it always has: an additive float padding mask, plus the causal mask
+        of the model's own T (symbolic in the export), so bundles keep their graph and onnxruntime's fused Attention
+        (trainer/onnx_attention.py) still reads the padding mask. Both masks are in the activations' dtype: mixing a
+        float causal mask with a bool padding mask is deprecated. A row is never fully masked: position 0 (<sos>) is
+        always real."""
+        T = x.shape[1]
+        if padding_mask is None:
+            padding_mask = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
         neg = torch.finfo(x.dtype).min
         pad = torch.zeros(padding_mask.shape, dtype=x.dtype, device=x.device).masked_fill(padding_mask, neg)  # (B, T)
         attn = causal_mask(T, x.dtype, x.device) if causal else None  # (T, T)
@@ -85,8 +119,8 @@ class LanguageModel(nn.Module):
         self.encoder = Encoder(cfg)
         self.head = _init_head(nn.Linear(cfg.d_model, cfg.vocab_size))
 
-    def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor, causal: bool = True) -> torch.Tensor:
-        """(B, T), (B, T) -> (B, T, V) logits."""
+    def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None, causal: bool = True) -> torch.Tensor:
+        """(B, T), (B, T) or None -> (B, T, V) logits."""
         return self.head(self.encoder(input_ids, padding_mask, causal))
 
 

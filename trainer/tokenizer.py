@@ -49,7 +49,7 @@ from contract.tokens import (
 )
 from trainer.atomic import temp_dir
 from trainer.config import ConfigError, RunConfig
-from trainer.data import Example, detokenize, iter_texts
+from trainer.data import Example, detokenize, expand_inputs, iter_texts
 
 __all__ = ["Tokenizer", "TokenizerError", "build_tokenizer", "detokenize"]
 
@@ -103,10 +103,11 @@ class Tokenizer:
         n = self._limit(max_len)
         return [self.SOS, *ids[: n - 2], self.EOS]
 
-    def piece_ids(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def piece_ids(self, texts: Sequence[str], threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Piece ids of many texts, no specials and no cut: (flat ids int64 (N,), lengths int64 (len(texts),)).
-        The building block of `encode_batch` and of `corpus.encode_corpus` (one threaded sentencepiece call)."""
-        return self._encoder.piece_ids(texts)
+        The building block of `encode_batch` and of trainer/corpus.py (one sentencepiece call on `threads` threads;
+        default: the cores, at most 8; a pool of worker processes passes 1, being the parallelism itself)."""
+        return self._encoder.piece_ids(texts, threads)
 
     def encode(self, text: str, max_len: int | None = None) -> list[int]:
         """Raw text -> [<sos>] + ids + [<eos>], at most `max_len` ids (default: the tokenizer's)."""
@@ -360,8 +361,10 @@ def build_tokenizer(cfg: RunConfig) -> Tokenizer:
                 f"tokenizer.vocab_size={tc.vocab_size} gives {tc.vocab_size + N_SPECIALS} ids with the 4 specials, "
                 f"but model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={tc.vocab_size + N_SPECIALS}"
             )
-        paths = [cfg.data.path(p) for p in cfg.data.pretrain]
-        tok = Tokenizer.train(paths, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed)
+        paths = expand_inputs([cfg.data.path(p) for p in cfg.data.pretrain])  # globs too
+        texts = (ex.text if ex.text is not None else detokenize(ex.pieces or [])  # data.text_field's column
+                 for p in paths for ex in iter_texts(p, cfg.data.text_field))
+        tok = Tokenizer.train(texts, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed)
     if tok.vocab_size != cfg.model.vocab_size:
         raise ConfigError(
             f"the {tc.kind} tokenizer has {tok.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}; "
