@@ -83,7 +83,7 @@ class _Slot:
 
 def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO") -> int:
     """Run `cfg.workers` server processes until SIGTERM or SIGINT; the exit code."""
-    from serving.server import KSERVE_SERVICE, SENTIMENT_SERVICE, check_ports_free, transport_options
+    from serving.app import KSERVE_SERVICE, SENTIMENT_SERVICE, check_ports_free, transport_options
 
     cfg.check_bundle_fit(verify_bundle(bundle).manifest.max_len)  # one line now, rather than one per worker
     metrics_host = cfg.metrics_host or cfg.host
@@ -348,7 +348,7 @@ def _multiprocess_folder() -> Iterator[str]:
 def _worker_main(index: int, bundle: str, cfg: ServerConfig, conn: Connection, log_level: str,
                  parent_pid: int) -> None:
     """One worker: a SentimentServer on the shared port until SIGTERM (or its parent is gone)."""
-    from serving.server import SentimentServer
+    from serving.app import SentimentServer
 
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {index} pid {os.getpid()}]: %(message)s")
