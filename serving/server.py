@@ -1,4 +1,5 @@
-"""The gRPC sentiment server's command line (the server object itself: serving/app.py): one bundle, two protocols (sentiment.v1 and KServe v2), health, reflection, metrics.
+"""The gRPC sentiment server's command line (the server object itself: serving/app.py): one bundle, two
+protocols (sentiment.v1 and KServe v2), health, reflection, metrics.
 
     python -m serving.server BUNDLE [--port 50051] [--metrics-port 8002] [--health-port 50052] [--max-texts 64] ...
     (the same as the console script `sentiment-server`; `--help` lists every option of ServerConfig)
