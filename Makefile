@@ -108,7 +108,8 @@ gpu-carry: setup
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w .whl -c requirements.lock deepspeed
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl -c requirements.lock \
-	  hjson pydantic pydantic-core annotated-types typing-inspection grpcio-health-checking grpcio-reflection
+	  hjson pydantic pydantic-core annotated-types typing-inspection grpcio grpcio-health-checking grpcio-reflection \
+	  protobuf cryptography cffi pycparser
 	cp -r ../shared/data/cls-books-fr ../shared/data/eltec-fr .data/
 	du -sh .whl .data
 

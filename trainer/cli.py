@@ -98,6 +98,8 @@ def one_line_errors(main: Callable[[], int | None]) -> int:
     try:
         return int(main() or 0)
     except INPUT_ERRORS as e:
+        if os.environ.get("TS_TRACEBACK"):  # where a one-line error came from (a library's ValueError, say)
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -116,6 +118,8 @@ def on_every_rank(stage: Callable[[], object]) -> NoReturn:
     try:
         stage()
     except INPUT_ERRORS as e:
+        if os.environ.get("TS_TRACEBACK"):
+            traceback.print_exc()
         print(f"error: [rank {eng.rank()}] {e}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt as e:
