@@ -35,7 +35,7 @@ import onnxruntime as ort
 import torch
 
 from contract.runtime import OPT_LEVELS
-from trainer import artifact
+from trainer import artifact, presets
 from trainer import config as config_mod
 from trainer.export import ExportOptions, export_bundle
 from trainer.export.score import accuracy, predict
@@ -270,7 +270,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
-    cfg = config_mod.lab()
+    cfg = presets.lab()
     art_dir, what = make_artifact(args, cfg)
     art = artifact.load(art_dir)
     model = art.model()

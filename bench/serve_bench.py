@@ -47,9 +47,10 @@ def make_bundle(out: Path, data_root: Path, precision: str = "auto") -> Path:
     import torch
 
     from trainer import artifact
-    from trainer.config import lab, override
+    from trainer.config import override
     from trainer.export import ExportOptions, export_bundle
     from trainer.model import build
+    from trainer.presets import lab
     from trainer.tokenizer import Tokenizer
 
     cfg = override(lab(), {"data.root": str(data_root)})
@@ -89,14 +90,16 @@ def bench_in_process(bundle: Path, texts: list[str], c: int, seconds: float, thr
             p.predict([rng.choice(texts)])
             latencies[i].append(time.perf_counter() - t0)
 
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), time.process_time()
     workers = [threading.Thread(target=caller, args=(i,)) for i in range(c)]
     for w in workers:
         w.start()
     for w in workers:
         w.join()
     flat = [x for lat in latencies for x in lat]
-    return summarize("in-process predictor", c, flat, len(flat), time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    return summarize("in-process predictor", c, flat, len(flat), elapsed,
+                     {"cpu": (time.process_time() - cpu0) / (elapsed * (os.cpu_count() or 1))})
 
 
 def sweep(bundle: Path, texts: list[str], sizes: list[int], threads: int) -> list[dict]:
@@ -131,13 +134,19 @@ class Server:
             m = re.search(r"listening on [\d.]+:(\d+).*metrics on [\d.]*:(\d+)", line)
             if m:
                 self.port, self.metrics_port = int(m.group(1)), int(m.group(2))
+                # The processes that serve: the workers (--workers N > 1, "pids ..." in this line) or this one.
+                workers = re.search(r"pids ([\d ]+)", line)
+                self.pids = [int(p) for p in workers.group(1).split()] if workers else [self.proc.pid]
                 break
         else:
             raise RuntimeError(f"server did not start: {' '.join(cmd)}")
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()  # drain the log
 
+    def scrape(self) -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+
     def metric(self, name: str) -> float:
-        page = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        page = self.scrape()
         m = re.search(rf"^{name} ([0-9.e+-]+)$", page, re.M)
         return float(m.group(1)) if m else float("nan")
 
@@ -146,15 +155,26 @@ class Server:
         self.proc.wait(60)
 
 
-def bench_server(server: Server, name: str, texts: list[str], c: int, seconds: float) -> dict:
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of live processes so far (/proc/PID/stat)."""
+    from serving.workers import proc_usage
+
+    return sum((proc_usage(pid) or (0.0, 0))[0] for pid in pids)
+
+
+def bench_server(server: Server, name: str, texts: list[str], c: int, seconds: float, channels: int = 8) -> dict:
+    """c closed-loop callers over min(c, channels) connections (a connection stays with one worker of
+    --workers N). Also: the CPU share of this process (the client) and of the server's processes, of all cores."""
     import grpc
 
     from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
     from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    stub = pb_grpc.SentimentServiceStub(channel)
-    stub.Classify(pb.ClassifyRequest(texts=texts[:1]), timeout=30)
+    opened = [grpc.insecure_channel(f"127.0.0.1:{server.port}", options=[("grpc.use_local_subchannel_pool", 1)])
+              for _ in range(min(c, channels))]
+    stubs = [pb_grpc.SentimentServiceStub(ch) for ch in opened]
+    for stub in stubs:
+        stub.Classify(pb.ClassifyRequest(texts=texts[:1]), timeout=30)
     stop_at = [0.0]
     measuring = threading.Event()
     lock = threading.Lock()
@@ -163,6 +183,7 @@ def bench_server(server: Server, name: str, texts: list[str], c: int, seconds: f
 
     def caller(seed: int) -> None:
         rng = random.Random(seed)
+        stub = stubs[seed % len(stubs)]
         while time.perf_counter() < stop_at[0]:
             request = pb.ClassifyRequest(texts=[rng.choice(texts)])
             t0 = time.perf_counter()
@@ -187,24 +208,32 @@ def bench_server(server: Server, name: str, texts: list[str], c: int, seconds: f
     time.sleep(warmup)
     runs0, texts0 = server.metric("sentiment_batch_size_count"), server.metric("sentiment_batch_size_sum")
     measuring.set()
-    start = time.perf_counter()
+    start, client0, server0 = time.perf_counter(), time.process_time(), cpu_seconds(server.pids)
     time.sleep(seconds)
+    client1, server1 = time.process_time(), cpu_seconds(server.pids)
     runs1, texts1 = server.metric("sentiment_batch_size_count"), server.metric("sentiment_batch_size_sum")
     measuring.clear()
     elapsed = time.perf_counter() - start
     for t in threads:
         t.join()
-    channel.close()
+    for ch in opened:
+        ch.close()
     mean_batch = (texts1 - texts0) / (runs1 - runs0) if runs1 > runs0 else float("nan")
-    return summarize(name, c, latencies, len(latencies), elapsed, {"mean_batch": mean_batch, "errors": errors})
+    cores = os.cpu_count() or 1
+    return summarize(name, c, latencies, len(latencies), elapsed, {
+        "mean_batch": mean_batch, "errors": errors, "client_cpu": (client1 - client0) / (elapsed * cores),
+        "server_cpu": (server1 - server0) / (elapsed * cores)})
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| mode | concurrency | texts/s | p50 ms | p99 ms | mean texts per ORT run |", "|---|---|---|---|---|---|"]
+    out = ["| mode | concurrency | texts/s | p50 ms | p99 ms | mean texts per ORT run | CPU: client / server |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
         batch = f"{r['mean_batch']:.1f}" if "mean_batch" in r else "1"
+        cpu = f"{100 * r['client_cpu']:.0f}% / {100 * r['server_cpu']:.0f}%" if "client_cpu" in r else \
+            f"{100 * r['cpu']:.0f}% (one process)"
         out.append(f"| {r['mode']} | {r['concurrency']} | {r['texts_per_s']:.1f} | {r['p50_ms']:.2f} | "
-                   f"{r['p99_ms']:.2f} | {batch} |")
+                   f"{r['p99_ms']:.2f} | {batch} | {cpu} |")
     return "\n".join(out)
 
 
@@ -219,6 +248,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="onnxruntime intra-op threads per run, in-process and server alike (0 = one per core)")
     ap.add_argument("--server-args", default="", help="extra server options, e.g. '--max-batch-tokens 8192'")
+    ap.add_argument("--channels", type=int, default=8,
+                    help="client connections (at most one per caller): each stays with one server worker")
+    ap.add_argument("--modes", nargs="+", default=["on", "off"], choices=["on", "off"],
+                    help="server modes to run: batching on, batching off")
     ap.add_argument("--sweep", type=int, nargs="*", default=[1, 4, 8, 16, 32, 64],
                     help="batch sizes of the in-process cost-per-text sweep (none: skip it)")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
@@ -234,10 +267,11 @@ def main() -> int:
     swept = sweep(args.bundle, texts, args.sweep, args.threads) if args.sweep else []
     rows = [bench_in_process(args.bundle, texts, c, args.seconds, args.threads) for c in args.concurrency]
     threads = ["--intra-op-threads", str(args.threads), *args.server_args.split()]
-    for name, extra in (("server, batching on", []), ("server, batching off", ["--no-batching"])):
+    modes = {"on": ("server, batching on", []), "off": ("server, batching off", ["--no-batching"])}
+    for name, extra in (modes[m] for m in args.modes):
         server = Server(args.bundle, *threads, *extra)
         try:
-            rows += [bench_server(server, name, texts, c, args.seconds) for c in args.concurrency]
+            rows += [bench_server(server, name, texts, c, args.seconds, args.channels) for c in args.concurrency]
         finally:
             server.stop()
     if swept:
@@ -248,13 +282,15 @@ def main() -> int:
     print(table(rows))
 
     by = {(r["mode"], r["concurrency"]): r for r in rows}
-    cmax, cmin = max(args.concurrency), min(args.concurrency)
-    on, off = by[("server, batching on", cmax)], by[("server, batching off", cmax)]
-    limit = by[("in-process predictor", cmax)]
-    print(f"\nconcurrency {cmax}: batching on / off = {on['texts_per_s'] / off['texts_per_s']:.2f}x; "
-          f"on / in-process = {100 * on['texts_per_s'] / limit['texts_per_s']:.0f}%")
-    p50 = by[("server, batching on", cmin)]["p50_ms"] - by[("in-process predictor", cmin)]["p50_ms"]
-    print(f"concurrency {cmin}: p50 server - in-process = {p50:.2f} ms")
+    cmax = max(args.concurrency)
+    first = modes[args.modes[0]][0]
+    for c in args.concurrency:
+        limit, served = by[("in-process predictor", c)], by[(first, c)]
+        print(f"concurrency {c}: {first} / in-process = {100 * served['texts_per_s'] / limit['texts_per_s']:.0f}%, "
+              f"p50 server - in-process = {served['p50_ms'] - limit['p50_ms']:.2f} ms")
+    if len(args.modes) == 2:
+        on, off = by[("server, batching on", cmax)], by[("server, batching off", cmax)]
+        print(f"concurrency {cmax}: batching on / off = {on['texts_per_s'] / off['texts_per_s']:.2f}x")
     mean_tokens = np.mean([len(t) for t in texts])
     print(f"texts: {len(texts)} test reviews, mean {mean_tokens:.0f} characters; machine: {platform.machine()}, "
           f"{os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}")

@@ -62,9 +62,10 @@ def make_bundle(out: Path, data_root: Path, size: str) -> Path:
     import torch
 
     from trainer import artifact
-    from trainer.config import override, tiny
+    from trainer.config import override
     from trainer.export import ExportOptions, export_bundle
     from trainer.model import build
+    from trainer.presets import tiny
     from trainer.tokenizer import Tokenizer
 
     cfg = override(tiny(), {"data.root": str(data_root)})

@@ -61,11 +61,12 @@ from trainer import cli, loop
 from trainer import engine as eng
 from trainer.artifact import write_text_atomic
 from trainer.batching import bucket_batches
-from trainer.config import ModelConfig, OptimConfig, RunConfig, override, preset
+from trainer.config import ModelConfig, OptimConfig, RunConfig, override
 from trainer.corpus import PreparedCorpus
 from trainer.finetune import ClassifierObjective, load_split
 from trainer.model import forward_flops_per_token
 from trainer.prepare import prepare
+from trainer.presets import preset
 from trainer.pretrain import LMObjective, WindowBatcher
 from trainer.tokenizer import build_tokenizer
 from trainer.windows import EpochOrder, Windows

@@ -242,6 +242,8 @@ class Batcher:
         m.batch_size.observe(len(batch))
         m.batch_tokens.observe(len(batch) * max(r.length for r in batch))
         m.texts.inc(len(batch))
+        if m.worker_texts is not None:
+            m.worker_texts.inc(len(batch))
         with self._cond:  # several workers may finish rows of one request
             for row, p in zip(batch, probs, strict=True):
                 req = row.request

@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _read_lines(name: str) -> list[str]:
-    stream = sys.stdin if name == "-" else open(name, encoding="utf-8")  # noqa: SIM115
+    stream = sys.stdin if name == "-" else open(name, encoding="utf-8")
     with stream:
         return [line.rstrip("\n") for line in stream if line.strip()]
 

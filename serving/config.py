@@ -23,6 +23,11 @@ class ServerConfig:
     health_port: int | None = None  # a second, plain-text listener serving only grpc.health.v1, by an asyncio
     # server whose half-open calls hold no thread (serving/health_port.py; 0 = any free port, None = off): what
     # Kubernetes' gRPC probes (which speak no TLS) should target. grpc.health.v1 stays on `port` too
+    # Processes
+    workers: int = 1  # server processes sharing `port` (SO_REUSEPORT; serving/workers.py), each with its own
+    # predictor, batcher and handler threads: the request path's Python then runs on several cores. Every limit
+    # below is per worker; the health and metrics ports are the parent's, for all workers (what it gains:
+    # docs/BENCHMARKS.md, Serving)
     # Model
     model_name: str = "sentiment"  # the model's name in KServe v2 requests and in metadata
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when it really loads, else CPU
@@ -87,6 +92,7 @@ class ServerConfig:
             _in_range("metrics_port", self.metrics_port, 0, 65535)
         if self.health_port is not None:
             _in_range("health_port", self.health_port, 0, 65535)
+        _in_range("workers", self.workers, 1, 256)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ServerConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.optimization not in (None, "disable", "basic", "extended", "all"):

@@ -248,7 +248,7 @@ class Gate(grpc.ServerInterceptor):
                 return hmac.compare_digest(given, self.expected)
         return False
 
-    def intercept_service(self, continuation, details):  # noqa: ANN001 (grpc's untyped interface)
+    def intercept_service(self, continuation, details):
         handler = continuation(details)
         if handler is None:
             return None  # unknown method: grpc answers UNIMPLEMENTED at once, without a thread

@@ -40,7 +40,7 @@ class Health(health.HealthServicer):
         with self._statuses_lock:
             return dict(self._statuses)
 
-    def List(self, request: health_pb2.HealthListRequest,  # noqa: N802 (gRPC method names)
+    def List(self, request: health_pb2.HealthListRequest,
              context: grpc.ServicerContext) -> health_pb2.HealthListResponse:
         return health_pb2.HealthListResponse(
             statuses={name: health_pb2.HealthCheckResponse(status=s) for name, s in self.statuses().items()})

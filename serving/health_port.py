@@ -7,7 +7,7 @@ thread with calls that never send it, and the calls queued behind them wait thei
 connection failed every probe of this port for about 2 minutes when it was served by 4 threads at the default
 body_timeout_s (tests/test_reliability_attacks.py). Here a call waiting for its message is a coroutine: any number
 of them leave the probes answered. Each still ends after body_timeout_s (CANCELLED), and the connection options of
-the gRPC port apply (streams per connection, handshake, idle and age limits: serving/server.py `transport_options`).
+the gRPC port apply (streams per connection, handshake, idle and age limits: serving/app.py `transport_options`).
 What such calls still cost is memory, about 24 KB each while they last (2,000 held: +48 MiB, given back once they
 are over): that, and not the probes' answers, is what an attacker who reaches this port can spend.
 

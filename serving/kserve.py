@@ -69,20 +69,20 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         if version not in ("", VERSION):
             raise ModelNotFound(f"model {name!r} has no version {version!r}; versions: [{VERSION!r}]")
 
-    def ServerLive(self, request, context):  # noqa: N802 (gRPC method names)
+    def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
 
-    def ServerReady(self, request, context):  # noqa: N802
+    def ServerReady(self, request, context):
         return pb.ServerReadyResponse(ready=self.core.reports_ready)
 
-    def ModelReady(self, request, context):  # noqa: N802
+    def ModelReady(self, request, context):
         self._check_model(request.name, request.version)
         return pb.ModelReadyResponse(ready=self.core.reports_ready)
 
-    def ServerMetadata(self, request, context):  # noqa: N802
+    def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name="sentiment-server", version=_server_version(), extensions=[])
 
-    def ModelMetadata(self, request, context):  # noqa: N802
+    def ModelMetadata(self, request, context):
         self._check_model(request.name, request.version)
         T = pb.ModelMetadataResponse.TensorMetadata
         C = len(self.core.predictor.labels)
@@ -99,7 +99,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             ],
         )
 
-    def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> pb.ModelInferResponse:  # noqa: N802
+    def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> pb.ModelInferResponse:
         self._check_model(request.model_name, request.model_version)
         wanted = self._outputs(request)
         texts = self._texts(request)

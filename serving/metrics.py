@@ -31,7 +31,9 @@ class Metrics:
     """Requests and errors by code, queue time, batch size and tokens, inference time, queue depth, the bounds
     against hostile clients, and the process (`process_*`: CPU, resident memory, open files, threads)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, per_worker: bool = False) -> None:
+        """per_worker: a worker of serving/workers.py (prometheus_client's multiprocess mode, which sums counters
+        and histograms over the workers): also count its texts in a series of its own, labelled by its pid."""
         r = self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=r)
         self.requests = Counter("sentiment_requests", "RPCs answered, by method and the status code the client got",
@@ -46,11 +48,14 @@ class Metrics:
                                       buckets=tuple(64 * s for s in _SIZES), registry=r)
         self.inference_seconds = Histogram("sentiment_inference_seconds", "time of one onnxruntime run",
                                            buckets=_SECONDS, registry=r)
-        self.queue_depth = Gauge("sentiment_queue_depth", "texts waiting in the batching queue", registry=r)
+        # Gauges: the sum over the live workers (multiprocess mode; one process reads the same)
+        self.queue_depth = Gauge("sentiment_queue_depth", "texts waiting in the batching queue", registry=r,
+                                 multiprocess_mode="livesum")
         self.dropped = Counter("sentiment_dropped_texts", "texts dropped before compute, by reason",
                                ["reason"], registry=r)
         self.response_bytes = Gauge("sentiment_response_bytes_in_flight",
-                                    "bytes of answers built and not yet delivered to their clients", registry=r)
+                                    "bytes of answers built and not yet delivered to their clients", registry=r,
+                                    multiprocess_mode="livesum")
         self.body_timeouts = Counter("sentiment_body_timeouts", "calls cancelled because their request message "
                                      "did not arrive within body_timeout_s", registry=r)
         self.memory_reclaim_seconds = Histogram("sentiment_memory_reclaim_seconds", "collections of unreachable "
@@ -58,6 +63,10 @@ class Metrics:
                                                 "each took (serving/memory.py)", buckets=_SECONDS, registry=r)
         self.suppressed_logs = Counter("sentiment_suppressed_tracebacks", "internal-error tracebacks not logged "
                                        "(rate limit)", registry=r)
+        self.worker_texts: Gauge | None = None
+        if per_worker:  # a gauge: multiprocess mode keeps a gauge's pid label ("liveall"), sums a counter's away
+            self.worker_texts = Gauge("sentiment_worker_texts", "texts classified by this worker process since it "
+                                      "started, by pid (--workers > 1)", registry=r, multiprocess_mode="liveall")
 
 
 class MetricsServer:
@@ -112,7 +121,7 @@ class _DeadlineReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:  # noqa: ANN001
+    def readinto(self, buffer) -> int:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("request headers not received in time")
@@ -128,10 +137,10 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
         self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + HEADER_TIMEOUT_S))
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's names)
+    def do_GET(self) -> None:
         self._answer(body=True)
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._answer(body=False)
 
     def _answer(self, body: bool) -> None:
@@ -146,5 +155,5 @@ class _Handler(BaseHTTPRequestHandler):
         if body:
             self.wfile.write(page)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass  # one log line per scrape (or per probe of a scanner) is noise

@@ -33,7 +33,7 @@ def data_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     """The saved `tokenizer/` folder of `tiny_tokenizer`."""
-    from trainer.config import tiny
+    from trainer.presets import tiny
     from trainer.tokenizer import Tokenizer
 
     tc = tiny().tokenizer
@@ -56,9 +56,10 @@ def tiny_classifier_artifact(tmp_path_factory: pytest.TempPathFactory, data_dir:
     """A `tiny` classifier artifact trained for a few Adam steps on cls-books-fr train reviews (plain PyTorch)."""
     from trainer import artifact
     from trainer.batching import pad_batch
-    from trainer.config import override, tiny
+    from trainer.config import override
     from trainer.data import read_labeled
     from trainer.model import build
+    from trainer.presets import tiny
 
     cfg = override(tiny(), {"data.root": str(data_dir)})
     examples = read_labeled(data_dir / "cls-books-fr" / "train.review.txt", cfg.data.labels)

@@ -109,7 +109,7 @@ class _Connection:
             if not n and not self.wait(lambda: self.h2.local_flow_control_window(sid) > 0, timeout):
                 raise TimeoutError(f"stream {sid}: the server's flow-control window stayed closed")
 
-    def wait(self, condition, timeout: float) -> bool:  # noqa: ANN001
+    def wait(self, condition, timeout: float) -> bool:
         with self._changed:
             return self._changed.wait_for(lambda: condition() or self.closed.is_set(), timeout)
 

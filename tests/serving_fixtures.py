@@ -29,9 +29,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from procs import REPO as REPO_ROOT
 from prometheus_client.parser import text_string_to_metric_families
 
+from serving.app import SentimentServer
 from serving.batcher import Batcher
 from serving.config import ServerConfig
-from serving.server import SentimentServer
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 METRICS_ON = re.compile(r"metrics on ([\d.]+):(\d+)")

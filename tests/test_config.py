@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from trainer.config import PRESETS, Choice, ConfigError, ModelConfig, OptimConfig, load, override, preset, resolve
+from trainer.choice import Choice, resolve
+from trainer.config import ConfigError, ModelConfig, OptimConfig, load, override
+from trainer.presets import PRESETS, preset
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

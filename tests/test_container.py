@@ -34,8 +34,8 @@ from serving.client import SentimentClient
 from serving.predictor import Predictor
 
 sys.path.insert(0, str(REPO_ROOT / "deploy"))
-from healthcheck import check  # noqa: E402 (deploy/ is not a package)
-from serve_requirements import serve_requirements  # noqa: E402
+from healthcheck import check
+from serve_requirements import serve_requirements
 
 IMAGE = "localhost/transfer-sentiment:test"
 SUITE = "bookworm"  # the base: Debian's python3 (3.11 in bookworm: the wheelhouse's Python below)

@@ -17,8 +17,9 @@ from procs import REPO
 
 from trainer import engine as eng
 from trainer import loop
-from trainer.config import OptimConfig, lab, override, tiny
+from trainer.config import OptimConfig, override
 from trainer.corpus import FORMAT, MANIFEST, PreparedCorpus, ShardWriter, token_dtype
+from trainer.presets import lab, tiny
 from trainer.pretrain import WindowBatcher
 from trainer.windows import Windows
 

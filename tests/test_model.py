@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.config import ModelConfig, lab, tiny
+from trainer.config import ModelConfig
 from trainer.model import (
     Classifier,
     LanguageModel,
@@ -15,6 +15,7 @@ from trainer.model import (
     parameter_formula,
 )
 from trainer.params import report
+from trainer.presets import lab, tiny
 
 
 def test_lab_parameter_counts_match_the_lab_exactly():
@@ -204,7 +205,7 @@ def test_unpadded_attention_reaches_sdpa_without_a_mask(monkeypatch: pytest.Monk
     seen: list[tuple[bool, bool]] = []
     real = F.scaled_dot_product_attention
 
-    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):  # noqa: ANN001, ANN202
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
         seen.append((attn_mask is None, bool(is_causal)))
         return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from procs import REPO
 
-from trainer.config import Choice, ConfigError, valid_keys
+from trainer.choice import Choice
+from trainer.config import ConfigError, valid_keys
 from trainer.data import DataError, label_values, read_labeled
 from trainer.labelled import load, settle_labels, stratified_split
 

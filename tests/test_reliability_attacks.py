@@ -35,12 +35,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hostile import HalfOpen, Unread
 from serving_fixtures import ServerProcess, certs, running_server, secure_channel, target, wait_until
 
+from serving.app import SentimentServer
 from serving.config import ServerConfig
 from serving.gen.inference import grpc_service_pb2 as kpb
 from serving.gen.inference import grpc_service_pb2_grpc as kpb_grpc
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
-from serving.server import SentimentServer
 
 __all__ = ["certs"]  # the fixture, imported for the TLS case
 

@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from serving_fixtures import REPO_ROOT, certs, reviews, running_server, target
 from serving_fixtures import secure_channel as _secure
 
+from serving.app import SentimentServer
 from serving.client import SentimentClient
 from serving.errors import BundleError
 from serving.gen.inference import grpc_service_pb2 as kpb
@@ -39,7 +40,6 @@ from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 from serving.kserve import decode_bytes, encode_bytes
 from serving.predictor import Predictor
-from serving.server import SentimentServer
 
 __all__ = ["certs"]  # the session fixture of tests/serving_fixtures.py, used by the TLS tests
 
@@ -325,7 +325,7 @@ class _Planted:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
 
-    def __reduce__(self):  # noqa: ANN204
+    def __reduce__(self):
         return (open, (str(self.marker), "w"))
 
 

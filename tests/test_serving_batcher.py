@@ -20,7 +20,7 @@ from serving.errors import Cancelled, DeadlineExpired, NotReady, Overloaded
 from serving.predictor import Predictor
 
 
-def _hold_worker(batcher: Batcher, held: HeldRuns, predictor: Predictor):  # noqa: ANN202
+def _hold_worker(batcher: Batcher, held: HeldRuns, predictor: Predictor):
     """Submit one request and wait until the worker is inside its run (the queue is then ours)."""
     blocker = batcher.submit([predictor.tokenizer.encode("bloquant").ids])
     assert held.wait_entered(5)

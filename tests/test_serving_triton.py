@@ -58,7 +58,7 @@ def test_tritonclient_gets_the_in_process_answers(tiny_bundle: Path, data_dir: P
     assert errors["no token"]["status"] == "StatusCode.UNAUTHENTICATED"
 
 
-def _fields(d) -> dict:  # noqa: ANN001
+def _fields(d) -> dict:
     return {
         "fields": {f.name: [f.number, f.type, f.is_repeated, f.message_type.name if f.message_type else None,
                             f.containing_oneof.name if f.containing_oneof else None] for f in d.fields},

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ConfigError, override, tiny
+from trainer.config import ConfigError, override
 from trainer.data import iter_texts
+from trainer.presets import tiny
 from trainer.tokenizer import Tokenizer, TokenizerError, build_tokenizer, detokenize
 
 N_LINES = 100  # the acceptance test: first 100 lines of train.review.spm

@@ -74,8 +74,9 @@ def tokens_and_positions(data_dir: Path, steps: int, windows: int) -> dict[str, 
     reviews; LM inputs are packed next-token windows of 40 ids (never padded), classifier inputs whole (cut)
     reviews."""
     from trainer.batching import bucket_batches
-    from trainer.config import override, preset
+    from trainer.config import override
     from trainer.finetune import load_split
+    from trainer.presets import preset
     from trainer.tokenizer import build_tokenizer
 
     cfg = override(preset("tiny"), {"data.root": str(data_dir), "tokenizer.max_len": 40, "pretrain.seq_len": 40})

@@ -63,7 +63,7 @@ def infer(url: str, model: str, token: str | None) -> dict:
 def descriptors(names: list[str]) -> dict:
     from tritonclient.grpc import service_pb2
 
-    def fields(d) -> dict:  # noqa: ANN001
+    def fields(d) -> dict:
         return {
             "fields": {f.name: [f.number, f.type, f.is_repeated, f.message_type.name if f.message_type else None,
                                 f.containing_oneof.name if f.containing_oneof else None] for f in d.fields},

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from trainer import config as config_mod
+from trainer.choice import Choice
 from trainer.presets import PRESETS
 
 # Errors in the user's input: config, data, checkpoint, artifact (ConfigError, DataError, CheckpointError,
@@ -37,7 +38,7 @@ def add_config_args(parser: argparse.ArgumentParser, default_preset: str = "demo
     parser.set_defaults(default_preset=default_preset)
 
 
-def config_choice(args: argparse.Namespace) -> config_mod.Choice:
+def config_choice(args: argparse.Namespace) -> Choice:
     """The preset, --config and --set of the command line; `--resume` with neither a preset nor a config file
     continues from the run's own config.json (plus any --set, which must then change nothing)."""
     run = None
@@ -45,7 +46,7 @@ def config_choice(args: argparse.Namespace) -> config_mod.Choice:
         run = Path(args.out) / "config.json"
         if not run.is_file():
             raise config_mod.ConfigError(f"nothing to resume: {run} not found")
-    return config_mod.Choice(args.preset or args.default_preset, args.config, tuple(args.overrides),
+    return Choice(args.preset or args.default_preset, args.config, tuple(args.overrides),
                              str(run) if run else None)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field
 
 from contract.tokens import N_SPECIALS
-from trainer.config_fields import (  # noqa: F401 (ConfigError: the other modules import it from here)
+from trainer.config_fields import (
     ConfigError,
     Count,
     NonNegative,
@@ -246,7 +245,7 @@ def valid_keys() -> list[str]:
 
 def override(cfg: RunConfig, assignments: list[str] | dict[str, Any]) -> RunConfig:
     """Apply `section.field=value` overrides (values are coerced to the field's type); a new, validated config."""
-    items = assignments.items() if isinstance(assignments, dict) else [_split(a) for a in assignments]
+    items = assignments.items() if isinstance(assignments, dict) else [split_assignment(a) for a in assignments]
     data = cfg.to_dict()
     valid = valid_keys()
     for key, value in items:
@@ -260,7 +259,7 @@ def override(cfg: RunConfig, assignments: list[str] | dict[str, Any]) -> RunConf
     return from_dict(data)
 
 
-def _split(assignment: str) -> tuple[str, str]:
+def split_assignment(assignment: str) -> tuple[str, str]:
     if "=" not in assignment:
         raise ConfigError(f"override {assignment!r} must look like section.field=value")
     key, value = assignment.split("=", 1)
@@ -299,69 +298,6 @@ def load(path: str | Path) -> RunConfig:
         raise ConfigError(f"{path}: {e}") from None
 
 
-def resolve(preset_name: str, overrides: list[str] | None = None, config_file: str | None = None) -> RunConfig:
-    """Preset, then a JSON file's keys, then `--set` overrides: the order the CLI applies them."""
-    return Choice(preset_name, config_file, tuple(overrides or ())).resolve()
-
-
-# Keys that name data files: setting any of them makes the run's data the user's own (Choice.resolve).
-OWN_DATA = ("data.pretrain", "data.train", "data.valid", "data.test", "data.extra_test")
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """How the command line chose a config: a preset (or a run's own config.json), then a JSON file of overrides,
-    then `--set` assignments."""
-
-    preset: str
-    file: str | None = None  # --config FILE
-    assignments: tuple[str, ...] = ()  # --set KEY=VALUE, in order
-    run: str | None = None  # a run's config.json to start from instead of the preset (--resume alone)
-
-    def settings(self) -> dict[str, Any]:
-        """Every key the user set (file, then --set), with its raw value."""
-        out = flatten(read_json(self.file)) if self.file else {}
-        out.update(_split(a) for a in self.assignments)
-        return out
-
-    def resolve(self, fixed: dict[str, Any] | None = None, fixed_by: str = "") -> RunConfig:
-        """The config. `fixed`: keys that something else decides (e.g. `--pretrained ARTIFACT` fixes the tokenizer
-        and the encoder's shape): a user setting that would change one is an error, not silently dropped.
-
-        A user who names a data file gets a data section of their own: none of the preset's files, caps or labels
-        (a preset's test file scored against their training file would be a silent wrong result). Label names
-        come from the user's labels unless given with them. data.root ends up absolute."""
-        from trainer.presets import preset
-
-        settings = self.settings()
-        own = self.run is None and any(k in settings for k in OWN_DATA)
-        cfg = load(self.run) if self.run else preset(self.preset)
-        if own:  # the preset's files go, the lab tokenizer's too (unused by a trained one, refused below)
-            tc = cfg.tokenizer
-            cfg = dataclasses.replace(cfg, data=DataConfig(), tokenizer=tc if tc.kind == "lab" else
-                                      dataclasses.replace(tc, model="", vocab=""))
-        if fixed:
-            cfg = override(cfg, fixed)
-        if self.file:
-            cfg = override(cfg, flatten(read_json(self.file)))
-        if self.assignments:
-            cfg = override(cfg, list(self.assignments))
-        if "data.labels" in settings and "data.label_names" not in settings:
-            cfg = override(cfg, {"data.label_names": []})
-        if own and cfg.tokenizer.kind == "lab" and "tokenizer.kind" not in (fixed or {}) \
-                and "tokenizer.model" not in settings:
-            raise ConfigError(f"preset {cfg.preset!r} loads the lab's French tokenizer (tokenizer.kind=lab) from its "
-                              "data sets; with your own data set tokenizer.kind=train, or name the files "
-                              "(tokenizer.model, tokenizer.vocab)")
-        cfg = override(cfg, {"data.root": os.path.abspath(os.path.expanduser(cfg.data.root))})
-        flat = flatten(cfg.to_dict())
-        for key in settings:
-            if fixed and key in fixed and flat[key] != fixed[key]:
-                raise ConfigError(f"{key}={flat[key]!r} would be ignored: {fixed_by} fixes it to {fixed[key]!r}; "
-                                  "remove the setting")
-        return cfg
-
-
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}: the keys `--set` takes."""
     out: dict[str, Any] = {}
@@ -371,12 +307,3 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + k] = v
     return out
-
-
-def __getattr__(name: str) -> Any:
-    """`from trainer.config import tiny` (and the other presets) still works: they live in trainer/presets.py."""
-    if name in ("PRESETS", "preset", "tiny", "demo", "english", "lab"):
-        from trainer import presets
-
-        return getattr(presets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

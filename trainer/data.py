@@ -32,12 +32,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.data_errors import DataError, name_it
+
 FORMATS = (".txt", ".jsonl", ".tsv", ".spm", ".csv", ".parquet")
 LABEL_SUFFIX = ".label"
 
 
-class DataError(ValueError):
-    """A data file is missing, empty or malformed; the message names the file, the line and what was expected."""
 
 
 @dataclass
@@ -118,7 +118,7 @@ def _records(path: Path, text_field: str, label_field: str, labeled: bool,
              lines: Iterator[tuple[int, str]] | None = None) -> Iterator[tuple[int, str, object]]:
     """(line, text or pieces line, raw label or None) for non-blank records of a file; `lines`: parse these
     (numbered) lines of it instead of reading it (a block, after its header: `block_texts`)."""
-    from trainer import tables  # the table formats (tables.py imports this module's DataError)
+    from trainer import tables  # the table formats (.tsv/.csv/.parquet)
 
     fmt = file_format(path)
     if fmt == ".parquet":
@@ -151,7 +151,7 @@ def _jsonl(path: Path, lines: Iterator[tuple[int, str]], text_field: str, label_
             raise DataError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
         for key, option in ((text_field, "text_field"), (label_field, "label_field"))[:2 if labeled else 1]:
             if key not in obj:
-                raise DataError(f"{path}:{n}: no field {key!r} (fields: {sorted(obj)}); {_name_it(option)}")
+                raise DataError(f"{path}:{n}: no field {key!r} (fields: {sorted(obj)}); {name_it(option)}")
         text = obj[text_field]
         if not isinstance(text, str):
             raise DataError(f"{path}:{n}: field {text_field!r} must be a string, got {type(text).__name__}")
@@ -159,11 +159,6 @@ def _jsonl(path: Path, lines: Iterator[tuple[int, str]], text_field: str, label_
         if label is not None and not isinstance(label, str):
             label = json.dumps(label)  # 1 -> "1", true -> "true": compared with the declared label strings
         yield n, text, label
-
-
-def _name_it(option: str) -> str:
-    """How a user names a field: the config key when training, the flag of `predict` and `export`."""
-    return f"name yours with data.{option}=NAME (predict, export: --{option.replace('_', '-')} NAME)"
 
 
 def _example(path: Path, fmt: str, n: int, text: str, label: int | None) -> Example:

@@ -47,7 +47,7 @@ from trainer.distributed import (  # noqa: F401  (re-exported: the stages call t
     rank,
     world_size,
 )
-from trainer.schedule import lr_factor  # noqa: F401  (re-exported)
+from trainer.schedule import lr_factor
 
 Stage = Literal["pretrain", "finetune"]
 

@@ -73,20 +73,28 @@ class Model:
 def open_model(path: Path) -> Model:
     """A bundle (manifest.json) or a classifier artifact (artifact.json); anything else is one line naming it."""
     if (path / MANIFEST_FILE).is_file():
+        import onnxruntime as ort
+
         from contract.bundle import check_session, verify_bundle
         from contract.manifest import TOKENIZER_DIR
+        from contract.runtime import CUDA, cuda_driver_present
         from contract.tokens import TOKENIZER_FILES
         from trainer.export.graph import open_session
         from trainer.export.validate import ort_logits
 
         b = verify_bundle(path)
         m = b.manifest
-        session = open_session(b.model_bytes, m.runtime.graph_optimization_level)
-        check_session(session, b)
+        # The graph the server would run here: the CUDA one where onnxruntime has a GPU, else the CPU one (int8 in
+        # a default bundle), tokenized with the manifest's max_len (the bundle's one copy).
+        device = "cuda" if cuda_driver_present() and CUDA in ort.get_available_providers() else "cpu"
+        graph = m.graph_for(device)
+        session = open_session(b.graph_bytes(graph), m.runtime.graph_optimization_level, prefer_gpu=device == "cuda")
+        check_session(session, b, graph)
         tok = Tokenizer.from_files({n: b.files[f"{TOKENIZER_DIR}/{n}"] for n in TOKENIZER_FILES},
-                                   b.folder / TOKENIZER_DIR)
+                                   b.folder / TOKENIZER_DIR, max_len=m.max_len)
         return Model("bundle", list(m.label_values), list(m.label_names), m.max_len, tok, ("text", "label"),
-                     lambda i, a: ort_logits(session, i, a), f"bundle, {m.precision}, {session.get_providers()[0]}")
+                     lambda i, a: ort_logits(session, i, a),
+                     f"bundle, {graph} ({m.graphs[graph].precision}), {session.get_providers()[0]}")
     if (path / "artifact.json").is_file():
         from trainer import artifact
         from trainer.export.validate import torch_logits

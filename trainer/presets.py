@@ -3,7 +3,8 @@
 Every preset reads the project's data sets (../shared/data/README.md says what each is) from `data_sets()`: the
 folder `TS_DATA` names, else `../shared/data` from the working directory (beside a checkout, run from its root).
 Never from where the package is installed: a wheel installed into a virtualenv has no data beside it.
-A user's own data replaces the whole data section (config.Choice.resolve): nothing of it leaks into their run.
+A user's own data replaces the whole data section (trainer/choice.py, Choice.resolve): nothing of it leaks
+into their run.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer.data import DataError, _name_it
+from trainer.data_errors import DataError, name_it
 
 CSV_FIELD_CHARS = 1 << 28  # csv's default limit (131,072 characters) is shorter than one long document
 PARQUET_BATCH_ROWS = 4096  # rows decoded at a time inside a row group
@@ -38,7 +38,7 @@ def table(path: Path, rows: Iterator[tuple[int, list[str]]], text_field: str, la
     label_col = None
     if labeled:
         if label_field not in columns:
-            raise DataError(f"{path}:1: no column {label_field!r} in the header {columns}; {_name_it('label_field')}")
+            raise DataError(f"{path}:1: no column {label_field!r} in the header {columns}; {name_it('label_field')}")
         label_col = columns.index(label_field)
     for n, fields in rows:
         if len(fields) != len(columns):
@@ -52,7 +52,7 @@ def text_column(path: Path, columns: list[str], text_field: str, label_field: st
     others = [i for i, c in enumerate(columns) if c != label_field]
     if len(others) == 1 and label_field in columns:
         return others[0]
-    raise DataError(f"{path}:1: no column {text_field!r} in the header {columns}; {_name_it('text_field')}")
+    raise DataError(f"{path}:1: no column {text_field!r} in the header {columns}; {name_it('text_field')}")
 
 
 def csv_records(path: Path, lines: Iterator[tuple[int, str]], text_field: str, label_field: str,
