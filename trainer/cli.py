@@ -93,6 +93,15 @@ def check_out(folder: Path, flag: str = "--out") -> None:
             from None
 
 
+def add_field_arguments(parser: argparse.ArgumentParser, what: str = "") -> None:
+    """--text-field / --label-field: the column (.csv/.tsv/.parquet) or key (.jsonl) of a labelled file, as the
+    training config's data.text_field / data.label_field name them; `what` prefixes the help ("--data: ")."""
+    for field, default in (("text", "text"), ("label", "label")):
+        parser.add_argument(f"--{field}-field", metavar="NAME",
+                            help=f"{what}the column or .jsonl key of the {field} (default: the artifact's "
+                                 f"data.{field}_field, else '{default}')")
+
+
 def one_line_errors(main: Callable[[], int | None]) -> int:
     """`main()`'s exit code; an error in the input is one line on stderr and exit 2, not a traceback."""
     try:

@@ -1,7 +1,7 @@
 """Predict the label of every text of a file, offline, with a classifier artifact (PyTorch, fp32) or an exported
 bundle (verified, then run in onnxruntime and tokenized the way the server does): no server to start.
 
-The file is read by the readers training uses (.jsonl, .tsv, .txt/.spm, gzipped or not) with the same field
+The file is read by the readers training uses (.csv, .tsv, .jsonl, .parquet, .txt/.spm) with the same field
 options. When it carries labels (a `--label-field` column or key, or a sibling .label file) the metrics are
 printed too: accuracy, the majority-class baseline, macro-F1, per-class precision/recall/F1 and the confusion
 matrix (trainer/metrics.py). Predictions go to `--out` as JSONL or CSV (by its suffix), one row per text, in file
@@ -25,6 +25,7 @@ import numpy as np
 
 from contract.manifest import MANIFEST_FILE
 from trainer import metrics
+from trainer.cli import add_field_arguments
 from trainer.data import DataError, Example, has_labels, iter_texts, read_labeled
 from trainer.export.errors import ExportError
 from trainer.tokenizer import Tokenizer
@@ -40,15 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="ARTIFACT_OR_BUNDLE",
                         help="a classifier artifact folder (finetune's RUN/artifact) or a bundle folder (export's)")
     parser.add_argument("--data", required=True, metavar="FILE",
-                        help="texts to predict: .jsonl, .tsv, .txt (one a line) or .spm, each may be gzipped")
+                        help="texts to predict: .csv, .tsv, .jsonl, .parquet, .txt (one a line) or .spm")
     parser.add_argument("--out", metavar="FILE", help="write the predictions: FILE.jsonl or FILE.csv; '-': JSONL on "
                                                       "stdout (default: none, only the metrics of a labelled file)")
-    parser.add_argument("--text-field", metavar="NAME",
-                        help="the .jsonl key / .tsv column of the text (default: the artifact's data.text_field, "
-                             "else 'text')")
-    parser.add_argument("--label-field", metavar="NAME",
-                        help="the .jsonl key / .tsv column of the label (default: the artifact's data.label_field, "
-                             "else 'label')")
+    add_field_arguments(parser)
     parser.add_argument("--no-labels", action="store_true", help="predict only, even when the file has labels")
     parser.add_argument("--with-text", action="store_true", help="copy each text into its prediction row")
     parser.add_argument("--metrics", metavar="FILE", help="also write the metrics as JSON to FILE")

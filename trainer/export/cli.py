@@ -10,6 +10,7 @@ from pathlib import Path
 from contract.bundle import verify_bundle
 from contract.manifest import DEVICES, PRECISIONS
 from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
+from trainer.cli import add_field_arguments
 from trainer.export.bundle import AUTO, ExportOptions, export_bundle
 from trainer.export.check import check_bundle
 from trainer.export.errors import ExportError
@@ -66,15 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reduce-range", action="store_true", help="int8: 7-bit weights (older x86 CPUs)")
     g.add_argument("--max-len", type=int, help="longest sequence served (default: the tokenizer's max_len)")
     parser.add_argument("--data", metavar="FILE",
-                        help="labelled file (.spm + .label, .tsv, .jsonl): record the accuracy change on export; "
+                        help="labelled file (.csv, .tsv, .jsonl, .parquet, .spm + .label): record the accuracy change on "
+                             "export; "
                              "required with --check")
     parser.add_argument("--limit", type=int, default=0, help="score only the first N examples of --data")
-    parser.add_argument("--text-field", metavar="NAME",
-                        help="--data: the .jsonl key / .tsv column of the text (default: the artifact's "
-                             "data.text_field, else 'text')")
-    parser.add_argument("--label-field", metavar="NAME",
-                        help="--data: the .jsonl key / .tsv column of the label (default: the artifact's "
-                             "data.label_field, else 'label')")
+    add_field_arguments(parser, "--data: ")
 
     t = parser.add_argument_group("Triton model repository")
     t.add_argument("--triton-repo", metavar="DIR",
