@@ -67,9 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reduce-range", action="store_true", help="int8: 7-bit weights (older x86 CPUs)")
     g.add_argument("--max-len", type=int, help="longest sequence served (default: the tokenizer's max_len)")
     parser.add_argument("--data", metavar="FILE",
-                        help="labelled file (.csv, .tsv, .jsonl, .parquet, .spm + .label): record the accuracy change on "
-                             "export; "
-                             "required with --check")
+                        help="labelled file (.csv, .tsv, .jsonl, .parquet, .spm + .label): record the accuracy "
+                             "change on export; required with --check")
     parser.add_argument("--limit", type=int, default=0, help="score only the first N examples of --data")
     add_field_arguments(parser, "--data: ")
 
