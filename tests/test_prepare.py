@@ -232,3 +232,25 @@ def test_the_reader_maps_only_what_it_reads(reference: Path) -> None:
     last = corpus_mod.read_manifest(reference)["shards"][-1]["bin"]
     corpus.read(corpus.n_tokens - 3, corpus.n_tokens)
     assert list(corpus._maps) == ["shard-00000.bin", last]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["shards"][0].update(bin="../outside.bin"), r"shards\[0\]\.bin '\.\./outside\.bin': not a file name"),
+    (lambda m: m["shards"][1].update(idx="/etc/hostname"), r"shards\[1\]\.idx '/etc/hostname': not a file name"),
+    (lambda m: m["tokenizer"]["files"].update({"../../x": {"bytes": 1, "sha256": "0"}}),
+     r"tokenizer\.files '\.\./\.\./x': not a file name"),
+    (lambda m: m["shards"][0].pop("tokens"), r"shards\[0\]: no 'tokens'"),
+    (lambda m: m["shards"][0].update(documents=-1), r"shards\[0\]\.documents -1: not a count"),
+    (lambda m: m.update(dtype="object"), r"dtype 'object': not uint16 or uint32"),
+    (lambda m: m.update(shards={}), r"shards: not a list"),
+])
+def test_a_tampered_manifest_is_one_line_and_reads_nothing_outside(reference: Path, tmp_path: Path, edit,
+                                                                   message: str) -> None:
+    """A prepared folder travels between nodes; its manifest names the files every rank maps. One that names a file
+    outside the folder, or lacks a field, is refused with one line naming the field, before any file is read."""
+    copy = Path(shutil.copytree(reference, tmp_path / "copy"))
+    m = read_manifest(copy)
+    edit(m)
+    (copy / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(PreparedError, match=message):
+        PreparedCorpus(copy)

@@ -135,7 +135,48 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         got = m.get("format") if isinstance(m, dict) else None
         raise PreparedError(f"{path}: format {got!r} is not supported (this code reads format {FORMAT})")
+    _check_fields(m, path)
     return m
+
+
+def _check_fields(m: dict[str, Any], path: Path) -> None:
+    """A folder crosses nodes and people: every field the readers use, typed, and every file it names a plain name
+    inside the folder, so that a tampered manifest is one line and no rank maps a file outside it."""
+    def name(value: object, where: str) -> None:
+        if not isinstance(value, str) or not value or value in (".", "..") or "/" in value or "\\" in value:
+            raise PreparedError(f"{path}: {where} {value!r}: not a file name inside the folder")
+
+    def count(value: object, where: str) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise PreparedError(f"{path}: {where} {value!r}: not a count")
+
+    if m.get("dtype") not in ("uint16", "uint32"):
+        raise PreparedError(f"{path}: dtype {m.get('dtype')!r}: not uint16 or uint32")
+    for key in ("vocab_size", "tokens", "documents"):
+        count(m.get(key), key)
+    tokenizer, shards = m.get("tokenizer"), m.get("shards")
+    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("fingerprint"), str):
+        raise PreparedError(f"{path}: tokenizer: no fingerprint")
+    files = tokenizer.get("files", {})
+    if not isinstance(files, dict):
+        raise PreparedError(f"{path}: tokenizer.files: not an object")
+    for n, f in files.items():
+        name(n, "tokenizer.files")
+        if not isinstance(f, dict) or not isinstance(f.get("sha256"), str):
+            raise PreparedError(f"{path}: tokenizer.files[{n!r}]: no sha256")
+        count(f.get("bytes"), f"tokenizer.files[{n!r}].bytes")
+    if not isinstance(shards, list):
+        raise PreparedError(f"{path}: shards: not a list")
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, dict):
+            raise PreparedError(f"{path}: shards[{i}]: not an object")
+        for key in ("bin", "idx", "tokens", "documents", "sha256_bin", "sha256_idx"):
+            if key not in shard:
+                raise PreparedError(f"{path}: shards[{i}]: no {key!r}")
+        name(shard["bin"], f"shards[{i}].bin")
+        name(shard["idx"], f"shards[{i}].idx")
+        count(shard["tokens"], f"shards[{i}].tokens")
+        count(shard["documents"], f"shards[{i}].documents")
 
 
 def files_of(manifest: dict[str, Any]) -> list[tuple[str, int, str]]:
