@@ -2,6 +2,7 @@
   - the in-process predictor (the limit: the same closed-loop callers, no gRPC, no batching),
   - the server with dynamic batching on,
   - the same server with batching off (every request its own run),
+  - with `--modes floor`, a bare grpcio server over the same predictor (bench/grpc_floor.py): what gRPC alone costs,
 with review-length texts (cls-books-fr test reviews), one text per request.
 
     python bench/serve_bench.py --make-bundle /tmp/lab-bundle        # once: lab-size classifier, random weights
@@ -125,9 +126,10 @@ def sweep(bundle: Path, texts: list[str], sizes: list[int], threads: int) -> lis
 class Server:
     """`python -m serving.server` in a subprocess on a free loopback port, with metrics on another."""
 
-    def __init__(self, bundle: Path, *args: str) -> None:
-        cmd = [sys.executable, "-m", "serving.server", str(bundle), "--port", "0", "--metrics-port", "0",
-               "--device", "cpu", *args]
+    def __init__(self, bundle: Path, *args: str, floor: bool = False) -> None:
+        """floor: run bench/grpc_floor.py (a bare grpcio server over the same predictor) instead."""
+        program = [str(REPO / "bench" / "grpc_floor.py")] if floor else ["-m", "serving.server"]
+        cmd = [sys.executable, *program, str(bundle), "--port", "0", "--metrics-port", "0", "--device", "cpu", *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -250,8 +252,8 @@ def main() -> int:
     ap.add_argument("--server-args", default="", help="extra server options, e.g. '--max-batch-tokens 8192'")
     ap.add_argument("--channels", type=int, default=8,
                     help="client connections (at most one per caller): each stays with one server worker")
-    ap.add_argument("--modes", nargs="+", default=["on", "off"], choices=["on", "off"],
-                    help="server modes to run: batching on, batching off")
+    ap.add_argument("--modes", nargs="+", default=["on", "off"], choices=["on", "off", "floor"],
+                    help="servers to run: batching on, batching off, the bare grpcio floor (bench/grpc_floor.py)")
     ap.add_argument("--sweep", type=int, nargs="*", default=[1, 4, 8, 16, 32, 64],
                     help="batch sizes of the in-process cost-per-text sweep (none: skip it)")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
@@ -267,9 +269,11 @@ def main() -> int:
     swept = sweep(args.bundle, texts, args.sweep, args.threads) if args.sweep else []
     rows = [bench_in_process(args.bundle, texts, c, args.seconds, args.threads) for c in args.concurrency]
     threads = ["--intra-op-threads", str(args.threads), *args.server_args.split()]
-    modes = {"on": ("server, batching on", []), "off": ("server, batching off", ["--no-batching"])}
-    for name, extra in (modes[m] for m in args.modes):
-        server = Server(args.bundle, *threads, *extra)
+    modes = {"on": ("server, batching on", []), "off": ("server, batching off", ["--no-batching"]),
+             "floor": ("bare grpcio server (floor)", [])}
+    for mode in args.modes:
+        name, extra = modes[mode]
+        server = Server(args.bundle, *threads, *extra, floor=mode == "floor")
         try:
             rows += [bench_server(server, name, texts, c, args.seconds, args.channels) for c in args.concurrency]
         finally:
@@ -288,7 +292,14 @@ def main() -> int:
         limit, served = by[("in-process predictor", c)], by[(first, c)]
         print(f"concurrency {c}: {first} / in-process = {100 * served['texts_per_s'] / limit['texts_per_s']:.0f}%, "
               f"p50 server - in-process = {served['p50_ms'] - limit['p50_ms']:.2f} ms")
-    if len(args.modes) == 2:
+    if "floor" in args.modes:
+        for mode in (m for m in args.modes if m != "floor"):
+            for c in args.concurrency:
+                served, floor = by[(modes[mode][0], c)], by[(modes["floor"][0], c)]
+                print(f"concurrency {c}: {modes[mode][0]} / floor = "
+                      f"{100 * served['texts_per_s'] / floor['texts_per_s']:.0f}%, "
+                      f"p50 server - floor = {served['p50_ms'] - floor['p50_ms']:.2f} ms")
+    if "on" in args.modes and "off" in args.modes:
         on, off = by[("server, batching on", cmax)], by[("server, batching off", cmax)]
         print(f"concurrency {cmax}: batching on / off = {on['texts_per_s'] / off['texts_per_s']:.2f}x")
     mean_tokens = np.mean([len(t) for t in texts])

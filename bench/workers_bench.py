@@ -109,8 +109,9 @@ def profile_summary(raw: Path, top: int = 15) -> str:
     return "\n".join(out)
 
 
-def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace) -> dict:
-    server = Server(bundle, "--workers", str(workers), "--intra-op-threads", "1", *args.server_args.split())
+def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace, floor: bool = False) -> dict:
+    server = Server(bundle, "--workers", str(workers), "--intra-op-threads", "1", *args.server_args.split(),
+                    floor=floor)
     try:
         h2load(server.port, body, min(2.0, args.seconds / 2), args.connections, args.streams)  # warm-up
         calls0, runs0 = ok_calls(server), server.metric("sentiment_inference_seconds_sum")
@@ -130,7 +131,7 @@ def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace) ->
     finally:
         server.stop()
     calls, cores = calls1 - calls0, os.cpu_count() or 1
-    return {"workers": workers, "requests_per_s": calls / elapsed, "calls": calls,
+    return {"workers": "floor" if floor else workers, "requests_per_s": calls / elapsed, "calls": calls,
             "h2load_requests": int(sent.group(1)) if sent else None,
             "server_cpu_ms": 1e3 * (cpu1 - cpu0) / calls, "ort_wall_ms": 1e3 * (runs1 - runs0) / calls,
             "server_cpu_share": (cpu1 - cpu0) / (elapsed * cores), "client_cpu_share": client_cpu / (elapsed * cores)}
@@ -147,6 +148,8 @@ def main() -> int:
     ap.add_argument("--server-args", default="", help="extra server options")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--profile", type=Path, help="py-spy the first worker during the measure; stacks to this file")
+    ap.add_argument("--floor", action="store_true",
+                    help="also measure the bare grpcio server (bench/grpc_floor.py, one process) under the same load")
     args = ap.parse_args()
     if shutil.which("h2load") is None:
         ap.error("h2load not found: install it (Debian/Ubuntu: apt-get install nghttp2-client)")
@@ -157,15 +160,23 @@ def main() -> int:
         body = Path(tmp) / "classify.grpc"
         body.write_bytes(grpc_body(text))
         rows = [measure(args.bundle, n, body, args) for n in args.workers]
+        floor = measure(args.bundle, 1, body, args, floor=True) if args.floor else None
     print("| workers | requests/s | server CPU ms per request | of which onnxruntime runs (wall) ms | outside "
           "onnxruntime ms | CPU share: server / h2load |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workers']} | {r['requests_per_s']:.0f} | {r['server_cpu_ms']:.3f} | {r['ort_wall_ms']:.3f} | "
               f"{r['server_cpu_ms'] - r['ort_wall_ms']:.3f} | {100 * r['server_cpu_share']:.0f}% / "
               f"{100 * r['client_cpu_share']:.0f}% |")
+    if floor is not None:
+        # Its runs' wall time is not a cost: 128 handler threads run them, waiting for the interpreter lock.
+        print(f"| bare grpcio server (floor) | {floor['requests_per_s']:.0f} | {floor['server_cpu_ms']:.3f} | "
+              f"not comparable (runs in the handler threads) | | {100 * floor['server_cpu_share']:.0f}% / "
+              f"{100 * floor['client_cpu_share']:.0f}% |")
+        rows.append(floor)
     base = rows[0]["requests_per_s"]
     for r in rows[1:]:
-        print(f"{r['workers']} workers / {rows[0]['workers']}: {r['requests_per_s'] / base:.2f}x")
+        print(f"{r['workers']} workers / {rows[0]['workers']}: {r['requests_per_s'] / base:.2f}x"
+              if r is not floor else f"1 worker / floor: {base / r['requests_per_s']:.2f}x")
     print(f"one review of {len(text)} characters (the median) per call; {args.connections} connections x "
           f"{args.streams} streams; machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}")
     if args.profile:
