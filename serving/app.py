@@ -26,7 +26,7 @@ from serving.health import SERVICE_NAME as HEALTH_SERVICE
 from serving.health import Health
 from serving.health_port import HealthPort
 from serving.kserve import KServeServicer
-from serving.memory import Reclaimer
+from serving.memory import Reclaimer, fix_mmap_threshold
 from serving.metrics import Metrics, MetricsServer
 from serving.predictor import Predictor
 from serving.servicer import SentimentServicer, ServingCore
@@ -67,6 +67,7 @@ class SentimentServer:
         health and metrics for all."""
         self.cfg = cfg = cfg or ServerConfig()
         self.shared_port = shared_port
+        fix_mmap_threshold(cfg.malloc_mmap_threshold_bytes)  # process-wide, before the model's and gRPC's buffers
         self.predictor = Predictor(bundle, device=cfg.device, intra_op_threads=cfg.intra_op_threads,
                                    inter_op_threads=cfg.inter_op_threads, optimization=cfg.optimization,
                                    spinning=cfg.ort_spinning)

@@ -252,8 +252,10 @@ def test_unread_answers_are_bounded_and_memory_returns_after_the_client_leaves(t
     baseline. Then one connection that never reads: 100 ModelInfer calls that list 'probabilities' 7,400 times
     (a 3.8 MB answer each before the fix: 92 -> 827 MiB RSS, 471 MiB after the client left), then 100 calls of 512
     texts (13 KB answers) against a 1 MiB budget of answers in flight. The first are refused before computing, the
-    second are answered or refused past the budget; after the client has gone, RSS is back within 10% of the
-    baseline within 30 s (it stayed 20-27% above it before serving/memory.py)."""
+    second are answered or refused past the budget; after the client has gone, RSS is back within 5% of the
+    baseline within 30 s, after the attack and again after a second one. It stayed 20-27% above before
+    serving/memory.py, and 10.5-10.8% above with glibc's rising mmap threshold (--malloc-mmap-threshold-bytes 0:
+    the first round fails, idle or loaded; 1.0-1.5% with the default)."""
     n = 512
     server = ServerProcess(tiny_bundle, "--device", "cpu", "--max-workers", "32", "--max-texts", str(n),
                            "--max-queue", str(32 * n), "--max-message-bytes", str(1 << 20),
@@ -270,25 +272,28 @@ def test_unread_answers_are_bounded_and_memory_returns_after_the_client_leaves(t
         before = _rss_mib(server.proc.pid)
         # Besides its own refusal, a call of this attack may be refused as the server protects itself: CANCELLED
         # when its 127 KB body, queued behind the others on one connection, took over body_timeout_s, and
-        # RESOURCE_EXHAUSTED while the 32 model slots are taken. Never answered.
+        # RESOURCE_EXHAUSTED while the 32 model slots are taken. Never answered. Twice: what stays after the
+        # first would add up.
         refusals = {INVALID_ARGUMENT, CANCELLED, RESOURCE_EXHAUSTED}
-        for request, allowed in ((_infer(64, 7400), refusals), (_infer(n), {RESOURCE_EXHAUSTED, CANCELLED})):
-            attacker = Unread(port)
-            message = request.SerializeToString()
-            for _ in range(100):
-                attacker.call(INFER, message)
-            if allowed is refusals:
-                assert attacker.wait(lambda a=attacker: len(a.ended) == 100, 90), len(attacker.ended)
-                assert Counter(attacker.ended.values())[INVALID_ARGUMENT] > 0
-            else:  # answered calls stay open (their answer unread); the others are refused past the budget
-                assert attacker.wait(lambda a=attacker: len(a.ended) >= 100 - (1 << 20) // min(sizes), 90)
-            assert set(attacker.ended.values()) <= allowed, Counter(attacker.ended.values())
-            attacker.close()
-        assert server.proc.poll() is None
-        left = time.monotonic() + 30
-        assert _poll(lambda: server.metric(reclaims) > warmed, 30), "no reclaim after the attack"
-        assert _poll(lambda: _rss_mib(server.proc.pid) <= 1.1 * before, left - time.monotonic()), \
-            f"RSS {_rss_mib(server.proc.pid):.1f} MiB > 110% of {before:.1f} MiB before the attack"
+        for _round in range(2):
+            for request, allowed in ((_infer(64, 7400), refusals), (_infer(n), {RESOURCE_EXHAUSTED, CANCELLED})):
+                attacker = Unread(port)
+                message = request.SerializeToString()
+                for _ in range(100):
+                    attacker.call(INFER, message)
+                if allowed is refusals:
+                    assert attacker.wait(lambda a=attacker: len(a.ended) == 100, 90), len(attacker.ended)
+                    assert Counter(attacker.ended.values())[INVALID_ARGUMENT] > 0
+                else:  # answered calls stay open (their answer unread); the others are refused past the budget
+                    assert attacker.wait(lambda a=attacker: len(a.ended) >= 100 - (1 << 20) // min(sizes), 90)
+                assert set(attacker.ended.values()) <= allowed, Counter(attacker.ended.values())
+                attacker.close()
+            assert server.proc.poll() is None
+            left = time.monotonic() + 30
+            assert _poll(lambda w=warmed: server.metric(reclaims) > w, 30), "no reclaim after the attack"
+            warmed = server.metric(reclaims)
+            assert _poll(lambda: _rss_mib(server.proc.pid) <= 1.05 * before, left - time.monotonic()), \
+                f"RSS {_rss_mib(server.proc.pid):.1f} MiB > 105% of {before:.1f} MiB before the attack"
     finally:
         server.close()
 

@@ -1,7 +1,7 @@
 """Memory a call leaves behind (serving/memory.py): a refused call frees its texts when it ends, without waiting for
 Python's cyclic collector, and the reclaimer gives memory back once a burst is over, never during it.
 
-The whole chain against a real server subprocess (RSS back within 10% after 100 unread answers) is
+The whole chain against a real server subprocess (RSS back within 5% after 100 unread answers, twice) is
 tests/test_reliability_attacks.py::test_unread_answers_are_bounded_and_memory_returns_after_the_client_leaves.
 """
 
@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from serving.batcher import Batcher
 from serving.config import ServerConfig
 from serving.errors import Cancelled
-from serving.memory import Reclaimer
+from serving.memory import Reclaimer, fix_mmap_threshold
 from serving.predictor import Predictor
 from serving.servicer import ServingCore
 
@@ -90,3 +92,20 @@ def test_the_reclaimer_runs_once_after_a_burst_and_never_during_it() -> None:
             assert reclaimer.reclaims == 2
     finally:
         reclaimer.close()
+
+
+def test_the_mmap_threshold_is_set_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc's mallopt answers 1 when it took the value; 0 keeps glibc's own; the environment variable wins;
+    the config refuses what mallopt would not take (over 32 MiB) with one line naming the field."""
+    import ctypes
+
+    from serving.errors import ServerConfigError
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    glibc = hasattr(ctypes.CDLL(None), "mallopt")
+    assert fix_mmap_threshold(ServerConfig().malloc_mmap_threshold_bytes) is glibc
+    assert fix_mmap_threshold(0) is False
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert fix_mmap_threshold(64 * 1024) is False
+    with pytest.raises(ServerConfigError, match=r"malloc_mmap_threshold_bytes must be an integer in \[0, 33554432\]"):
+        ServerConfig(malloc_mmap_threshold_bytes=64 * 1024 * 1024)
