@@ -97,7 +97,7 @@ def english() -> RunConfig:
     scored once at the end with the whole IMDB test set (each epoch scores a seeded 5,000-review sample of it). The
     demo's model size and its fine-tuning recipe (mean pooling, dropout 0.1 while fine-tuning). Pretraining is longer
     than the demo's and its windows are as long as a fine-tuning review (256 ids, so every position the classifier
-    averages was pretrained): 10,000 steps of 16 windows, 1.8 passes over the unlabeled text. Wall times, and the
+    averages was pretrained): 10,000 steps of 16 packed windows, 2.45 passes over the unlabeled text. Wall times, and the
     comparison with the demo's 2,000 x 32 x 128 schedule and with masked-LM pretraining: docs/RESULTS.md."""
     base = demo()  # the same model, tokenizer size and fine-tuning recipe
     return dataclasses.replace(
@@ -115,7 +115,8 @@ def english() -> RunConfig:
             labels=["0", "1"],
             label_names=["negative", "positive"],
         ),
-        # 87,649 windows of <= 256 ids; max_steps ends the run inside the second epoch
+        # 65,367 packed windows of 256 ids, 4,085 steps a pass: max_steps ends the run in the third pass (with
+        # max_steps set, epochs does not bound the run)
         pretrain=dataclasses.replace(base.pretrain, micro_batch=16, seq_len=256, epochs=2, max_steps=10_000),
         finetune=dataclasses.replace(base.finetune, epochs=2),  # 22,500 labeled reviews: 2 epochs are 2,814 steps
         engine=dataclasses.replace(base.engine, checkpoint_every=1000),
