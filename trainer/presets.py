@@ -97,8 +97,8 @@ def english() -> RunConfig:
     scored once at the end with the whole IMDB test set (each epoch scores a seeded 5,000-review sample of it). The
     demo's model size and its fine-tuning recipe (mean pooling, dropout 0.1 while fine-tuning). Pretraining is longer
     than the demo's and its windows are as long as a fine-tuning review (256 ids, so every position the classifier
-    averages was pretrained): 10,000 steps of 16 packed windows, 2.45 passes over the unlabeled text. Wall times, and the
-    comparison with the demo's 2,000 x 32 x 128 schedule and with masked-LM pretraining: docs/RESULTS.md."""
+    averages was pretrained): 10,000 steps of 16 packed windows, 2.45 passes over the unlabeled text. Wall times,
+    and the comparison with the demo's 2,000 x 32 x 128 schedule and with masked-LM pretraining: docs/RESULTS.md."""
     base = demo()  # the same model, tokenizer size and fine-tuning recipe
     return dataclasses.replace(
         base,
