@@ -67,8 +67,8 @@ class ServerConfig:
     # at most every 10 s, never under steady load or traffic with shorter pauses. 0 = never
     malloc_mmap_threshold_bytes: int = 64 * 1024  # glibc: a block of at least this size gets a mapping of its
     # own, unmapped when freed. glibc's default threshold rises (up to 32 MiB) each time such a block is freed;
-    # request-sized buffers then come from the per-thread arenas, and the few still live pin their pages: +7-10%
-    # RSS after the unread-answers attack (docs/RELIABILITY.md), +0.8% with it fixed here. 0 = glibc's own;
+    # request-sized buffers then come from the per-thread arenas, and the few still live pin their pages: +7-11%
+    # RSS after the unread-answers attack (docs/RELIABILITY.md), +0.8-1.5% with it fixed here. 0 = glibc's own;
     # MALLOC_MMAP_THRESHOLD_ in the environment wins
     health_workers: int = 4  # threads (and calls at once) for grpc.health.v1 on `port`, apart from max_workers
     max_streams_per_connection: int = 100  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: calls at once on one

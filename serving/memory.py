@@ -13,10 +13,10 @@ tracemalloc and gc.DEBUG_SAVEALL, in order of size:
   - Python's small-object allocator frees a 1 MiB arena only when every object in it is gone; reading 7,400 output
     entries made 15,000 Python objects per call and grew it from 24 to 32 arenas, which the thread-pool threads
     started during the burst then pinned. serving/kserve.py now counts the entries instead of reading them.
-With the three, the server is back within 1.5-2.3% (3 runs). A fourth showed on a loaded machine (+7-10%, the
+With the three, the server is back within 1.5-2.3% (3 runs). A fourth showed later (+7-11%, idle or loaded; the
 pages of glibc's per-thread arenas): glibc's mmap threshold, which rises to the size of every large block freed,
 so that later request-sized buffers (127 KB for 512 texts) are carved from the arenas instead of mapped alone, and
-pin arena pages while a few of them live. `fix_mmap_threshold` sets it once (64 KiB by default): +0.8%.
+pin arena pages while a few of them live. `fix_mmap_threshold` sets it once (64 KiB by default): +0.8-1.5%.
 
 `Reclaimer` counts model calls in progress and answers held for their clients; once none has been for `settle_s`,
 it runs gc.collect() and malloc_trim(0) in a thread of its own, at most once per `every_s`, and only when work
