@@ -22,12 +22,12 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from trainer.config import ModelConfig
-from trainer.model import forward_flops_per_token
+from trainer.config.schema import ModelConfig
+from trainer.model.encoder import forward_flops_per_token
 
 
 def model_flops_per_text(arch: dict, t: int) -> float:
-    """FLOPs of one forward pass over t ids (trainer.model.forward_flops_per_token, the classifier's count)."""
+    """FLOPs of one forward pass over t ids (trainer.model.encoder.forward_flops_per_token, the classifier's count)."""
     return t * forward_flops_per_token(ModelConfig(**arch), "classifier", t)
 
 

@@ -48,11 +48,11 @@ def make_bundle(out: Path, data_root: Path, precision: str = "auto") -> Path:
     import torch
 
     from trainer import artifact
-    from trainer.config import override
+    from trainer.config.presets import lab
+    from trainer.config.schema import override
+    from trainer.data.tokenizer import Tokenizer
     from trainer.export import ExportOptions, export_bundle
-    from trainer.model import build
-    from trainer.presets import lab
-    from trainer.tokenizer import Tokenizer
+    from trainer.model.encoder import build
 
     cfg = override(lab(), {"data.root": str(data_root)})
     books = data_root / "cls-books-fr"

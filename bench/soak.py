@@ -62,11 +62,11 @@ def make_bundle(out: Path, data_root: Path, size: str) -> Path:
     import torch
 
     from trainer import artifact
-    from trainer.config import override
+    from trainer.config.presets import tiny
+    from trainer.config.schema import override
+    from trainer.data.tokenizer import Tokenizer
     from trainer.export import ExportOptions, export_bundle
-    from trainer.model import build
-    from trainer.presets import tiny
-    from trainer.tokenizer import Tokenizer
+    from trainer.model.encoder import build
 
     cfg = override(tiny(), {"data.root": str(data_root)})
     tc = cfg.tokenizer

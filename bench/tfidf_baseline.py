@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/tfidf_baseline.py [--sets cls-books-fr sst2 imdb]
 
-Reads the data through trainer/data.py (the same readers a user's files go through) and prints a markdown table.
+Reads the data through trainer/data/readers.py (the same readers a user's files go through) and prints a markdown table.
 scikit-learn is a benchmark-only dependency (the `dev` extra).
 """
 
@@ -15,8 +15,8 @@ import time
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 
-from trainer.config import DataConfig
-from trainer.data import detokenize, read_labeled
+from trainer.config.schema import DataConfig
+from trainer.data.readers import detokenize, read_labeled
 
 # name -> (train file, [(split name, eval file)]); paths relative to the data root.
 SETS = {

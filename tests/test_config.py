@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from trainer.choice import Choice, resolve
-from trainer.config import ConfigError, ModelConfig, OptimConfig, load, override
-from trainer.presets import PRESETS, preset
+from trainer.config.choice import Choice, resolve
+from trainer.config.presets import PRESETS, preset
+from trainer.config.schema import ConfigError, ModelConfig, OptimConfig, load, override
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

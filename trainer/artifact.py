@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from contract.tokens import meta_path
-from trainer import config as config_mod
 from trainer.atomic import file_mode, temp_dir
 from trainer.atomic import replace_dir as replace_dir  # re-exported: monitor, checkpoint, export
 from trainer.atomic import write_text_atomic as write_text_atomic
-from trainer.config import RunConfig
-from trainer.model import build
+from trainer.config import schema as config_mod
+from trainer.config.schema import RunConfig
+from trainer.model.encoder import build
 
 FORMAT = 1
 WEIGHTS = "model.safetensors"

@@ -43,12 +43,12 @@ from contract.tokens import SPECIALS, TOKENIZER_META, TokenizerMeta
 from trainer import artifact as artifact_mod
 from trainer.artifact import replace_dir, sha256_file, write_text_atomic
 from trainer.atomic import temp_dir
+from trainer.data.tokenizer import Tokenizer
 from trainer.export.errors import ExportError, ExportValidationError
 from trainer.export.graph import check_graph, export_onnx, open_session
 from trainer.export.precision import INT8_CPU_BOUND, TOLERANCES, Tolerance, convert_fp16, quantize_int8
 from trainer.export.score import data_check, encode_file, torch_reference
 from trainer.export.validate import validate_graph
-from trainer.tokenizer import Tokenizer
 
 AUTO = "auto"
 
