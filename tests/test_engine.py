@@ -17,7 +17,7 @@ import torch
 from procs import REPO
 
 from trainer.config.presets import lab, tiny
-from trainer.config.schema import OptimConfig, override
+from trainer.config.schema import ConfigError, OptimConfig, override
 from trainer.data.corpus import FORMAT, MANIFEST, PreparedCorpus, ShardWriter, token_dtype
 from trainer.data.windows import Windows
 from trainer.engine import deepspeed_engine as eng
@@ -74,7 +74,7 @@ def test_user_json_overrides_keys(tmp_path: Path) -> None:
 )
 def test_bad_user_json_names_file_and_key(tmp_path: Path, data: object, words: list[str]) -> None:
     path = write(tmp_path, data)
-    with pytest.raises(eng.EngineConfigError) as e:
+    with pytest.raises(ConfigError) as e:  # read_json's errors (the one JSON reader), or EngineConfigError's
         eng.ds_config(tiny(), "pretrain", world=2, user_json=path, cuda=False)
     assert path in str(e.value)
     for w in words:
@@ -82,7 +82,7 @@ def test_bad_user_json_names_file_and_key(tmp_path: Path, data: object, words: l
 
 
 def test_missing_user_json() -> None:
-    with pytest.raises(eng.EngineConfigError, match="not found: /nonexistent/ds.json"):
+    with pytest.raises(ConfigError, match="DeepSpeed config file not found: /nonexistent/ds.json"):
         eng.ds_config(tiny(), "pretrain", world=1, user_json="/nonexistent/ds.json", cuda=False)
 
 

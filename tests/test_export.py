@@ -323,8 +323,7 @@ def test_check_command_refuses_a_tampered_bundle(bundle_copy, data_dir, capsys):
 
 def test_export_refused_beyond_the_positional_table(tiny_classifier_artifact, tmp_path):
     out = tmp_path / "bundle"
-    with pytest.raises(ExportError, match=r"max_len 65 exceeds the model's positional table: "
-                                          r"model\.max_positions=64"):
+    with pytest.raises(ValueError, match=r"max_len=65 exceeds model\.max_positions=64"):
         export_bundle(tiny_classifier_artifact, out, ExportOptions(max_len=65))
     # An artifact whose tokenizer cuts at 48 but whose table holds 40 positions: its config is refused when read
     # (the run config checks tokenizer.max_len against model.max_positions, trainer/config/schema.py).

@@ -73,7 +73,7 @@ class TokenizerConfig:
     vocab_size: Annotated[int, Field(ge=8)] = 8000  # kind=train: pieces learned (ids add the 4 specials)
     train_lines: Size = 200_000  # kind=train: at most this many corpus lines are sampled for learning
     # A sequence is <sos> + pieces + <eos>, cut to this many ids (>= 3: <sos>, one piece, <eos>). The one setting
-    # of the cut: the run's tokenizer folder (tokenizer.json) is checked to hold the same value.
+    # of the cut: the run's tokenizer folder (meta.json) is checked to hold the same value.
     max_len: Annotated[int, Field(ge=3)] = 512
 
 
@@ -214,25 +214,49 @@ class RunConfig:
     def __post_init__(self) -> None:
         """The rules across sections, checked once here: every stage reads a config that passed them."""
         m, tc = self.model, self.tokenizer
-        if tc.kind == "train" and m.vocab_size != tc.vocab_size + N_SPECIALS:  # kind=lab: dict.txt decides
-            raise ConfigError(f"tokenizer.vocab_size={tc.vocab_size} gives {tc.vocab_size + N_SPECIALS} ids with the "
-                              f"{N_SPECIALS} specials, but model.vocab_size={m.vocab_size}; set "
-                              f"model.vocab_size={tc.vocab_size + N_SPECIALS}")
+        if tc.kind == "train":  # kind=lab: dict.txt decides, checked when the tokenizer is read (check_tokenizer)
+            check_vocab(tc.vocab_size + N_SPECIALS, m,
+                        f"tokenizer.vocab_size={tc.vocab_size} plus the {N_SPECIALS} specials give")
         if self.data.labels and m.num_classes != len(self.data.labels):  # []: set from the training file
             raise ConfigError(f"model.num_classes={m.num_classes} but data.labels has {len(self.data.labels)} "
                               f"classes {self.data.labels}")
-        if tc.max_len > m.max_positions:
-            raise ConfigError(f"tokenizer.max_len={tc.max_len} exceeds model.max_positions={m.max_positions} "
-                              "(the longest sequence the model accepts)")
-        if self.pretrain.seq_len > m.max_positions:
-            raise ConfigError(f"pretrain.seq_len={self.pretrain.seq_len} exceeds model.max_positions="
-                              f"{m.max_positions}")
+        check_positions(tc.max_len, m, "tokenizer.max_len")
+        check_positions(self.pretrain.seq_len, m, "pretrain.seq_len")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- the rules between a
+# tokenizer and the model, each written once: the config's own sections, a built or loaded tokenizer, an artifact and
+# an export all call these
+
+
+def check_vocab(ids: int, model: ModelConfig, what: str) -> None:
+    """`ids` token ids (what gives them: `what`) must be the model's embedding rows, model.vocab_size."""
+    if ids != model.vocab_size:
+        raise ConfigError(f"{what} {ids} ids, but model.vocab_size={model.vocab_size}; set model.vocab_size={ids}")
+
+
+def check_positions(length: int, model: ModelConfig, what: str) -> None:
+    """A sequence length (`what`: tokenizer.max_len, pretrain.seq_len, an export's --max-len) fits the model's
+    positional table, model.max_positions."""
+    if length > model.max_positions:
+        raise ConfigError(f"{what}={length} exceeds model.max_positions={model.max_positions} (the longest sequence "
+                          "the model accepts)")
+
+
+def check_tokenizer(vocab_size: int, max_len: int | None, cfg: RunConfig, where: str, fix: str = "") -> None:
+    """A tokenizer (its ids and its cut, read at `where`) fits the run's config: model.vocab_size ids and a cut of
+    tokenizer.max_len, so that the config and the tokenizer folder copied beside it never disagree. `fix`: what to do
+    about a different cut (default: set tokenizer.max_len to it)."""
+    check_vocab(vocab_size, cfg.model, f"{where}: the tokenizer has")
+    if max_len != cfg.tokenizer.max_len:
+        raise ConfigError(f"{where}: the tokenizer cuts sequences at {max_len} ids but tokenizer.max_len="
+                          f"{cfg.tokenizer.max_len}; {fix or f'set tokenizer.max_len={max_len}'}")
 
 
 # ---------------------------------------------------------------------------------------------- overrides
@@ -273,18 +297,19 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
     return RunConfig(**data)
 
 
-def read_json(path: str | Path) -> dict[str, Any]:
-    """A JSON object from a file; a missing file, bad JSON or a non-object is a ConfigError naming the file."""
+def read_json(path: str | Path, what: str = "config") -> dict[str, Any]:
+    """A JSON object from a file (`what` it is: a config, a DeepSpeed config); a missing or unreadable file, bad JSON
+    or a non-object is a ConfigError naming the file. The one reader of a user's JSON files."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        raise ConfigError(f"{what} file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read: {e}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise ConfigError(f"{path}: a {what} must be a JSON object, got {type(data).__name__}")
     return data
 
 

@@ -48,7 +48,7 @@ from contract.tokens import (
     text_lines,
 )
 from trainer.atomic import temp_dir
-from trainer.config.schema import ConfigError, RunConfig
+from trainer.config.schema import RunConfig, check_tokenizer
 from trainer.data.readers import Example, detokenize, expand_inputs, iter_texts
 
 __all__ = ["Tokenizer", "TokenizerError", "build_tokenizer", "detokenize"]
@@ -351,23 +351,14 @@ def build_tokenizer(cfg: RunConfig) -> Tokenizer:
     """The tokenizer a config asks for: the lab's (kind=lab) or one trained on `data.pretrain` (kind=train).
 
     .spm inputs are detokenized for training (`detokenize`, equal to the lab's .txt files). The model's embedding
-    must match: cfg.model.vocab_size == tokenizer.vocab_size, else ConfigError with both numbers."""
+    must match (config.check_tokenizer; a trained one's size was checked with the config, before training)."""
     tc = cfg.tokenizer
     if tc.kind == "lab":
         tok = Tokenizer.from_lab(cfg.data.path(tc.model), cfg.data.path(tc.vocab), tc.max_len)
     else:
-        if tc.vocab_size + N_SPECIALS != cfg.model.vocab_size:  # fail before spending time on training
-            raise ConfigError(
-                f"tokenizer.vocab_size={tc.vocab_size} gives {tc.vocab_size + N_SPECIALS} ids with the 4 specials, "
-                f"but model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={tc.vocab_size + N_SPECIALS}"
-            )
         paths = expand_inputs([cfg.data.path(p) for p in cfg.data.pretrain])  # globs too
         texts = (ex.text if ex.text is not None else detokenize(ex.pieces or [])  # data.text_field's column
                  for p in paths for ex in iter_texts(p, cfg.data.text_field))
         tok = Tokenizer.train(texts, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed)
-    if tok.vocab_size != cfg.model.vocab_size:
-        raise ConfigError(
-            f"the {tc.kind} tokenizer has {tok.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}; "
-            f"set model.vocab_size={tok.vocab_size}"
-        )
+    check_tokenizer(tok.vocab_size, tok.max_len, cfg, f"the {tc.kind} tokenizer")
     return tok

@@ -1,6 +1,6 @@
 """Build the tokenizer a config asks for (load the lab's, or train one on `data.pretrain`) and save its folder.
 
-The folder (spm.model, vocab.txt, tokenizer.json) can be passed to `pretrain --tokenizer DIR` to skip training.
+The folder (spm.model, vocab.txt, meta.json) can be passed to `pretrain --tokenizer DIR` to skip training.
 """
 
 from __future__ import annotations

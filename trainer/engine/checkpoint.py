@@ -7,11 +7,11 @@ Layout of `RUN/checkpoints/`:
 Saving (all ranks): DeepSpeed writes the shards with `save_latest=False` (its own `latest` is written by rank 0
 without waiting for the other ranks' shards) and returns after a barrier; then rank 0 fsyncs the files, records
 their sizes and sha256 in `complete.json`, and only then replaces `latest` atomically. A kill at any moment leaves
-`latest` at the previous complete checkpoint. Old checkpoints beyond `keep` are pruned by rank 0.
+`latest` at the previous complete checkpoint. Old checkpoints beyond `keep_last` are pruned by rank 0.
 Checkpoints need a folder every rank can see (a shared filesystem across nodes), as DeepSpeed's loader does.
 
-Loop state (step, epoch, position in the epoch's batch list, tokens, history) travels in DeepSpeed's client state.
-RNG states are not stored because none are carried over: data order is a function of (seed, epoch), dropout is
+Loop state (step, epoch, position in the epoch's batch list, tokens trained on, history) travels in DeepSpeed's client
+state. RNG states are not stored because none are carried over: data order is a function of (seed, epoch), dropout is
 reseeded from (seed, step, micro-step, rank) and MLM masks from (seed, epoch, window), so a resumed run replays the
 same numbers bit for bit.
 """
@@ -50,7 +50,7 @@ class LoopState:
     step: int = 0  # optimizer steps done
     epoch: int = 0  # current epoch (0-based)
     batch: int = 0  # global batches of this epoch already consumed
-    tokens: int = 0  # pretrain: window tokens seen; finetune: examples seen (all ranks)
+    tokens: int = 0  # real (non-pad) input tokens trained on, all ranks (Task.tokens)
     history: list[dict[str, Any]] = field(default_factory=list)  # eval / per-epoch records, in order
     done: bool = False  # the run reached its end (a resume only rewrites the artifact)
 
@@ -69,7 +69,7 @@ def read_latest(ckpt_dir: str | Path) -> str | None:
     return p.read_text(encoding="utf-8").strip() if p.is_file() else None
 
 
-def save(engine: Any, ckpt_dir: str | Path, state: LoopState, keep: int, meta: dict[str, Any]) -> str:
+def save(engine: Any, ckpt_dir: str | Path, state: LoopState, keep_last: int, meta: dict[str, Any]) -> str:
     """Write a checkpoint of `engine` + `state` (call on every rank); returns its tag."""
     d = Path(ckpt_dir)
     tag = tag_for(state.step)
@@ -97,7 +97,7 @@ def save(engine: Any, ckpt_dir: str | Path, state: LoopState, keep: int, meta: d
         write_text_atomic(d / tag / MARKER, json.dumps(marker, indent=1) + "\n")
         write_text_atomic(d / LATEST, tag + "\n")
         _fsync_dir(d)
-        prune(d, keep, protect=tag)
+        prune(d, keep_last, protect=tag)
     eng.barrier()
     return tag
 
@@ -133,10 +133,10 @@ def complete_tags(ckpt_dir: str | Path) -> list[str]:
     return sorted(p.name for p in d.iterdir() if _TAG.match(p.name) and (p / MARKER).is_file())
 
 
-def prune(ckpt_dir: Path, keep: int, protect: str) -> None:
-    """Keep the newest `keep` complete checkpoints (and `protect`); remove older ones and partial leftovers."""
+def prune(ckpt_dir: Path, keep_last: int, protect: str) -> None:
+    """Keep the newest `keep_last` complete checkpoints (and `protect`); remove older ones and partial leftovers."""
     complete = complete_tags(ckpt_dir)
-    keep_set = set(complete[-max(1, keep):]) | {protect}
+    keep_set = set(complete[-max(1, keep_last):]) | {protect}
     for p in ckpt_dir.iterdir():
         if _TAG.match(p.name) and p.name not in keep_set:
             shutil.rmtree(p, ignore_errors=True)

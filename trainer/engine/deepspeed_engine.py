@@ -18,7 +18,6 @@ Importing this module sets only DS_ACCELERATOR (below); `init_distributed()` set
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from typing import Any, Literal, NoReturn
 import torch
 import torch.distributed as dist
 
-from trainer.config.schema import OptimConfig, RunConfig
+from trainer.config.schema import OptimConfig, RunConfig, read_json
 from trainer.engine import precision
 from trainer.engine.distributed import (  # noqa: F401  (re-exported: the stages call them as eng.*)
     DistInfo,
@@ -186,7 +185,7 @@ def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = 
         "wall_clock_breakdown": False,
     }
     source = user_json or ""
-    user = read_user_json(user_json) if user_json else {}
+    user = read_json(user_json, "DeepSpeed config") if user_json else {}
     merged = _merge(derived, user)
     check_keys(user, source)
     plan = _batch_plan(merged, user, world, source)
@@ -198,18 +197,6 @@ def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = 
     except Exception as e:  # pydantic ValidationError, AssertionError, DeepSpeedConfigError...
         raise EngineConfigError(f"{source or 'derived DeepSpeed config'}: {type(e).__name__}: {e}") from None
     return merged, plan
-
-
-def read_user_json(path: str) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise EngineConfigError(f"DeepSpeed config file not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise EngineConfigError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    if not isinstance(data, dict):
-        raise EngineConfigError(f"{path}: a DeepSpeed config must be a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

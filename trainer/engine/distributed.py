@@ -28,11 +28,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-_REPO = Path(__file__).resolve().parents[1]
+from trainer.config.schema import ConfigError
+
+_REPO = Path(__file__).resolve().parents[2]  # a checkout's root: trainer/engine/distributed.py
 AGREE_BYTES = 1024  # the longest problem line `agree` carries (UTF-8 bytes; longer ones are cut)
 
 
-class EngineConfigError(ValueError):
+class EngineConfigError(ConfigError):
     """The training setup is invalid (a DeepSpeed JSON, or the launcher's environment); the message names the file,
     the key or the variable."""
 

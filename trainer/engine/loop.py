@@ -2,8 +2,9 @@
 
 torchtitan's shape: the loop takes one optimizer step per global batch and asks a `Cadence` when to log, evaluate,
 checkpoint and stop; a stage hands it a `Task` (its batches, how a micro-batch becomes model inputs, the loss
-denominator, what a log row holds). Written once here: the resume guard, epoch rollover, per-micro-step reseeding,
-the loss scaling, checkpoint timing, `--stop-at`, and the fp32 weights that go into the artifact.
+denominator, what a log row holds) and a `LoopRun` (the engine and where the run writes). Written once here: the resume
+guard, epoch rollover, per-micro-step reseeding, the loss scaling, checkpoint timing, `--stop-at`, and the fp32 weights
+that go into the artifact.
 
 Loop state (checkpoint.LoopState) after the last step of an epoch says (epoch e, batch = len(batches)): the next
 step rolls over. A checkpoint saved as (e + 1, 0) resumes the same way.
@@ -28,11 +29,9 @@ import torch
 import torch.distributed as dist
 
 from trainer.config.schema import ConfigError, RunConfig
-from trainer.data.tokenizer import Tokenizer, build_tokenizer
 from trainer.engine import checkpoint as ckpt
 from trainer.engine import deepspeed_engine as eng
 from trainer.engine import monitor
-from trainer.engine.distributed import file_lock
 
 SIGNALS = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 
@@ -108,29 +107,44 @@ class Task(Step, Protocol):
     def batches(self, epoch: int) -> Sequence[list[int]]:
         """The epoch's global batches of example indices, in training order (the same on every rank)."""
 
-    def seen(self, batch: list[int]) -> int:
-        """What LoopState.tokens counts for a global batch."""
+    def tokens(self, batch: list[int]) -> int:
+        """The real (non-pad) input tokens of a global batch, all ranks (LoopState.tokens adds them up)."""
 
     def report(self, engine: Any, state: ckpt.LoopState, interval: Interval, evaluate: bool) -> dict[str, Any]:
         """The log row at a log point; with `evaluate`, also the evaluation (and its LoopState.history record)."""
 
     def improved(self, state: ckpt.LoopState) -> bool:
-        """After an evaluation: these weights are the best so far (the loop checkpoints them, then calls keep)."""
+        """After an evaluation: these weights are the best so far (the loop checkpoints them, then calls
+        store_best)."""
 
-    def keep(self, engine: Any, ckpt_dir: Path, tag: str, state: ckpt.LoopState) -> None:
+    def store_best(self, engine: Any, ckpt_dir: Path, tag: str, state: ckpt.LoopState) -> None:
         """Store the weights just checkpointed as the ones the artifact will hold (call on every rank)."""
 
-    def stop_early(self, state: ckpt.LoopState) -> bool:
-        """After an evaluation: end the run here (early stopping)."""
+    def stop_early(self, state: ckpt.LoopState) -> str | None:
+        """After an evaluation: why the run ends here (early stopping), or None to go on."""
 
 
-def train(engine: Any, task: Task, state: ckpt.LoopState, cadence: Cadence, plan: eng.BatchPlan,
-          info: eng.DistInfo, seed: int, log: monitor.RunLog, ckpt_dir: Path, keep: int,
-          meta: dict[str, Any]) -> bool:
+@dataclass(frozen=True)
+class LoopRun:
+    """What the loop runs on and where it writes: the same for every step of one run."""
+
+    engine: Any  # the DeepSpeed engine (deepspeed_engine.initialize)
+    cadence: Cadence
+    plan: eng.BatchPlan  # micro-batch, accumulation, world size
+    info: eng.DistInfo  # this rank and its device
+    seed: int  # cfg.seed: dropout of every micro-step derives from it
+    log: monitor.RunLog
+    ckpt_dir: Path  # RUN/checkpoints
+    keep_last: int  # engine.keep_checkpoints: complete checkpoints kept, older ones pruned
+    meta: dict[str, Any]  # written into every checkpoint's marker (stage, objective or run name)
+
+
+def train(run: LoopRun, task: Task, state: ckpt.LoopState) -> bool:
     """Optimizer steps from `state` on; True when the run reached its end, False at the cadence's stop step.
 
     Either way the state of the last step is in a checkpoint (a finished run's checkpoint holds done=True). SIGINT or
     SIGTERM: every rank stops after the same step, the checkpoint of that step is written, then Interrupted."""
+    engine, cadence, info, log, ckpt_dir = run.engine, run.cadence, run.info, run.log, run.ckpt_dir
     t0 = t_log = time.perf_counter()
     loss_acc = torch.zeros((), device=info.device)  # summed loss since the last log row (on the device: no sync)
     count = tokens = examples = 0  # denominators (all ranks), this process's real tokens and sequences
@@ -142,9 +156,11 @@ def train(engine: Any, task: Task, state: ckpt.LoopState, cadence: Cadence, plan
                     state.epoch, state.batch = state.epoch + 1, 0
                     batches = task.batches(state.epoch)
                 batch = batches[state.batch]
-                n, t, e = optimizer_step(engine, task, batch, state.epoch, state.step, plan, info, seed, loss_acc)
+                n, t, e = optimizer_step(engine, task, batch, state.epoch, state.step, run.plan, info, run.seed,
+                                         loss_acc)
                 count, tokens, examples = count + n, tokens + t, examples + e
-                state.step, state.batch, state.tokens = state.step + 1, state.batch + 1, state.tokens + task.seen(batch)
+                state.step, state.batch = state.step + 1, state.batch + 1
+                state.tokens += task.tokens(batch)
                 log.advance()
                 epoch_end = state.batch == len(batches)
                 logged, evaluated = cadence.log(state.step, epoch_end), cadence.evaluate(state.step, epoch_end)
@@ -158,21 +174,21 @@ def train(engine: Any, task: Task, state: ckpt.LoopState, cadence: Cadence, plan
                     loss_acc.zero_()
                     count, tokens, examples, t_log = 0, 0, 0, time.perf_counter()
                 improved = evaluated and task.improved(state)
-                state.done = state.step == cadence.total or (evaluated and task.stop_early(state))
+                early = task.stop_early(state) if evaluated else None
+                state.done = state.step == cadence.total or early is not None
                 signum = signals.agreed()
                 tag = None
                 if cadence.checkpoint(state.step) or state.done or improved or signum:
-                    tag = _checkpoint(engine, state, loss_acc, logged, ckpt_dir, keep, meta)
+                    tag = _checkpoint(run, state, loss_acc, logged)
                 if improved:
                     assert tag is not None
-                    task.keep(engine, ckpt_dir, tag, state)
+                    task.store_best(engine, ckpt_dir, tag, state)
                 if signum:
                     log.print(f"interrupted by {SIGNALS.get(signum, signum)} after step {state.step}: checkpoint "
                               f"{ckpt_dir / str(tag)}; continue with the same command and --out plus --resume")
                     raise Interrupted(signum)
-                if state.done and state.step < cadence.total:
-                    log.print(f"early stop after step {state.step}: no better validation score in "
-                              "finetune.patience epochs")
+                if early is not None and state.step < cadence.total:
+                    log.print(f"early stop after step {state.step}: {early}")
                 if cadence.stop(state.step):
                     log.print(f"stopped at step {state.step} (--stop-at); checkpoint {ckpt_dir / str(tag)}; "
                               "continue with --resume")
@@ -182,14 +198,13 @@ def train(engine: Any, task: Task, state: ckpt.LoopState, cadence: Cadence, plan
         log.close()
 
 
-def _checkpoint(engine: Any, state: ckpt.LoopState, loss_acc: torch.Tensor, logged: bool, ckpt_dir: Path, keep: int,
-                meta: dict[str, Any]) -> str:
+def _checkpoint(run: LoopRun, state: ckpt.LoopState, loss_acc: torch.Tensor, logged: bool) -> str:
     """Save the state of this step; only finite weights are saved, so the previous checkpoint stays "latest"."""
     if not logged:
-        refuse_diverged(eng.all_reduce_sum([float(loss_acc)])[0], state.step, ckpt_dir)
-    if not eng.weights_finite(engine):
-        refuse_diverged(float("nan"), state.step, ckpt_dir, what="a weight")
-    return ckpt.save(engine, ckpt_dir, state, keep, meta)
+        refuse_diverged(eng.all_reduce_sum([float(loss_acc)])[0], state.step, run.ckpt_dir)
+    if not eng.weights_finite(run.engine):
+        refuse_diverged(float("nan"), state.step, run.ckpt_dir, what="a weight")
+    return ckpt.save(run.engine, run.ckpt_dir, state, run.keep_last, run.meta)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -305,42 +320,6 @@ def resume_tags(run_dir: Path, cfg: RunConfig, ckpt_dirs: list[Path], resume: st
     if all(t is None for t in tags):
         ckpt.find(ckpt_dirs[0], resume)  # raises, naming the folder that should have held them
     return tags
-
-
-def run_tokenizer(cfg: RunConfig, run_dir: Path, given: Path | None, texts: list[str] | None = None) -> Tokenizer:
-    """RUN_DIR/tokenizer: built once (from `given`, or from the config) by the first rank to take the run folder's
-    lock, then read by every rank. A lock, not rank 0 and a barrier: it works before the process group exists, and
-    no collective times out while a tokenizer is trained on a large corpus. A trained tokenizer learns
-    data.pretrain, else `texts` (fine-tuning: the training split's).
-
-    Its ids must be model.vocab_size and its cut tokenizer.max_len, so the run's config and its tokenizer folder
-    (both copied into the artifact) never disagree."""
-    folder = run_dir / "tokenizer"
-    with file_lock(run_dir / ".tokenizer.lock"):
-        if not folder.exists():
-            if given:
-                tok = Tokenizer.load(given)
-            elif cfg.tokenizer.kind == "train" and not cfg.data.pretrain and texts:
-                tc = cfg.tokenizer
-                tok = Tokenizer.train(texts, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed)
-            else:
-                tok = build_tokenizer(cfg)
-            _check_tokenizer(tok, cfg, f"--tokenizer {given}" if given else "the built tokenizer")
-            tok.save(folder)
-        elif given and Tokenizer.load(given).fingerprint != Tokenizer.load(folder).fingerprint:
-            raise ConfigError(f"--tokenizer {given} differs from the run's {folder}; use a new --out")
-    tok = Tokenizer.load(folder)
-    _check_tokenizer(tok, cfg, str(folder))
-    return tok
-
-
-def _check_tokenizer(tok: Tokenizer, cfg: RunConfig, where: str) -> None:
-    if tok.vocab_size != cfg.model.vocab_size:
-        raise ConfigError(f"{where}: the tokenizer has {tok.vocab_size} ids but model.vocab_size="
-                          f"{cfg.model.vocab_size}; set model.vocab_size={tok.vocab_size}")
-    if tok.max_len != cfg.tokenizer.max_len:
-        raise ConfigError(f"{where}: the tokenizer cuts sequences at {tok.max_len} ids but tokenizer.max_len="
-                          f"{cfg.tokenizer.max_len}; set tokenizer.max_len={tok.max_len}")
 
 
 def steps_of(task: Task, epochs: int, max_steps: int, what: str, global_batch: int) -> tuple[int, int]:

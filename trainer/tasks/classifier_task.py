@@ -21,7 +21,7 @@ from trainer.data.labelled import Split
 from trainer.engine import checkpoint as ckpt
 from trainer.engine import deepspeed_engine as eng
 from trainer.engine import loop, monitor
-from trainer.metrics import one_line, summarize
+from trainer.metrics import summarize, summary_line
 
 EVAL_BATCH = 64  # evaluation batch (no gradients, so larger than training batches)
 KEPT = "best.safetensors"  # in each run folder: the weights of the epoch kept so far
@@ -63,8 +63,8 @@ class ClassifierTask:
     def denominator(self, batch: list[int]) -> int:
         return len(batch)
 
-    def seen(self, batch: list[int]) -> int:
-        return len(batch)
+    def tokens(self, batch: list[int]) -> int:
+        return sum(len(self.sets.train.ids[i]) for i in batch)
 
     def report(self, engine: Any, state: ckpt.LoopState, interval: loop.Interval, evaluate: bool) -> dict[str, Any]:
         self.epoch_loss += interval.loss_sum
@@ -84,7 +84,7 @@ class ClassifierTask:
             kept = " (best so far: kept)" if self.improved(state) else ""
             assert self.log is not None
             self.log.print(f"finetune {self.name}: epoch {state.epoch + 1} train loss "
-                           f"{state.history[-1]['train_loss']:.4f}; valid {one_line(valid)}{kept}; test accuracy "
+                           f"{state.history[-1]['train_loss']:.4f}; valid {summary_line(valid)}{kept}; test accuracy "
                            f"{test['accuracy']:.2f}% (curve only)")
             self.epoch_loss, self.epoch_n = 0.0, 0
         return row
@@ -97,11 +97,13 @@ class ClassifierTask:
     def improved(self, state: ckpt.LoopState) -> bool:
         return bool(state.history) and self.best(state) == len(state.history) - 1
 
-    def stop_early(self, state: ckpt.LoopState) -> bool:
+    def stop_early(self, state: ckpt.LoopState) -> str | None:
         patience = self.cfg.finetune.patience
-        return patience > 0 and len(state.history) - 1 - self.best(state) >= patience
+        if patience > 0 and len(state.history) - 1 - self.best(state) >= patience:
+            return f"no better validation score in {patience} epochs (finetune.patience)"
+        return None
 
-    def keep(self, engine: Any, ckpt_dir: Path, tag: str, state: ckpt.LoopState) -> None:
+    def store_best(self, engine: Any, ckpt_dir: Path, tag: str, state: ckpt.LoopState) -> None:
         weights = eng.fp32_state_dict(engine, ckpt_dir, tag)  # every rank (bf16 under ZeRO reads the checkpoint)
         if eng.is_main():
             tmp = self.kept_path.with_name(f".{KEPT}.{os.getpid()}.tmp")

@@ -42,10 +42,11 @@ from trainer.engine import checkpoint as ckpt
 from trainer.engine import deepspeed_engine as eng
 from trainer.engine import loop, monitor
 from trainer.engine.stage import on_every_rank
-from trainer.metrics import balanced_weights, one_line, summarize, warning
+from trainer.metrics import balanced_weights, summarize, summary_line, warning
 from trainer.model.encoder import Classifier, load_encoder
 from trainer.tasks import report
 from trainer.tasks.classifier_task import KEPT, ClassifierTask, Sets, confusion_of, kept_step
+from trainer.tasks.tokenizer_folder import run_tokenizer
 
 EXAMPLES = """examples:
   python -m trainer finetune --preset demo --pretrained runs/demo/pretrain/artifact --compare --out runs/demo/finetune
@@ -176,7 +177,7 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
         if eng.is_main() and not (run_dir / "tokenizer").exists():
             Tokenizer.load(pretrained.tokenizer_dir).save(run_dir / "tokenizer")
         eng.barrier()
-    tok = loop.run_tokenizer(cfg, run_dir, opts.tokenizer, labelled.texts(data.train.examples))
+    tok = run_tokenizer(cfg, run_dir, opts.tokenizer, labelled.texts(data.train.examples))
     encoded: dict[str, Split] = {}  # by file: a test file also among extra_test is encoded once
     test = encode(data.test.examples, tok)
     encoded[data.test.source] = test
@@ -210,9 +211,9 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
         report.write_compare(run_dir, results, cfg, pretrained)
     for name, r in results.items():
         print(f"finetune {name}: kept epoch {r['kept']['epoch']} of {len(r['history'])} (best validation "
-              f"{cfg.finetune.select_metric}); test {one_line(r['final']['test'])}")
+              f"{cfg.finetune.select_metric}); test {summary_line(r['final']['test'])}")
         for file, m in r["final"]["extra"].items():
-            print(f"finetune {name}: {file}: {one_line(m)}")
+            print(f"finetune {name}: {file}: {summary_line(m)}")
     print(f"finetune: {time.perf_counter() - t0:.0f} s this session; classifier artifact: {run_dir / 'artifact'}")
     return run_dir / "artifact"
 
@@ -242,8 +243,8 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
     if resume_tag:
         state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
         best_step = state.history[task.best(state)]["step"] if state.history else None
-        if best_step == state.step and kept_step(task.kept_path) != state.step:  # killed between checkpoint, keep
-            task.keep(engine, ckpt_dir, resume_tag, state)
+        if best_step == state.step and kept_step(task.kept_path) != state.step:  # killed between the two
+            task.store_best(engine, ckpt_dir, resume_tag, state)
     task.log = log = monitor.RunLog(run_dir, task.total, state.step, f"finetune {name}",
                                     ["epoch", "loss", "lr", "examples_per_s", "valid_accuracy", "valid_macro_f1",
                                      "test_accuracy", "elapsed_s"])
@@ -256,8 +257,9 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
 
     cadence = loop.Cadence(task.total, cfg.engine.log_every, cfg.engine.checkpoint_every, eval_epochs=True,
                            stop_at=stop_at)
-    if not loop.train(engine, task, state, cadence, plan, info, cfg.seed, log, ckpt_dir, cfg.engine.keep_checkpoints,
-                      {"stage": "finetune", "run": name}):
+    run = loop.LoopRun(engine, cadence, plan, info, cfg.seed, log, ckpt_dir, cfg.engine.keep_checkpoints,
+                       {"stage": "finetune", "run": name})
+    if not loop.train(run, task, state):
         return None
 
     # The kept weights, exactly as the artifact will hold them (fp32), scored on every set on every rank's share.

@@ -126,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
     if labelled:
         true = np.array([ex.label for ex in examples], dtype=np.int64)
         m = metrics.summarize(metrics.confusion(true, probs.argmax(1), len(model.names)), model.names)
-        print(metrics.one_line(m), file=report)
+        print(metrics.summary_line(m), file=report)
         print("\n".join(metrics.text_table(m)), file=report)
         if (text := metrics.warning(m, str(data))) is not None:
             print(text, file=report)

@@ -47,6 +47,7 @@ from trainer.engine import loop, monitor
 from trainer.engine.distributed import all_gather_bytes, file_lock
 from trainer.engine.stage import on_every_rank
 from trainer.model.encoder import LanguageModel
+from trainer.tasks.tokenizer_folder import run_tokenizer
 
 EXAMPLES = """examples:
   python -m trainer pretrain --preset demo --out runs/demo/pretrain
@@ -150,7 +151,7 @@ def ready_data(cfg: RunConfig, opts: loop.RunOptions, run_dir: Path) -> tuple[To
     take its lock in the run folder (the others wait on the lock, then find it made)."""
     if cfg.data.prepared:
         return None, Path(cfg.data.prepared).expanduser().absolute()  # its messages name the file on this node
-    tok = loop.run_tokenizer(cfg, run_dir, opts.tokenizer)
+    tok = run_tokenizer(cfg, run_dir, opts.tokenizer)
     folder = run_dir / "prepared"
     with file_lock(run_dir / ".prepare.lock"):
         prepare(expand_inputs([cfg.data.path(p) for p in cfg.data.pretrain]), tok, folder,
@@ -185,7 +186,7 @@ def check_data(folder: Path, tok: Tokenizer | None, cfg: RunConfig, opts: loop.R
             raise PreparedError(f"{node}: {folder / 'manifest.json'} differs from {rows[0][1]}'s (prepared from other "
                                 "inputs, tokenizer or shard size): give every node a copy of the same folder")
     if tok is None:
-        tok = loop.run_tokenizer(cfg, run_dir, opts.tokenizer or folder / TOKENIZER_DIR)
+        tok = run_tokenizer(cfg, run_dir, opts.tokenizer or folder / TOKENIZER_DIR)
     return PreparedCorpus(folder, tok.fingerprint), tok
 
 
@@ -213,8 +214,8 @@ class PretrainTask:
     def denominator(self, batch: list[int]) -> int:
         return self.train.n_predicted(batch)
 
-    def seen(self, batch: list[int]) -> int:
-        return len(batch) * self.windows.seq_len  # input tokens of the global batch (all ranks)
+    def tokens(self, batch: list[int]) -> int:
+        return len(batch) * self.windows.seq_len  # full windows: no padding
 
     def report(self, engine: Any, state: ckpt.LoopState, interval: loop.Interval, evaluate: bool) -> dict[str, Any]:
         row: dict[str, Any] = {"epoch": state.epoch, "loss": interval.loss, "ppl": _ppl(interval.loss),
@@ -229,11 +230,11 @@ class PretrainTask:
     def improved(self, state: ckpt.LoopState) -> bool:
         return False  # the artifact holds the last step's weights
 
-    def keep(self, engine: Any, ckpt_dir: Path, tag: str, state: ckpt.LoopState) -> None:
+    def store_best(self, engine: Any, ckpt_dir: Path, tag: str, state: ckpt.LoopState) -> None:
         raise AssertionError("pretraining keeps the last weights")
 
-    def stop_early(self, state: ckpt.LoopState) -> bool:
-        return False
+    def stop_early(self, state: ckpt.LoopState) -> str | None:
+        return None
 
 
 def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
@@ -294,8 +295,9 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     t0 = time.perf_counter()
     cadence = loop.Cadence(total, cfg.engine.log_every, cfg.engine.checkpoint_every, eval_every=pc.eval_every,
                            stop_at=opts.stop_at)
-    if not loop.train(engine, task, state, cadence, plan, info, cfg.seed, log, ckpt_dir, cfg.engine.keep_checkpoints,
-                      {"stage": "pretrain", "objective": pc.objective}):
+    run = loop.LoopRun(engine, cadence, plan, info, cfg.seed, log, ckpt_dir, cfg.engine.keep_checkpoints,
+                       {"stage": "pretrain", "objective": pc.objective})
+    if not loop.train(run, task, state):
         return None
     lm = loop.final_model(engine, ckpt_dir, state, lambda: LanguageModel(cfg.model))
     if lm is None:
