@@ -1,7 +1,7 @@
 """The training image (Containerfile.train): its CPU variant built with buildah as CI does and run as its non-root
 user; its CUDA variant's logic checked without building it (its wheels are gigabytes).
 
-The CPU variant builds offline from a wheelhouse made by the host's pip (torch's CPU build, the `train` extra for the
+The CPU variant (slow: `make test-slow`) builds offline from a wheelhouse made by the host's pip (torch's CPU build, the `train` extra for the
 base's Python, and DeepSpeed's wheel built here from its sdist), on the Debian base that tests/test_container.py
 makes with mmdebstrap (the same cached image). Inside it, `python -m trainer params --preset lab` prints the lab's
 parameter table, and a two-step pretraining run writes its checkpoint and artifact into a mounted folder, both as
@@ -75,6 +75,7 @@ def train_image(base_image: str, train_wheelhouse: Path) -> str:  # noqa: F811
     return IMAGE
 
 
+@pytest.mark.slow  # minutes: a build from cached layers took 150 s here, a first one (wheels, torch) about 9 min
 def test_the_cpu_image_trains_as_a_non_root_user(train_image: str, tiny_tokenizer_dir: Path, data_dir: Path,
                                                  tmp_path: Path) -> None:
     config = json.loads(_ok(["buildah", "inspect", "--type", "image", train_image], timeout=60).stdout)
