@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="require 'authorization: Bearer <token>' with the token in this file (also: the "
                         "SENTIMENT_AUTH_TOKEN variable); never on the command line, where `ps` shows it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="(default: INFO)")
+                   help="lowest level of the log lines written to stderr (default: INFO)")
     return p
 
 
