@@ -79,6 +79,19 @@ def module_parser(module: str) -> argparse.ArgumentParser:
     return script_parser(Path(mod.__file__))
 
 
+@cache
+def deepspeed_parser() -> argparse.ArgumentParser:
+    """The parser of DeepSpeed's `deepspeed` launcher (deepspeed.launcher.runner), caught as it parses."""
+    from deepspeed.launcher import runner
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_known_args", _caught):
+        try:
+            runner.parse_args([])
+        except _Built as built:
+            return built.parser
+    raise AssertionError("deepspeed.launcher.runner.parse_args parsed nothing")
+
+
 def all_clis() -> dict[str, argparse.ArgumentParser]:
     """name -> parser, for every command line of the project."""
     out = {f"python -m trainer {name}": trainer_parser(name) for name in trainer_subcommands()}
