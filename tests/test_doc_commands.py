@@ -322,6 +322,8 @@ def check_make(args: list[str]) -> str:
 def check_container_run(args: list[str]) -> str:
     """`docker run ... transfer-sentiment:TAG [BUNDLE SERVER FLAGS]`: the flags after the image are the server's."""
     image = next((i for i, a in enumerate(args) if a.startswith("transfer-sentiment:")), None)
+    if args[:1] == ["push"]:
+        return ""  # a registry's business: nothing of ours in it
     if args[:1] != ["run"] or image is None:
         return f"not a run of the server's image: {' '.join(args[:3])}"
     return _parsed(module_parser("serving.server"), args[image + 1:], "the image's server") if args[image + 1:] else ""
@@ -479,3 +481,18 @@ def test_make_help_names_only_sections_the_readme_has() -> None:
     headings = set(re.findall(r"^#+ (.+)$", readme, re.M))
     cited = re.findall(r"README(?:\.md)?, ([A-Z][\w -]*)", out.stdout)
     assert all(c.strip() in headings for c in cited), (cited, headings)
+
+
+CITED = re.compile(r"(?<![\w./$-])((?:trainer|serving|contract|bench|deploy|launch|tests|docs|proto)/[\w./-]*\w)")
+
+
+def test_every_file_the_docs_cite_exists() -> None:
+    """A file or folder of the repository named in the docs (trainer/loop.py, tests/test_x.py::name) exists."""
+    problems = []
+    for path in [*MARKDOWN, *DEPLOY]:
+        for n, row in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for m in CITED.finditer(row):
+                glob = row[m.end():m.end() + 1] == "*"  # tests/test_serving_*.py: a pattern, not a file
+                if not glob and not (REPO / m.group(1).split("::")[0]).exists():
+                    problems.append(f"{path.relative_to(REPO)}:{n}: {m.group(1)}")
+    assert not problems, "\n".join(problems)
