@@ -1,16 +1,19 @@
 """deploy/ci/export-gate.yml, the example export step of a user's CI: its commands, read from the file and run as
-written on the tiny preset (the export, the check with its gates, the image build as `make -n`), so the example cannot
-drift from the code it calls."""
+written on the tiny preset (the export, the check with its gates, and the image build with buildah, the way
+tests/test_container.py builds the server's image), so the example cannot drift from the code it calls."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from procs import REPO
+from procs import REPO, run
+from test_container import base_image, build, wheelhouse  # noqa: F401 (fixtures: the container test's base and wheels)
 
 WORKFLOW = REPO / "deploy" / "ci" / "export-gate.yml"
 TOOLS = Path(os.environ.get("TS_DEPLOY_TOOLS", REPO / ".venv-deploy" / "bin"))
@@ -68,10 +71,59 @@ def test_the_example_ci_job_runs_on_the_tiny_preset(tiny_classifier_artifact: Pa
     report = json.loads((tmp_path / "reports" / "check.json").read_text())
     assert not report["passed"] and "max-drop" not in {g["gate"] for g in report["gates"]}
 
-    # The image step, as make would run it (tests/test_container.py builds the bundled target for real).
+    # The image step, as make would run it (test_the_image_step_bakes_the_exported_bundle_in builds it for real).
     # Not as a sub-make of `make test` (MAKELEVEL would add "Entering directory" lines): as the CI job runs it.
     top = {k: v for k, v in env.items() if k not in ("MAKELEVEL", "MFLAGS", "MAKEFLAGS")}
     image = run_step(steps, "image", {**top, "MAKEFLAGS": "-n"})
     assert image.returncode == 0, image.stderr[-3000:]
     assert image.stdout.strip() == (f"docker build -f Containerfile -t {env['IMAGE']} --target bundled "
                                     f"--build-arg BUNDLE={env['BUNDLE']} .")
+
+
+def test_the_job_s_paths_are_a_user_s_own() -> None:
+    """BUNDLE is where the build context lets a bundle in (.dockerignore, .containerignore: runs/*/bundle/), and
+    DATA is a file of the user's repository, not one beside this checkout."""
+    wf = workflow()
+    bundle, data = wf["env"]["BUNDLE"], wf["env"]["DATA"]
+    for ignore in (".dockerignore", ".containerignore"):
+        allowed = [line[1:].rstrip("/") for line in (REPO / ignore).read_text(encoding="utf-8").splitlines()
+                   if line.startswith("!")]
+        assert any(fnmatch.fnmatch(bundle.rstrip("/"), pattern) for pattern in allowed), (ignore, bundle, allowed)
+    assert not Path(data).is_absolute() and ".." not in Path(data).parts, data
+
+
+def test_the_image_step_bakes_the_exported_bundle_in(tiny_classifier_artifact: Path, data_dir: Path,
+                                                    build: list[str]) -> None:  # noqa: F811
+    """The steps export and image for real: the bundle written at the job's BUNDLE (inside the build context), then
+    `make image` with the job's BUILD_ARGS, CONTAINER_BUILD being the container test's buildah (its base and
+    wheelhouse: no registry here). The image holds that bundle at /mnt/models and its server loads it."""
+    wf = workflow()
+    (job,) = wf["jobs"].values()
+    steps = {s["id"]: s["run"] for s in job["steps"] if "id" in s}
+    run_dir = REPO / "runs" / f"ci-example-{os.getpid()}"
+    bundle = run_dir / Path(wf["env"]["BUNDLE"]).name  # runs/NAME/bundle, with a NAME of this test's own
+    image_name = f"localhost/transfer-sentiment:ci-example-{os.getpid()}"
+    outer = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    env = {**outer, **{k: str(v) for k, v in wf["env"].items()},
+           "ARTIFACT": str(tiny_classifier_artifact), "BUNDLE": str(bundle.relative_to(REPO)),
+           "DATA": str(data_dir / "cls-books-fr" / "test.review.txt"), "DATA_LIMIT": "100", "IMAGE": image_name,
+           "CONTAINER_BUILD": " ".join(build[:-2])}  # build ends with -f Containerfile: the Makefile adds its own
+    try:
+        export = run_step(steps, "export", env)
+        assert export.returncode == 0, export.stderr[-3000:]
+        image = run_step(steps, "image", env)
+        assert image.returncode == 0, image.stdout[-2000:] + image.stderr[-3000:]
+        ctr = run(["buildah", "from", "--pull-never", image_name], timeout=120).stdout.strip()
+        try:
+            read = ("import json; from serving.predictor import Predictor; p = Predictor('/mnt/models'); "
+                    "print(json.dumps([p.predict(['Super.'])[0].label, open('/mnt/models/manifest.json').read()]))")
+            out = run(["buildah", "run", "--isolation", "chroot", ctr, "--", "python", "-c", read], timeout=300)
+            assert out.returncode == 0, out.stderr[-3000:]
+            label, manifest = json.loads(out.stdout)
+            assert manifest == (bundle / "manifest.json").read_text(encoding="utf-8")  # the bundle just exported
+            assert label in json.loads(manifest)["labels"]
+        finally:
+            run(["buildah", "rm", ctr], timeout=120)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run(["buildah", "rmi", image_name], timeout=120)
