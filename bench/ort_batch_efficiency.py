@@ -70,8 +70,8 @@ def matmul_peak(n: int, threads: int, min_s: float) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, required=True, help="bundle folder (bench/serve_bench.py --make-bundle)")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256], help="ids per text")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64], help="texts per run")
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (the server's default: 1)")
     ap.add_argument("--min-seconds", type=float, default=1.0, help="measured seconds per point")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")

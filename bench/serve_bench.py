@@ -244,7 +244,7 @@ def main() -> int:
     ap.add_argument("--bundle", type=Path, help="bundle folder to serve")
     ap.add_argument("--make-bundle", type=Path, help="write the lab-size random-weight bundle here and exit")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder holding cls-books-fr/")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64], help="closed-loop callers, one row each")
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per point (after warm-up)")
     ap.add_argument("--texts", type=int, default=256, help="distinct reviews drawn from the test split")
     ap.add_argument("--threads", type=int, default=1,
