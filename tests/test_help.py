@@ -18,7 +18,7 @@ from clis import all_clis
 
 from contract.comments import comments
 from serving.config import ServerConfig
-from trainer.config import RunConfig
+from trainer.config.schema import RunConfig
 
 # A help that ends on one of these words (or on , ; : ( - ...) stops mid-sentence: "...the probes should: what".
 DANGLING = frozenset("a an the and or but nor of by for from than as which whose what when where while if because "
