@@ -91,11 +91,10 @@ def _build_cuda() -> str:
     return str(getattr(ort, "cuda_version", "") or "")
 
 
-def cuda_unavailable_reason() -> str:
-    """Why onnxruntime's CUDA provider does not run in this process, on one line that names what is missing: the
-    GPU package, a CUDA or cuDNN library (the loader's own message, e.g. 'libcublasLt.so.13: cannot open shared
-    object file'), or the driver. Asked after onnxruntime fell back to the CPU: onnxruntime logs the same failure
-    on stderr, this puts it in the error the user reads."""
+def cuda_library_problem() -> str | None:
+    """None when onnxruntime's CUDA provider library, every library it needs and cuDNN load in this process;
+    otherwise one line that names what is missing: the GPU package, a CUDA or cuDNN library (the loader's own
+    message, e.g. 'libcublasLt.so.13: cannot open shared object file'), or the driver."""
     version = ort.__version__
     if CUDA not in ort.get_available_providers():
         return (f"this onnxruntime {version} is a CPU build (no {CUDA}): install onnxruntime-gpu "
@@ -118,8 +117,17 @@ def cuda_unavailable_reason() -> str:
         ctypes.CDLL(CUDNN_LIBRARY)
     except OSError as e:
         return f"cuDNN cannot load: {' '.join(str(e).split())} {fix}"
-    return (f"the CUDA provider's libraries load, but onnxruntime could not start it (no usable GPU, or a driver "
-            f"older than CUDA {major} needs): onnxruntime's log above says why")
+    return None
+
+
+def cuda_unavailable_reason() -> str:
+    """Why onnxruntime's CUDA provider does not run in this process, on one line (`cuda_library_problem`, else what
+    remains). Asked after onnxruntime fell back to the CPU: onnxruntime logs the failure on stderr among its other
+    lines, this puts it in the error or warning the user reads."""
+    major = _build_cuda().split(".")[0] or "?"
+    return cuda_library_problem() or (
+        f"the CUDA provider's libraries load, but onnxruntime could not start it (no usable GPU, or a driver older "
+        f"than CUDA {major} needs): onnxruntime's log above says why")
 
 
 def session_options(level: str, intra_op_threads: int = 0, inter_op_threads: int = 0,
