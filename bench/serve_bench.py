@@ -120,12 +120,13 @@ def closed_loop(call, texts: list[str], c: int, seconds: float, per_call: int) -
 
 
 def bench_in_process(bundle: Path, texts: list[str], c: int, seconds: float, threads: int, per_call: int = 1,
-                     device: str = "cpu") -> dict:
+                     device: str = "cpu", predictor=None) -> dict:
     """The server's load without gRPC: c threads, each calling predict(texts) in a closed loop, one shared
-    predictor (onnxruntime runs concurrently; each run has `threads` intra-op threads)."""
+    predictor (onnxruntime runs concurrently; each run has `threads` intra-op threads). `predictor`: one already
+    loaded with those settings (a sweep of points loads it once)."""
     from serving.predictor import Predictor
 
-    p = Predictor(bundle, device=device, intra_op_threads=threads)
+    p = predictor or Predictor(bundle, device=device, intra_op_threads=threads)
     p.predict(texts[:8])  # warm-up
     cpu0 = time.process_time()
     flat, elapsed = closed_loop(p.predict, texts, c, seconds, per_call)
@@ -134,10 +135,10 @@ def bench_in_process(bundle: Path, texts: list[str], c: int, seconds: float, thr
         "cpu": (time.process_time() - cpu0) / (elapsed * (os.cpu_count() or 1))})
 
 
-def bench_eager(bundle: Path, data_root: Path, size: str, texts: list[str], c: int, seconds: float,
-                per_call: int = 1, device: str = "cpu", dtype: str = "fp32") -> dict:
-    """PyTorch eager on the same weights and device, in-process like the predictor: tokenized by the bundle's own
-    encoder, right-padded, softmax, back on the host. The first rows are checked against the bundle's graph."""
+def eager_caller(bundle: Path, data_root: Path, size: str, device: str = "cpu", dtype: str = "fp32"):
+    """PyTorch eager on the bundle's weights (rebuilt from the seed `make_bundle` used) and `device`, called like
+    the predictor: texts -> (n, C) probabilities on the host, tokenized by the bundle's own encoder, right-padded.
+    Returns the call and the largest probability difference from the bundle's graph on 8 texts."""
     import torch
 
     from contract.tokens import PAD
@@ -161,7 +162,14 @@ def bench_eager(bundle: Path, data_root: Path, size: str, texts: list[str], c: i
             logits = model(ids.to(device), pad.to(device))  # (n, C)
         return softmax(logits.float().cpu().numpy())
 
-    drift = float(np.abs(call(texts[:8]) - np.stack([x.probabilities for x in reference.predict(texts[:8])])).max())
+    return call, lambda texts: float(np.abs(call(texts) - np.stack([x.probabilities for x in
+                                                                     reference.predict(texts)])).max())
+
+
+def bench_eager(call, drift: float, texts: list[str], c: int, seconds: float, per_call: int = 1,
+                device: str = "cpu", dtype: str = "fp32") -> dict:
+    """PyTorch eager in-process (`eager_caller`), the predictor's closed loop."""
+    call(texts[:8])  # warm-up
     cpu0 = time.process_time()
     flat, elapsed = closed_loop(call, texts, c, seconds, per_call)
     return summarize(f"PyTorch eager {dtype}", c, flat, len(flat) * per_call, elapsed, {
@@ -381,11 +389,19 @@ def main() -> int:
     texts = random.Random(0).sample([t for t in lines if t.strip()], args.texts)
     swept = sweep(args.bundle, texts, args.sweep, args.threads, args.device) if args.sweep else []
     points = [(k, c) for k in args.per_call for c in args.concurrency]
-    rows = [] if args.no_in_process else \
-        [bench_in_process(args.bundle, texts, c, args.seconds, args.threads, k, args.device) for k, c in points]
-    for dtype in args.eager_dtype if args.eager else []:
-        rows += [bench_eager(args.bundle, args.data, args.eager, texts, c, args.seconds, k, args.device, dtype)
+    rows = []
+    if not args.no_in_process:
+        from serving.predictor import Predictor
+
+        predictor = Predictor(args.bundle, device=args.device, intra_op_threads=args.threads)
+        rows += [bench_in_process(args.bundle, texts, c, args.seconds, args.threads, k, args.device, predictor)
                  for k, c in points]
+        del predictor
+    for dtype in args.eager_dtype if args.eager else []:
+        call, drift_of = eager_caller(args.bundle, args.data, args.eager, args.device, dtype)
+        drift = drift_of(texts[:8])
+        rows += [bench_eager(call, drift, texts, c, args.seconds, k, args.device, dtype) for k, c in points]
+        del call, drift_of
     threads = ["--intra-op-threads", str(args.threads), *args.server_args.split()]
     modes = {"on": ("server, batching on", []), "off": ("server, batching off", ["--no-batching"]),
              "floor": ("bare grpcio server (floor)", [])}

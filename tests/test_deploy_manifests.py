@@ -278,7 +278,8 @@ def test_gpu_component_asks_for_a_gpu_and_cuda_and_changes_nothing_else(overlay:
         {k: v for k, v in base_container.items() if k not in changed}
     assert {k: v for k, v in pod.items() if k not in ("containers", "tolerations")} == \
         {k: v for k, v in base["spec"]["template"]["spec"].items() if k != "containers"}
-    others = [a for a in container["args"] if not a.startswith(("--device=", "--max-batch-tokens="))]
+    assert cfg.max_padding >= 100  # any padding: on a GPU the batch is what counts
+    others = [a for a in container["args"] if not a.startswith(("--device=", "--max-batch-tokens=", "--max-padding="))]
     assert others == [a for a in base_container["args"] if not a.startswith("--device=")]
 
 
