@@ -63,13 +63,14 @@ for s in ${only//,/ }; do
 done
 wanted() { [ -z "$only" ] || [[ ",$only," == *",$1,"* ]]; }
 
+case $carry in /*) ;; *) carry=$PWD/$carry ;; esac
 mkdir -p "$out" || die "cannot create $out"
 out=$(cd "$out" && pwd)
 work=${TMPDIR:-/tmp}/ts-gpu-serve
 mkdir -p "$work"
 py=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TS_TRACEBACK=1
-[ -d "$carry/data/cls-books-fr" ] && export TS_DATA=${TS_DATA:-$PWD/$carry/data}
+[ -d "$carry/data/cls-books-fr" ] && export TS_DATA=${TS_DATA:-$carry/data}
 data=${TS_DATA:-$PWD/../shared/data}
 printf 'step\tstatus\tseconds\n' >"$out/steps.tsv"
 
@@ -182,7 +183,7 @@ if [ -x "$carry/h2load/usr/bin/h2load" ] && ! command -v h2load >/dev/null; then
   mkdir -p "$work/bin"
   # shellcheck disable=SC2016  # $LD_LIBRARY_PATH and $@ are the wrapper's, expanded when it runs
   printf '#!/bin/sh\nLD_LIBRARY_PATH="%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "%s" "$@"\n' \
-    "$PWD/$carry/h2load/usr/lib/x86_64-linux-gnu" "$PWD/$carry/h2load/usr/bin/h2load" >"$work/bin/h2load"
+    "$carry/h2load/usr/lib/x86_64-linux-gnu" "$carry/h2load/usr/bin/h2load" >"$work/bin/h2load"
   chmod +x "$work/bin/h2load"
   export PATH="$work/bin:$PATH"
 fi
