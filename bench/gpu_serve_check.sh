@@ -11,7 +11,8 @@
 #              in-process predictor and PyTorch eager on the same GPU
 #   workers    bench/workers_bench.py --workers 1 2 4 8 --floor: the request path on many cores (CPU provider, lab
 #              size, int8), the servers on all cores but the last two, h2load on those two
-#   iobinding  bench/ort_batch_efficiency.py --io-binding: plain runs against IO binding, per batch size
+#   iobinding  bench/ort_batch_efficiency.py --io-binding --cuda-graph: plain runs against IO binding per batch size,
+#              and a CUDA-graph replay (or onnxruntime's refusal of it)
 #   rss        deploy/measure_rss.py: the server's memory on CUDA (deploy/gpu/'s memory request)
 #   summary    bench/gpu_serve_summary.py: one table of all of it, also in $out/summary.md
 # Under 9 minutes in all: each step has a budget, cut to what is left before --deadline (540 s); a step with less
@@ -271,7 +272,7 @@ fi
 if wanted iobinding; then
   if [ "$device" = cuda ]; then
     step iobinding 45 "$py" bench/ort_batch_efficiency.py --bundle "$work/bundle" --device cuda --io-binding \
-      --lengths 128 512 --batches 1 8 64 --min-seconds 0.3 --peak-n 4096 --json "$out/iobinding.json"
+      --cuda-graph --lengths 128 512 --batches 1 8 64 --min-seconds 0.3 --peak-n 4096 --json "$out/iobinding.json"
   else
     skip iobinding "IO binding copies between the host and a GPU"
   fi

@@ -151,6 +151,12 @@ def iobinding(folder: Path) -> list[str]:
         out.append(f"| {r['length']} | {r['batch']} | {r['ms_per_text']:.4f} | "
                    f"{r.get('iobinding_host_ms_per_text', float('nan')):.4f} | {device or float('nan'):.4f} | "
                    f"{gain} |")
+    graph = data.get("cuda_graph")
+    if graph:
+        replay = f"{graph['cuda_graph_ms_per_text']:.4f} ms per text" if "cuda_graph_ms_per_text" in graph \
+            else f"refused: {graph.get('cuda_graph_error')}"
+        out += ["", f"CUDA graph, {graph['batch']} x {graph['length']} ids, inputs on the GPU: {replay} (without: "
+                f"{graph['device_ms_per_text']:.4f} ms per text)"]
     return out
 
 

@@ -11,7 +11,9 @@ large share of that peak, no batching policy can multiply throughput: the ceilin
 On CUDA, `--io-binding` also times each point through onnxruntime's IO binding: inputs copied from the host by
 onnxruntime and the logits left on the GPU, then copied back (what a server could bind: its inputs start on the
 host), and inputs already on the GPU (the most IO binding can save: no host copy at all). The MatMul peak is then
-taken on the GPU, inputs and output bound there.
+taken on the GPU, inputs and output bound there. `--cuda-graph` also replays the graph as a CUDA graph
+(onnxruntime's enable_cuda_graph) at the largest batch and first length, inputs on the GPU, against the same run
+without it; onnxruntime refuses it when a node of the graph runs on the CPU, and the refusal is what is reported.
 """
 
 from __future__ import annotations
@@ -103,6 +105,28 @@ def device_resident(sess: ort.InferenceSession, feed: dict[str, np.ndarray], out
     return lambda: sess.run_with_iobinding(io)
 
 
+def cuda_graph_point(predictor, batch: int, length: int, vocab: int, min_s: float) -> dict:
+    """ms per text of one (batch x length) run replayed as a CUDA graph, against the same device-resident run
+    without it; or the error onnxruntime gives."""
+    from contract import runtime
+    from contract.bundle import verify_bundle
+    from contract.graph import LOGITS
+
+    rng = np.random.default_rng(1)
+    ids = rng.integers(4, vocab, (batch, length), dtype=np.int64)
+    feed = {"input_ids": ids, "attention_mask": np.ones((batch, length), np.int64)}
+    row = {"length": length, "batch": batch,
+           "device_ms_per_text": 1e3 * timed(device_resident(predictor.session, feed, LOGITS), min_s) / batch}
+    try:
+        options = runtime.session_options(predictor.optimization, intra_op_threads=1)
+        graph = verify_bundle(predictor.bundle_dir).graph_bytes(predictor.graph)
+        sess = ort.InferenceSession(graph, options, providers=[(runtime.CUDA, {"enable_cuda_graph": "1"})])
+        row["cuda_graph_ms_per_text"] = 1e3 * timed(device_resident(sess, feed, LOGITS), min_s) / batch
+    except Exception as e:  # onnxruntime's own refusal is the finding
+        row["cuda_graph_error"] = " ".join(str(e).split())[:400]
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, required=True, help="bundle folder (bench/serve_bench.py --make-bundle)")
@@ -112,11 +136,12 @@ def main() -> int:
     ap.add_argument("--min-seconds", type=float, default=1.0, help="measured seconds per point")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the provider the bundle's graph runs on")
     ap.add_argument("--io-binding", action="store_true", help="CUDA: also time each point through IO binding")
+    ap.add_argument("--cuda-graph", action="store_true", help="CUDA: also a CUDA-graph replay (see above)")
     ap.add_argument("--peak-n", type=int, default=1024, help="size of the MatMul timed as the peak (GPU: 4096)")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = ap.parse_args()
-    if args.io_binding and args.device != "cuda":
-        ap.error("--io-binding times copies between the host and the GPU: it needs --device cuda")
+    if (args.io_binding or args.cuda_graph) and args.device != "cuda":
+        ap.error("--io-binding and --cuda-graph are about a GPU: they need --device cuda")
 
     from contract.graph import LOGITS
     from serving.predictor import Predictor
@@ -158,10 +183,17 @@ def main() -> int:
             if args.io_binding else ""
         print(f"| {r['length']} | {r['batch']} | {r['ms_per_text']:.4f} | {r['gflop_s']:.1f} | "
               f"{100 * r['share_of_peak']:.0f}% | {r['speedup_vs_batch1']:.2f}x |{extra}")
+    graph_row = cuda_graph_point(predictor, max(args.batches), args.lengths[0], vocab, args.min_seconds) \
+        if args.cuda_graph else None
+    if graph_row is not None:
+        replay = f"{graph_row['cuda_graph_ms_per_text']:.4f} ms per text" if "cuda_graph_ms_per_text" in graph_row \
+            else f"refused: {graph_row['cuda_graph_error']}"
+        print(f"CUDA graph, {graph_row['batch']} x {graph_row['length']} ids, inputs on the GPU: {replay} "
+              f"(without: {graph_row['device_ms_per_text']:.4f} ms per text)")
     if args.json:
         args.json.write_text(json.dumps({"peak_gflop_s": peak, "threads": args.threads, "device": args.device,
                                          "provider": predictor.provider, "precision": predictor.precision,
-                                         "rows": rows}, indent=1))
+                                         "rows": rows, "cuda_graph": graph_row}, indent=1))
     return 0
 
 
