@@ -159,10 +159,10 @@ lock:
 	  | sed -E 's/^(torch==[^+]*)\+.*/\1/; s/^onnxruntime-gpu==(.*)/onnxruntime==\1\nonnxruntime-gpu==\1/'
 	@echo "# GPU section: PyPI's torch (a CUDA build) with onnxruntime-gpu[cuda,cudnn], resolved for Linux x86_64"
 	# nvJitLink from the same CUDA minor as torch's cuda-toolkit pins (left free, pip takes the newest 13.x).
-	/tmp/ts-lock-venv/bin/pip install -q --dry-run --ignore-installed --report /tmp/ts-lock-gpu.json \
-	  --target /tmp/ts-lock-gpu --only-binary=:all: --python-version 3.12 --implementation cp \
-	  $(foreach v,$(shell seq 17 39),--platform manylinux_2_$(v)_x86_64) --platform manylinux2014_x86_64 \
-	  torch==2.13.0 "nvidia-nvjitlink==13.0.*" "onnxruntime-gpu[cuda,cudnn]==$$(/tmp/ts-lock-venv/bin/python -c 'import onnxruntime; print(onnxruntime.__version__)')"
+	ort=$$(/tmp/ts-lock-venv/bin/python -c 'import onnxruntime; print(onnxruntime.__version__)') \
+	  && /tmp/ts-lock-venv/bin/pip install -q --dry-run --ignore-installed --report /tmp/ts-lock-gpu.json \
+	  --target /tmp/ts-lock-gpu $(GPU_WHEEL_TAGS) torch==2.13.0 "nvidia-nvjitlink==13.0.*" \
+	  "onnxruntime-gpu[cuda,cudnn]==$$ort"
 	/tmp/ts-lock-venv/bin/python -c 'import json; r = json.load(open("/tmp/ts-lock-gpu.json"))["install"]; \
 	  print("\n".join(sorted("%s==%s" % (m["name"], m["version"]) for m in (i["metadata"] for i in r) \
 	  if m["name"].startswith(("nvidia-", "cuda-", "triton")))))'
