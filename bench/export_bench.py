@@ -35,8 +35,9 @@ import onnxruntime as ort
 import torch
 
 from contract.runtime import OPT_LEVELS
-from trainer import artifact, presets
-from trainer import config as config_mod
+from trainer import artifact
+from trainer.config import presets
+from trainer.config import schema as config_mod
 from trainer.export import ExportOptions, export_bundle
 from trainer.export.score import accuracy, predict
 from trainer.export.validate import ort_logits, torch_logits
@@ -67,7 +68,7 @@ def session(path: Path, level: str, threads: int, spin: bool = True) -> ort.Infe
 
 
 def lab_tokenizer(cfg: config_mod.RunConfig):
-    from trainer.tokenizer import build_tokenizer
+    from trainer.data.tokenizer import build_tokenizer
 
     return build_tokenizer(cfg)
 
@@ -85,7 +86,7 @@ def make_artifact(args: argparse.Namespace, cfg: config_mod.RunConfig) -> tuple[
     out = args.work / "lab-random"
     if not (out / "artifact.json").exists():
         torch.manual_seed(0)
-        from trainer.model import build
+        from trainer.model.encoder import build
 
         artifact.save(out, build(cfg.model, "classifier"), cfg, "classifier", lab_tokenizer(cfg))
     return out, "random weights (seed 0): latency and agreement only"
@@ -93,9 +94,9 @@ def make_artifact(args: argparse.Namespace, cfg: config_mod.RunConfig) -> tuple[
 
 def train_from_scratch(cfg: config_mod.RunConfig, epochs: int, out: Path) -> None:
     """The lab's fine-tuning from scratch (no pretraining), plain PyTorch: enough to make accuracy meaningful."""
-    from trainer.batching import bucket_batches, pad_batch
-    from trainer.data import read_labeled
-    from trainer.model import build
+    from trainer.data.batching import bucket_batches, pad_batch
+    from trainer.data.readers import read_labeled
+    from trainer.model.encoder import build
 
     tok = lab_tokenizer(cfg)
     examples = read_labeled(cfg.data.path(cfg.data.train), cfg.data.labels)
@@ -181,8 +182,8 @@ def batch(b: int, t: int, vocab: int, rng: np.random.Generator) -> tuple[np.ndar
 def score_bundles(art: artifact.Artifact, model: torch.nn.Module, bundles: dict[str, Path],
                   cfg: config_mod.RunConfig, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Accuracy on cls-books-fr test (2000 reviews, up to 512 ids): PyTorch once, then every bundle."""
-    from trainer.data import read_labeled
-    from trainer.tokenizer import Tokenizer
+    from trainer.data.readers import read_labeled
+    from trainer.data.tokenizer import Tokenizer
 
     tok = Tokenizer.load(art.tokenizer_dir)
     examples = read_labeled(cfg.data.path(cfg.data.test), cfg.data.labels)[: args.eval_limit or None]

@@ -30,12 +30,12 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from trainer.config import ModelConfig
-from trainer.model import forward_flops_per_token
+from trainer.config.schema import ModelConfig
+from trainer.model.encoder import forward_flops_per_token
 
 
 def model_flops_per_text(arch: dict, t: int) -> float:
-    """FLOPs of one forward pass over t ids (trainer.model.forward_flops_per_token, the classifier's count)."""
+    """FLOPs of one forward pass over t ids (trainer.model.encoder.forward_flops_per_token, the classifier's count)."""
     return t * forward_flops_per_token(ModelConfig(**arch), "classifier", t)
 
 
@@ -130,8 +130,8 @@ def cuda_graph_point(predictor, batch: int, length: int, vocab: int, min_s: floa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, required=True, help="bundle folder (bench/serve_bench.py --make-bundle)")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256], help="ids per text")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64], help="texts per run")
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (the server's default: 1)")
     ap.add_argument("--min-seconds", type=float, default=1.0, help="measured seconds per point")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the provider the bundle's graph runs on")

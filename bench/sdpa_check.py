@@ -1,7 +1,7 @@
 """Which scaled-dot-product-attention kernels the encoder reaches on a CUDA GPU, and whether its outputs match.
 
 For the lab-size model in bf16, training mode (as DeepSpeed runs it; dropout 0 so runs compare), three attention
-paths of trainer/model.py's Encoder:
+paths of trainer/model/encoder.py's Encoder:
   - causal, no padding mask (next-token pretraining and the causal classifier: `is_causal` reaches SDPA),
   - bidirectional, no padding mask (packed masked-LM windows),
   - bidirectional with a bool padding mask (padded batches),
@@ -24,8 +24,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.model import LanguageModel
-from trainer.presets import lab
+from trainer.config.presets import lab
+from trainer.model.encoder import LanguageModel
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
@@ -34,8 +34,8 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIE
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the results here too")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8, help="sequences per batch")
+    p.add_argument("--seq", type=int, default=512, help="sequence length in ids")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("sdpa_check: no CUDA GPU", file=sys.stderr)

@@ -51,9 +51,9 @@ def random_classifier(data_root: Path, size: str = "lab"):
     the bundle holds."""
     import torch
 
-    from trainer.config import override
-    from trainer.model import build
-    from trainer.presets import lab, tiny
+    from trainer.config.presets import lab, tiny
+    from trainer.config.schema import override
+    from trainer.model.encoder import build
 
     cfg = override({"lab": lab, "tiny": tiny}[size](), {"data.root": str(data_root)})
     torch.manual_seed(0)
@@ -67,8 +67,8 @@ def make_bundle(out: Path, data_root: Path, precision: str = "auto", size: str =
     import tempfile
 
     from trainer import artifact
+    from trainer.data.tokenizer import Tokenizer
     from trainer.export import ExportOptions, export_bundle
-    from trainer.tokenizer import Tokenizer
 
     model, cfg = random_classifier(data_root, size)
     books = data_root / "cls-books-fr"
@@ -355,7 +355,7 @@ def main() -> int:
                     help="--make-bundle: export --precision (auto: fp32 for CUDA + int8 for the CPU)")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder holding cls-books-fr/")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where onnxruntime (and --eager) run")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64], help="closed-loop callers, one row each")
     ap.add_argument("--per-call", type=int, nargs="+", default=[1], help="texts per request (each value measured)")
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per point (after warm-up)")
     ap.add_argument("--texts", type=int, default=256, help="distinct reviews drawn from the test split")

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/tfidf_baseline.py [--sets cls-books-fr sst2 imdb]
 
-Reads the data through trainer/data.py (the same readers a user's files go through) and prints a markdown table.
+Reads the data through trainer/data/readers.py (the same readers a user's files go through) and prints a markdown table.
 scikit-learn is a benchmark-only dependency (the `dev` extra).
 """
 
@@ -15,8 +15,8 @@ import time
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 
-from trainer.config import DataConfig
-from trainer.data import detokenize, read_labeled
+from trainer.config.schema import DataConfig
+from trainer.data.readers import detokenize, read_labeled
 
 # name -> (train file, [(split name, eval file)]); paths relative to the data root.
 SETS = {
@@ -48,7 +48,8 @@ def run(name: str, data: DataConfig) -> list[tuple[str, str, float, float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
+    p.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS),
+                   help="data sets to score (default: all)")
     args = p.parse_args()
     data = DataConfig()
     print(f"machine: {platform.machine()} {platform.processor() or ''}, python {platform.python_version()}")

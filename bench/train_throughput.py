@@ -1,11 +1,13 @@
 """Training throughput: a plain PyTorch loop against our DeepSpeed engine, same model, data and batches.
 
 One run, one process or several (`deepspeed --num_gpus 2 bench/train_throughput.py ...`), for each task:
-  (a) plain: the objective module of trainer/pretrain.py (LMObjective) or trainer/finetune.py (ClassifierObjective),
-      torch.optim.Adam (AdamW when the config says adamw) with the config's lr/betas/weight decay, clip_grad_norm_ to
-      optim.grad_clip (0.5), the same loss scaling as our loops; torch DistributedDataParallel when world > 1.
-  (b) deepspeed: the same module wrapped by trainer.engine.initialize with the JSON trainer.engine.ds_config derives,
-      exactly as pretrain.py / finetune.py build it, stepped by their own step (trainer/loop.py's optimizer_step).
+  (a) plain: the objective module of trainer/tasks/pretrain.py (LMObjective) or trainer/tasks/finetune.py
+      (ClassifierObjective), torch.optim.Adam (AdamW when the config says adamw) with the config's lr/betas/weight
+      decay, clip_grad_norm_ to optim.grad_clip (0.5), the same loss scaling as our loops;
+      torch DistributedDataParallel when world > 1.
+  (b) deepspeed: the same module wrapped by trainer.engine.deepspeed_engine.initialize with the JSON that
+      deepspeed_engine.ds_config derives, exactly as pretrain.py / finetune.py build it, stepped by their own step
+      (trainer/engine/loop.py's optimizer_step).
 Both start from the same weights (same seed) and see the same global batches in the same order: window k of (a) and
 window k of (b) train on identical batches. Windows of --steps optimizer steps alternate between (a) and (b) in the
 same process (a-b, then b-a, ...) so that load from other processes hits both alike; the first --warmup windows of
@@ -18,7 +20,7 @@ on CPU).
 
 Data: cls-books-fr train reviews (`data.train`) with the preset's tokenizer (the lab's for --preset lab). LM: the
 reviews prepared as pretraining prepares them and read as packed next-token windows of --seq-len tokens
-(trainer/windows.py + pretrain.py's WindowBatcher, objective clm: full windows, no padding).
+(trainer/data/windows.py + pretrain.py's WindowBatcher, objective clm: full windows, no padding).
 Classifier: the reviews cut to --seq-len ids (tokenizer.max_len), labels from train.label.
 
 Model FLOPs per token (training = 3 x forward): 6 x N + 12 x L x d x T, where N counts the weights of every matrix
@@ -29,8 +31,8 @@ embedding lookups, biases, layer norms, softmax, the classifier's head (once per
 
   .venv/bin/python bench/train_throughput.py --task both --json runs/bench-train/p1.json
   deepspeed --num_gpus 2 bench/train_throughput.py --task both --baseline runs/bench-train/p1.json
-Only rank 0 prints and writes; every rank ends through trainer.engine.finish (gloo ranks can abort at a normal
-interpreter exit; engine.finish says why).
+Only rank 0 prints and writes; every rank ends through trainer.engine.deepspeed_engine.finish (gloo ranks can abort at a
+normal interpreter exit; engine.finish says why).
 """
 
 from __future__ import annotations
@@ -57,19 +59,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer import cli, loop
-from trainer import engine as eng
 from trainer.artifact import write_text_atomic
-from trainer.batching import bucket_batches
-from trainer.config import ModelConfig, OptimConfig, RunConfig, override
-from trainer.corpus import PreparedCorpus
-from trainer.finetune import ClassifierObjective, load_split
-from trainer.model import forward_flops_per_token
-from trainer.prepare import prepare
-from trainer.presets import preset
-from trainer.pretrain import LMObjective, WindowBatcher
-from trainer.tokenizer import build_tokenizer
-from trainer.windows import EpochOrder, Windows
+from trainer.config.presets import preset
+from trainer.config.schema import ModelConfig, OptimConfig, RunConfig, override
+from trainer.data.batching import bucket_batches
+from trainer.data.corpus import PreparedCorpus
+from trainer.data.prepare import prepare
+from trainer.data.tokenizer import build_tokenizer
+from trainer.data.windows import EpochOrder, Windows
+from trainer.engine import deepspeed_engine as eng
+from trainer.engine import loop
+from trainer.engine.stage import on_every_rank
+from trainer.model.encoder import forward_flops_per_token
+from trainer.tasks.finetune import ClassifierObjective, load_split
+from trainer.tasks.pretrain import LMObjective, WindowBatcher
 
 LOOPS = ("plain", "deepspeed")
 
@@ -110,8 +113,8 @@ def global_batches(lengths: np.ndarray, plan: eng.BatchPlan, seed: int, need: in
 
 
 def lm_task(cfg: RunConfig, plan: eng.BatchPlan, need: int) -> Task:
-    """Next-token windows as pretrain.py reads them: the reviews prepared (trainer/prepare.py, one worker) into a
-    temporary folder, packed windows of seq_len + 1 ids (trainer/windows.py) in the order of its epochs."""
+    """Next-token windows as pretrain.py reads them: the reviews prepared (trainer/data/prepare.py, one worker) into a
+    temporary folder, packed windows of seq_len + 1 ids (trainer/data/windows.py) in the order of its epochs."""
     tok = build_tokenizer(cfg)
     folder = Path(tempfile.mkdtemp(prefix="train-throughput-prepared-"))
     atexit.register(shutil.rmtree, folder, True)
@@ -223,7 +226,8 @@ class Loop:
 
 
 class Timed:
-    """A task as trainer/loop.py's Task sees it (`inputs`, `denominator`), timing how long making the batches takes
+    """A task as trainer/engine/loop.py's Task sees it (`inputs`, `denominator`), timing how long making the batches
+    takes
     and counting their real (non-pad) tokens and positions: the same accounting for both loops."""
 
     def __init__(self, task: Task) -> None:
@@ -409,7 +413,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="lab", help="config preset whose model and optimizers are measured (lab)")
-    p.add_argument("--task", choices=["lm", "classifier", "both"], default="both")
+    p.add_argument("--task", choices=["lm", "classifier", "both"], default="both", help="which model to train (both)")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per process per micro-step (8)")
     p.add_argument("--seq-len", type=int, default=128, help="LM window / classifier cut, in ids (128)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per window (3)")
@@ -479,7 +483,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    cli.on_every_rank(lambda: run(args))  # ends the process through engine.finish on every rank
+    on_every_rank(lambda: run(args))  # ends the process through engine.finish on every rank
 
 
 if __name__ == "__main__":

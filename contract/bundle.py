@@ -58,11 +58,6 @@ class Bundle:
     files: dict[str, bytes]  # bundle-relative path -> contents
     tokenizer: TokenizerFiles
 
-    @property
-    def model_bytes(self) -> bytes:
-        """model.onnx: the graph any ONNX tool reads."""
-        return self.files[MODEL_FILE]
-
     def graph_bytes(self, graph_file: str) -> bytes:
         return self.files[graph_file]
 

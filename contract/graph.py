@@ -63,7 +63,7 @@ class Tables:
 def tables(model: onnx.ModelProto) -> Tables:
     """The token embedding: the 2-D initializer that a Gather on axis 0 indexes with input_ids. The positional
     table: the 2-D initializer of the embedding's width that a Slice cuts to the sequence (the exporter's form of
-    `positions[:T]` in trainer/model.py). None where the graph has no such table, or two that disagree."""
+    `positions[:T]` in trainer/model/encoder.py). None where the graph has no such table, or two that disagree."""
     dims = {t.name: tuple(t.dims) for t in model.graph.initializer}
     embeddings = {dims[n.input[0]] for n in model.graph.node
                   if n.op_type == "Gather" and len(n.input) == 2 and n.input[1] == INPUT_IDS

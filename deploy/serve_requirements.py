@@ -50,8 +50,9 @@ def serve_requirements(pyproject: Path, ort_package: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("ort_package", nargs="?", default="onnxruntime", choices=ORT_PACKAGES)
-    p.add_argument("--pyproject", type=Path, default=Path("pyproject.toml"))
+    p.add_argument("ort_package", nargs="?", default="onnxruntime", choices=ORT_PACKAGES,
+                   help="the onnxruntime package to require (default: onnxruntime)")
+    p.add_argument("--pyproject", type=Path, default=Path("pyproject.toml"), help="the project file to read")
     args = p.parse_args(argv)
     print("\n".join(serve_requirements(args.pyproject, args.ort_package)))
     return 0

@@ -33,8 +33,8 @@ def data_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     """The saved `tokenizer/` folder of `tiny_tokenizer`."""
-    from trainer.presets import tiny
-    from trainer.tokenizer import Tokenizer
+    from trainer.config.presets import tiny
+    from trainer.data.tokenizer import Tokenizer
 
     tc = tiny().tokenizer
     tok = Tokenizer.train([data_dir / "cls-books-fr" / "train.review.txt"], vocab_size=tc.vocab_size,
@@ -46,7 +46,7 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, data_dir: Path)
 def tiny_tokenizer(tiny_tokenizer_dir: Path):
     """A Tokenizer trained on cls-books-fr train.review.txt with the `tiny` preset (95 pieces + 4 specials = 99
     ids, max_len 48), loaded back from its saved folder."""
-    from trainer.tokenizer import Tokenizer
+    from trainer.data.tokenizer import Tokenizer
 
     return Tokenizer.load(tiny_tokenizer_dir)
 
@@ -55,11 +55,11 @@ def tiny_tokenizer(tiny_tokenizer_dir: Path):
 def tiny_classifier_artifact(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, tiny_tokenizer) -> Path:
     """A `tiny` classifier artifact trained for a few Adam steps on cls-books-fr train reviews (plain PyTorch)."""
     from trainer import artifact
-    from trainer.batching import pad_batch
-    from trainer.config import override
-    from trainer.data import read_labeled
-    from trainer.model import build
-    from trainer.presets import tiny
+    from trainer.config.presets import tiny
+    from trainer.config.schema import override
+    from trainer.data.batching import pad_batch
+    from trainer.data.readers import read_labeled
+    from trainer.model.encoder import build
 
     cfg = override(tiny(), {"data.root": str(data_dir)})
     examples = read_labeled(data_dir / "cls-books-fr" / "train.review.txt", cfg.data.labels)

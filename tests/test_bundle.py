@@ -26,7 +26,7 @@ from procs import REPO
 
 from contract.bundle import check_session, verify_bundle
 from contract.errors import BundleError
-from contract.manifest import manifest_digest
+from contract.manifest import MODEL_FILE, manifest_digest
 from contract.runtime import session_options
 from serving.predictor import Predictor
 from trainer.__main__ import main as trainer_cli
@@ -207,7 +207,8 @@ def test_the_warm_up_runs_the_graph_at_max_len_with_the_highest_id(tiny_bundle: 
     import onnxruntime as ort
 
     b = verify_bundle(tiny_bundle)
-    session = ort.InferenceSession(b.model_bytes, session_options("basic"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(b.graph_bytes(MODEL_FILE), session_options("basic"),
+                                   providers=["CPUExecutionProvider"])
     check_session(session, b)
     too_long = dataclasses.replace(b, manifest=dataclasses.replace(b.manifest, max_len=65))
     with pytest.raises(BundleError, match=r"model\.onnx: onnxruntime failed the warm-up at max_len 65 with id 98"):

@@ -26,9 +26,9 @@ from contract.runtime import cuda_driver_present
 from serving.predictor import Predictor
 from trainer import artifact
 from trainer.__main__ import main as cli
+from trainer.data.tokenizer import Tokenizer
 from trainer.export import ExportOptions, export_bundle
 from trainer.export.precision import INT8_CPU_BOUND, TOLERANCES
-from trainer.tokenizer import Tokenizer
 
 TEST_FILE = "cls-books-fr/test.review.txt"
 

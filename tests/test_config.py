@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from trainer.choice import Choice, resolve
-from trainer.config import ConfigError, ModelConfig, OptimConfig, load, override
-from trainer.presets import PRESETS, preset
+from trainer.config.choice import Choice, resolve
+from trainer.config.presets import PRESETS, preset
+from trainer.config.schema import ConfigError, ModelConfig, OptimConfig, load, override
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -82,8 +82,8 @@ def test_training_ranges_are_declared_and_refused(assignment: str, message: str)
 
 
 def test_rules_across_sections_are_checked_once_in_the_run_config() -> None:
-    with pytest.raises(ConfigError, match=r"tokenizer.vocab_size=95 gives 99 ids .* model.vocab_size=100; "
-                                          r"set model.vocab_size=99"):
+    with pytest.raises(ConfigError, match=r"tokenizer.vocab_size=95 plus the 4 specials give 99 ids, but "
+                                          r"model.vocab_size=100; set model.vocab_size=99"):
         override(preset("tiny"), ["model.vocab_size=100"])
     with pytest.raises(ConfigError, match=r"model.num_classes=3 but data.labels has 2 classes"):
         override(preset("tiny"), ["model.num_classes=3"])

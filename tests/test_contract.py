@@ -18,7 +18,7 @@ from serving_fixtures import reviews
 
 from contract.errors import TokenizerError
 from contract.tokens import EOS, OOV, SOS, TOKENIZER_FILES, Encoder, read_tokenizer_files
-from trainer.tokenizer import Tokenizer
+from trainer.data.tokenizer import Tokenizer
 
 
 def encoder_of(folder: Path, max_len: int | None = None) -> Encoder:

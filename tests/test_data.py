@@ -1,4 +1,4 @@
-"""trainer/data.py, corpus.py, batching.py: every reader on a slice of every data set, the errors users hit, the
+"""trainer/data/readers.py, corpus.py, batching.py: every reader on a slice of every data set, the errors users hit, the
 corpus and batching."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.batching import bucket_batches, pad_batch, padding_fraction
-from trainer.corpus import encode_documents
-from trainer.data import DataError, Example, has_labels, iter_texts, label_values, read_labeled
-from trainer.tokenizer import Tokenizer
+from trainer.data.batching import bucket_batches, pad_batch, padding_fraction
+from trainer.data.corpus import encode_documents
+from trainer.data.readers import DataError, Example, has_labels, iter_texts, label_values, read_labeled
+from trainer.data.tokenizer import Tokenizer
 
 
 def _first(path: Path, n: int = 3) -> list[Example]:
@@ -235,7 +235,7 @@ def test_parquet_columns_from_the_config_read_by_row_group(tmp_path: Path) -> No
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from trainer.tables import parquet_row_groups
+    from trainer.data.tables import parquet_row_groups
 
     f = tmp_path / "r.parquet"
     texts = [f"review {i}" for i in range(25)]

@@ -208,6 +208,13 @@ def test_deployment_flags_ports_probes_and_security(rendered: dict[str, Path], t
     assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
 
 
+def test_the_image_is_named_by_digest(rendered: dict[str, Path]) -> None:
+    """Both kustomizations name the image by digest (README.md, Deploy): a tag can be moved to another image."""
+    images = [c["image"] for c in _one(_docs(rendered["base"]), "Deployment")["spec"]["template"]["spec"]["containers"]]
+    images += [c["image"] for c in _one(_docs(rendered["kserve"]), "ServingRuntime")["spec"]["containers"]]
+    assert len(images) == 2 and all(re.search(r"@sha256:[0-9a-f]{64}$", i) for i in images), images
+
+
 def test_containerfile_defaults_are_server_flags(tmp_path: Path) -> None:
     text = (REPO_ROOT / "Containerfile").read_text(encoding="utf-8")
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))

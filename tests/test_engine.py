@@ -1,5 +1,6 @@
-"""trainer/engine.py and the data side of trainer/pretrain.py, in-process and fast: the derived DeepSpeed JSON and the
-checks on a user's JSON, the learning-rate schedule, the distributed environment (Slurm, plain python), windows,
+"""trainer/engine/deepspeed_engine.py and the data side of trainer/tasks/pretrain.py, in-process and fast: the derived
+DeepSpeed JSON and the checks on a user's JSON, the learning-rate schedule, the distributed environment (Slurm, plain
+python), windows,
 MLM masking and the cut of a global batch into micro-batches. Launcher-level behaviour is in test_training.py."""
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import pytest
 import torch
 from procs import REPO
 
-from trainer import engine as eng
-from trainer import loop
-from trainer.config import OptimConfig, override
-from trainer.corpus import FORMAT, MANIFEST, PreparedCorpus, ShardWriter, token_dtype
-from trainer.presets import lab, tiny
-from trainer.pretrain import WindowBatcher
-from trainer.windows import Windows
+from trainer.config.presets import lab, tiny
+from trainer.config.schema import ConfigError, OptimConfig, override
+from trainer.data.corpus import FORMAT, MANIFEST, PreparedCorpus, ShardWriter, token_dtype
+from trainer.data.windows import Windows
+from trainer.engine import deepspeed_engine as eng
+from trainer.engine import loop
+from trainer.tasks.pretrain import WindowBatcher
 
 
 def write(tmp_path: Path, data: object, name: str = "ds.json") -> str:
@@ -73,7 +74,7 @@ def test_user_json_overrides_keys(tmp_path: Path) -> None:
 )
 def test_bad_user_json_names_file_and_key(tmp_path: Path, data: object, words: list[str]) -> None:
     path = write(tmp_path, data)
-    with pytest.raises(eng.EngineConfigError) as e:
+    with pytest.raises(ConfigError) as e:  # read_json's errors (the one JSON reader), or EngineConfigError's
         eng.ds_config(tiny(), "pretrain", world=2, user_json=path, cuda=False)
     assert path in str(e.value)
     for w in words:
@@ -81,7 +82,7 @@ def test_bad_user_json_names_file_and_key(tmp_path: Path, data: object, words: l
 
 
 def test_missing_user_json() -> None:
-    with pytest.raises(eng.EngineConfigError, match="not found: /nonexistent/ds.json"):
+    with pytest.raises(ConfigError, match="DeepSpeed config file not found: /nonexistent/ds.json"):
         eng.ds_config(tiny(), "pretrain", world=1, user_json="/nonexistent/ds.json", cuda=False)
 
 
@@ -131,7 +132,8 @@ def test_launcher_variables_are_kept() -> None:
 def test_importing_the_engine_leaves_the_environment_alone(tmp_path: Path) -> None:
     """Only DS_ACCELERATOR (read by DeepSpeed's own import) is set at import; PATH and the JIT cache folder are set
     by init_distributed, through process_defaults."""
-    code = ("import os, json; before = dict(os.environ); import trainer.engine as e; after = dict(os.environ); "
+    code = ("import os, json; before = dict(os.environ); import trainer.engine.deepspeed_engine as e; "
+            "after = dict(os.environ); "
             "changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)); "
             "env = {'PATH': '/usr/bin:/bin'}; print(json.dumps([changed, e.process_defaults(env), env]))")
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR")}
@@ -224,7 +226,7 @@ def test_global_batch_cut_is_independent_of_world_size() -> None:
 
 
 def test_precision_auto_reads_the_cpu_flags(tmp_path: Path) -> None:
-    from trainer import precision
+    from trainer.engine import precision
 
     with_bf16, without = tmp_path / "bf16", tmp_path / "plain"
     with_bf16.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile\n")

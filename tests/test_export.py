@@ -223,9 +223,9 @@ def test_bundle_runs_in_a_fresh_process_without_torch_or_trainer(tiny_bundle, ti
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_fused_attention_swap_computes_the_plain_model(causal):
-    from trainer.config import ModelConfig
-    from trainer.model import Classifier
-    from trainer.onnx_attention import FusedSelfAttention, with_fused_attention
+    from trainer.config.schema import ModelConfig
+    from trainer.model.encoder import Classifier
+    from trainer.model.onnx_attention import FusedSelfAttention, with_fused_attention
 
     torch.manual_seed(0)
     model = Classifier(ModelConfig(vocab_size=99, d_model=30, n_layers=2, n_heads=3, d_ff=7, max_positions=20,
@@ -258,7 +258,7 @@ def test_unfused_export_uses_plain_onnx_ops_and_validates(tiny_classifier_artifa
 def test_mean_pooled_bidirectional_classifier_exports_and_validates(tiny_classifier_artifact, tiny_tokenizer,
                                                                     tmp_path):
     """The English preset's classifier (mean pooling, no causal mask) through the real exporter and validation."""
-    from trainer.model import Classifier
+    from trainer.model.encoder import Classifier
 
     src = artifact.load(tiny_classifier_artifact)
     model_cfg = dataclasses.replace(src.cfg.model, pooling="mean", classifier_causal=False)
@@ -323,11 +323,10 @@ def test_check_command_refuses_a_tampered_bundle(bundle_copy, data_dir, capsys):
 
 def test_export_refused_beyond_the_positional_table(tiny_classifier_artifact, tmp_path):
     out = tmp_path / "bundle"
-    with pytest.raises(ExportError, match=r"max_len 65 exceeds the model's positional table: "
-                                          r"model\.max_positions=64"):
+    with pytest.raises(ValueError, match=r"max_len=65 exceeds model\.max_positions=64"):
         export_bundle(tiny_classifier_artifact, out, ExportOptions(max_len=65))
     # An artifact whose tokenizer cuts at 48 but whose table holds 40 positions: its config is refused when read
-    # (the run config checks tokenizer.max_len against model.max_positions, trainer/config.py).
+    # (the run config checks tokenizer.max_len against model.max_positions, trainer/config/schema.py).
     short = Path(shutil.copytree(tiny_classifier_artifact, tmp_path / "short"))
     cfg = json.loads((short / "config.json").read_text())
     cfg["model"]["max_positions"] = 40  # the table is not in the weights (a function of the config)
@@ -356,7 +355,7 @@ def test_export_refuses_to_replace_a_folder_that_is_not_a_bundle(tiny_classifier
 
 
 def test_export_refuses_a_language_model_artifact(tiny_classifier_artifact, tiny_tokenizer, tmp_path):
-    from trainer.model import build
+    from trainer.model.encoder import build
 
     cfg = artifact.load(tiny_classifier_artifact).cfg
     lm = artifact.save(tmp_path / "lm", build(cfg.model, "lm"), cfg, "lm", tiny_tokenizer)

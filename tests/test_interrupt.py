@@ -42,7 +42,7 @@ def finish(proc: subprocess.Popen[str], timeout: float = 180) -> str:
 
 def checkpoint_named(output: str, out: Path, signame: str) -> str:
     """The tag the run said it saved: it is `latest`, complete, and every rank's files are in it."""
-    from trainer import checkpoint as ckpt
+    from trainer.engine import checkpoint as ckpt
 
     line = next(x for x in output.splitlines() if x.startswith(f"interrupted by {signame} after step "))
     step = int(line.split(" after step ")[1].split(":")[0])
@@ -134,7 +134,7 @@ def test_ctrl_c_while_fine_tuning_then_resume_alone(tmp_path: Path, tiny_tokeniz
 
 def test_a_rerun_into_an_interrupted_folder_without_checkpoints_keeps_its_metrics(tmp_path: Path) -> None:
     """Killed before any checkpoint (tiny: checkpoint_every=0): the folder still holds its config and metrics."""
-    from trainer.presets import tiny
+    from trainer.config.presets import tiny
 
     out = tmp_path / "run"
     out.mkdir()

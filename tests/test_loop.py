@@ -1,4 +1,5 @@
-"""trainer/loop.py in-process: when the cadence logs, evaluates, checkpoints and stops, and the typed run options.
+"""trainer/engine/loop.py in-process: when the cadence logs, evaluates, checkpoints and stops, and the typed run
+options.
 The loop itself runs in every training test (tests/test_training.py); resumed == uninterrupted is checked there."""
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ConfigError
-from trainer.loop import Cadence, RunOptions, order_digest
+from trainer.config.schema import ConfigError
+from trainer.engine.loop import Cadence, RunOptions, order_digest
 
 
 def steps(cadence: Cadence, question: str, epoch_ends: frozenset[int] = frozenset()) -> list[int]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.config import ModelConfig
-from trainer.model import (
+from trainer.config.presets import lab, tiny
+from trainer.config.schema import ModelConfig
+from trainer.model.encoder import (
     Classifier,
     LanguageModel,
     build,
@@ -14,8 +15,7 @@ from trainer.model import (
     load_encoder,
     parameter_formula,
 )
-from trainer.params import report
-from trainer.presets import lab, tiny
+from trainer.model.params import report
 
 
 def test_lab_parameter_counts_match_the_lab_exactly():
@@ -168,7 +168,7 @@ def test_params_cli_prints_both_lab_totals():
 def _forward_before(enc, input_ids: torch.Tensor, padding_mask: torch.Tensor, causal: bool) -> torch.Tensor:
     """Encoder.forward as it was before the masks changed: a float additive padding mask and a causal mask built on
     every call, is_causal=False (the reference the new forward must equal at every position a head reads)."""
-    from trainer.model import causal_mask
+    from trainer.model.encoder import causal_mask
 
     T = input_ids.shape[1]
     x = enc.dropout(enc.embedding(input_ids) * enc.cfg.d_model ** 0.5 + enc.positions[:T].to(torch.float32))

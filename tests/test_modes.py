@@ -20,9 +20,9 @@ from procs import REPO
 
 from trainer import artifact
 from trainer.atomic import write_text_atomic
-from trainer.corpus import read_manifest
+from trainer.data.corpus import read_manifest
+from trainer.data.prepare import prepare
 from trainer.export import ExportOptions, export_bundle
-from trainer.prepare import prepare
 
 NOBODY = 65534
 

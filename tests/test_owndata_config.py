@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from procs import REPO
 
-from trainer.choice import Choice
-from trainer.config import ConfigError, valid_keys
-from trainer.data import DataError, label_values, read_labeled
-from trainer.labelled import load, settle_labels, stratified_split
+from trainer.config.choice import Choice
+from trainer.config.schema import ConfigError, valid_keys
+from trainer.data.labelled import load, settle_labels, stratified_split
+from trainer.data.readers import DataError, label_values, read_labeled
 
 
 def own(*assignments: str, preset: str = "tiny") -> Choice:
@@ -89,7 +89,7 @@ def test_the_lab_tokenizer_is_not_borrowed_for_own_data() -> None:
 def test_preset_data_come_from_ts_data_or_the_working_directory(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Never from beside the installed package (a wheel in a virtualenv looked in <venv>/lib/python3.X/shared)."""
-    from trainer.presets import tiny
+    from trainer.config.presets import tiny
 
     monkeypatch.delenv("TS_DATA", raising=False)
     monkeypatch.chdir(tmp_path / ".")
@@ -109,7 +109,8 @@ def test_an_installed_package_reads_the_data_named_by_ts_data(tmp_path: Path, da
         shutil.copy(REPO / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(site), str(src)], check=True, capture_output=True, timeout=300)
-    code = "import trainer.presets as p; print(p.__file__); print(p.tiny().data.path('cls-books-fr/train.label'))"
+    code = ("import trainer.config.presets as p; print(p.__file__); "
+            "print(p.tiny().data.path('cls-books-fr/train.label'))")
     env = {**os.environ, "PYTHONPATH": str(site), "TS_DATA": str(data_dir)}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
                          check=True).stdout.split("\n")

@@ -1,5 +1,5 @@
-"""trainer/prepare.py, corpus.py, windows.py: the prepared folder's bytes (the same whatever the worker count, after a
-kill and a resume), its documents against the tokenizer's own encoding, the checks a copy goes through, and the
+"""trainer/data/prepare.py, corpus.py, windows.py: the prepared folder's bytes (the same whatever the worker count,
+after a kill and a resume), its documents against the tokenizer's own encoding, the checks a copy goes through, and the
 packed windows that training reads from it."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from procs import REPO
 
-from trainer import corpus as corpus_mod
-from trainer.corpus import MANIFEST, PreparedCorpus, PreparedError, files_of, read_manifest, verify
-from trainer.data import DataError, iter_texts
-from trainer.prepare import prepare
-from trainer.tokenizer import Tokenizer
-from trainer.windows import EpochOrder, Windows, permute, split
+from trainer.data import corpus as corpus_mod
+from trainer.data.corpus import MANIFEST, PreparedCorpus, PreparedError, files_of, read_manifest, verify
+from trainer.data.prepare import prepare
+from trainer.data.readers import DataError, iter_texts
+from trainer.data.tokenizer import Tokenizer
+from trainer.data.windows import EpochOrder, Windows, permute, split
 
 SHARD = 20_000  # ids a shard: a dozen shards from the inputs below
 
@@ -92,8 +92,8 @@ def test_documents_are_the_tokenizers_own_encoding(reference: Path, inputs: list
 def test_resume_after_a_kill_gives_the_same_bytes(reference: Path, inputs: list[Path], tiny_tokenizer_dir: Path,
                                                   tiny_tokenizer: Tokenizer, tmp_path: Path) -> None:
     out = tmp_path / "killed"
-    code = ("import sys; from pathlib import Path; from trainer.prepare import prepare; "
-            "from trainer.tokenizer import Tokenizer\n"
+    code = ("import sys; from pathlib import Path; from trainer.data.prepare import prepare; "
+            "from trainer.data.tokenizer import Tokenizer\n"
             "if __name__ == '__main__':\n"
             f"    prepare([Path(p) for p in {[str(p) for p in inputs]!r}], Tokenizer.load({str(tiny_tokenizer_dir)!r}),"
             f" Path({str(out)!r}), workers=1, shard_tokens={SHARD}, block_bytes=2000)")

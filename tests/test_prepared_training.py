@@ -1,6 +1,6 @@
-"""Pretraining from a prepared folder (trainer/prepare.py + trainer/pretrain.py), real processes and real DeepSpeed:
-the same losses as the raw-text run of the same corpus, and the start-up check of per-node copies, where a different
-copy on one node stops the ranks of every node with one line naming the node and the file.
+"""Pretraining from a prepared folder (trainer/data/prepare.py + trainer/tasks/pretrain.py), real processes and real
+DeepSpeed: the same losses as the raw-text run of the same corpus, and the start-up check of per-node copies, where a
+different copy on one node stops the ranks of every node with one line naming the node and the file.
 
 The equivalences across world sizes and resume (2 ranks = 1 rank x 2B, resumed = uninterrupted) are in
 test_training.py: a raw-text run prepares RUN/prepared first, so they run through this same reader.

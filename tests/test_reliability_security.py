@@ -162,11 +162,12 @@ PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "shelve
 UNPICKLING_CALLS = {"pandas.read_pickle", "torch.jit.load", "numpy.lib.format.read_array"}
 # DeepSpeed's engine checkpoints are pickles by DeepSpeed's design (torch.load(weights_only=False) inside
 # DeepSpeed). They are read only to resume a run from a checkpoint folder the run itself wrote, after its sha256
-# marker is verified (trainer/checkpoint.py). Fine-tuning, export and serving read model artifacts (safetensors)
+# marker is verified (trainer/engine/checkpoint.py). Fine-tuning, export and serving read model artifacts (safetensors)
 # and bundles instead. These are the only places allowed to call them: (file, calling function).
 DEEPSPEED_PICKLE_CALLS = {"load_checkpoint", "get_fp32_state_dict_from_zero_checkpoint",
                           "convert_zero_checkpoint_to_state_dict", "load_state_dict_from_zero_checkpoint"}
-ALLOWED_DEEPSPEED = {("trainer/checkpoint.py", "load"), ("trainer/engine.py", "fp32_state_dict")}
+ALLOWED_DEEPSPEED = {("trainer/engine/checkpoint.py", "load"),
+                     ("trainer/engine/deepspeed_engine.py", "fp32_state_dict")}
 
 
 def pickle_uses(source: str, filename: str) -> list[str]:
@@ -241,7 +242,7 @@ def test_the_pickle_scanner_finds_what_it_must() -> None:
             "import json\njson.loads('{}')"]
     for source in good:
         assert pickle_uses(source, "x.py") == [], source
-    assert pickle_uses("def load(engine):\n    engine.load_checkpoint('c')", "trainer/checkpoint.py") == []
+    assert pickle_uses("def load(engine):\n    engine.load_checkpoint('c')", "trainer/engine/checkpoint.py") == []
 
 
 def test_no_module_of_trainer_or_serving_unpickles() -> None:
@@ -258,8 +259,9 @@ import json, pickle, _pickle, sys
 from pathlib import Path
 import numpy as np, torch
 from serving.predictor import Predictor
-from trainer import artifact, config
-from trainer.tokenizer import Tokenizer
+from trainer import artifact
+from trainer.config import schema as config
+from trainer.data.tokenizer import Tokenizer
 
 class Refused(RuntimeError):
     pass
@@ -333,8 +335,8 @@ def test_a_planted_pickle_is_refused_and_never_executed(tiny_classifier_artifact
                                                         tmp_path: Path) -> None:
     from contract.manifest import manifest_digest
     from trainer import artifact
-    from trainer.corpus import PreparedCorpus
-    from trainer.data import DataError
+    from trainer.data.corpus import PreparedCorpus
+    from trainer.data.readers import DataError
 
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Planted(marker))

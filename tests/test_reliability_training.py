@@ -37,7 +37,7 @@ import torch
 from procs import BIN, REPO, env, free_port
 from safetensors.torch import load_file
 
-from trainer import checkpoint as ckpt
+from trainer.engine import checkpoint as ckpt
 
 # 2 ranks x micro 7 x accumulation 2, ZeRO-2, dropout on, warmup + cosine: the resume must replay all of it exactly.
 # Checkpoints at steps 4, 8, 12, 16 (the last one also holds done=True).
@@ -317,7 +317,7 @@ def test_every_torch_load_under_the_guard_is_weights_only(tmp_path: Path) -> Non
     ZeRO optimizer-state object (LossScaler) still loads."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
 
-    from trainer import engine as eng
+    from trainer.engine import deepspeed_engine as eng
 
     created = tmp_path / "created"
     torch.save({"module": Planted(created)}, tmp_path / "planted.pt")

@@ -1,4 +1,4 @@
-"""trainer/tokenizer.py: the lab's ids reproduced exactly, a trained tokenizer, the saved folder and its errors."""
+"""trainer/data/tokenizer.py: the lab's ids reproduced exactly, a trained tokenizer, the saved folder and its errors."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ConfigError, override
-from trainer.data import iter_texts
-from trainer.presets import tiny
-from trainer.tokenizer import Tokenizer, TokenizerError, build_tokenizer, detokenize
+from trainer.config.presets import tiny
+from trainer.config.schema import ConfigError, override
+from trainer.data.readers import iter_texts
+from trainer.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer, detokenize
 
 N_LINES = 100  # the acceptance test: first 100 lines of train.review.spm
 
@@ -91,7 +91,7 @@ def test_unknown_characters_and_pieces_become_oov(lab: Tokenizer, books: Path) -
 
 
 def test_encode_example_picks_pieces_or_text(lab: Tokenizer, tiny_tokenizer: Tokenizer, books: Path) -> None:
-    from trainer.data import iter_texts
+    from trainer.data.readers import iter_texts
 
     spm_ex = next(iter_texts(books / "train.review.spm"))
     txt_ex = next(iter_texts(books / "train.review.txt"))

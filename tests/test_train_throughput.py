@@ -73,11 +73,11 @@ def tokens_and_positions(data_dir: Path, steps: int, windows: int) -> dict[str, 
     positions with padding (13 x the longest). The tiny preset's tokenizer cut at 40 ids, cls-books-fr train
     reviews; LM inputs are packed next-token windows of 40 ids (never padded), classifier inputs whole (cut)
     reviews."""
-    from trainer.batching import bucket_batches
-    from trainer.config import override
-    from trainer.finetune import load_split
-    from trainer.presets import preset
-    from trainer.tokenizer import build_tokenizer
+    from trainer.config.presets import preset
+    from trainer.config.schema import override
+    from trainer.data.batching import bucket_batches
+    from trainer.data.tokenizer import build_tokenizer
+    from trainer.tasks.finetune import load_split
 
     cfg = override(preset("tiny"), {"data.root": str(data_dir), "tokenizer.max_len": 40, "pretrain.seq_len": 40})
     tok = build_tokenizer(cfg)

@@ -112,8 +112,8 @@ def two_ranks_7(runs: dict[str, Path], base: list[str], zero: int) -> Path:
 def test_two_ranks_equal_one_rank_with_twice_the_batch(runs: dict[str, Path], base: list[str], zero: int) -> None:
     one, two = weights(one_rank_14(runs, base, zero)), weights(two_ranks_7(runs, base, zero))
     assert max_diff(one, two) < 1e-5
-    from trainer.model import LanguageModel
-    from trainer.presets import tiny
+    from trainer.config.presets import tiny
+    from trainer.model.encoder import LanguageModel
 
     torch.manual_seed(0)  # what pretrain builds before the engine: the step really moved the weights
     init = LanguageModel(tiny().model).state_dict()
@@ -226,7 +226,7 @@ def test_missing_resume_folder(base: list[str], tmp_path: Path) -> None:
 
 def test_a_setting_pretrained_would_replace_is_refused(base: list[str], tmp_path: Path) -> None:
     """--pretrained fixes the tokenizer and the encoder's shape: a --set of one of them is an error, not dropped."""
-    from trainer.presets import tiny
+    from trainer.config.presets import tiny
 
     art = tmp_path / "lm"  # only its config.json is read before the refusal
     art.mkdir()
@@ -243,9 +243,9 @@ def test_a_setting_pretrained_would_replace_is_refused(base: list[str], tmp_path
 
 
 def test_a_model_dropout_that_finetune_dropout_replaces_is_refused() -> None:
-    from trainer.choice import Choice
-    from trainer.config import ConfigError
-    from trainer.finetune import resolve_config
+    from trainer.config.choice import Choice
+    from trainer.config.schema import ConfigError
+    from trainer.tasks.finetune import resolve_config
 
     assert resolve_config(Choice("demo"), None).model.dropout == 0.1  # finetune.dropout while fine-tuning
     with pytest.raises(ConfigError, match=r"--set model.dropout=0.2 would be ignored: finetune.dropout=0.1"):
@@ -273,8 +273,8 @@ def test_artifact_is_the_engines_fp32_weights_and_loads_without_pickle(runs: dic
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from trainer import artifact
-    from trainer.finetune import ClassifierObjective
-    from trainer.model import load_encoder
+    from trainer.model.encoder import load_encoder
+    from trainer.tasks.finetune import ClassifierObjective
 
     full = uninterrupted(runs, base)
     zero = get_fp32_state_dict_from_zero_checkpoint(str(full / "checkpoints"), tag="step00000024")
@@ -306,8 +306,8 @@ def test_an_artifact_with_two_cuts_is_refused(tiny_classifier_artifact: Path, tm
     assert artifact.load(art).cfg.tokenizer.max_len == 48
     meta = art / "tokenizer" / "meta.json"
     meta.write_text(meta.read_text().replace('"max_len": 48', '"max_len": 40'))
-    with pytest.raises(artifact.ArtifactError, match=r"meta.json: max_len 40 but .*config.json says "
-                                                     r"tokenizer.max_len=48"):
+    with pytest.raises(artifact.ArtifactError, match=r"meta.json: the tokenizer cuts sequences at 40 ids but "
+                                                     r"tokenizer.max_len=48; .*config.json says otherwise"):
         artifact.load(art)
 
 
@@ -326,9 +326,9 @@ def test_bf16_artifact_holds_the_fp32_master_weights(base: list[str], tmp_path: 
 
 def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> None:
     from trainer import artifact
-    from trainer.batching import bucket_batches
-    from trainer.finetune import load_split
-    from trainer.tokenizer import Tokenizer
+    from trainer.data.batching import bucket_batches
+    from trainer.data.tokenizer import Tokenizer
+    from trainer.tasks.finetune import load_split
 
     pre = uninterrupted(runs, base) / "artifact"
     out = runs["root"] / "finetune"
@@ -380,8 +380,8 @@ def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> N
 
 def test_mlm_pretraining_and_generation(runs: dict[str, Path], base: list[str], tmp_path: Path) -> None:
     from trainer import artifact
-    from trainer.generate import complete
-    from trainer.tokenizer import Tokenizer
+    from trainer.data.tokenizer import Tokenizer
+    from trainer.tasks.generate import complete
 
     out = tmp_path / "mlm"
     trainer(["pretrain", *base, "--set", "pretrain.objective=mlm", "--out", str(out)])
@@ -417,9 +417,9 @@ def test_gpu_bf16_two_ranks_nccl(base: list[str], tmp_path: Path) -> None:
 
 def test_a_test_sample_taken_from_an_encoded_extra_set_equals_the_one_loaded_alone(tiny_tokenizer, data_dir) -> None:
     """finetune encodes a file once when it is both data.test (sampled) and in data.extra_test (whole)."""
-    from trainer.config import override
-    from trainer.finetune import load_split, sample_split
-    from trainer.presets import tiny
+    from trainer.config.presets import tiny
+    from trainer.config.schema import override
+    from trainer.tasks.finetune import load_split, sample_split
 
     cfg = override(tiny(), {"data.root": str(data_dir)})
     name = "cls-books-fr/test.review.txt"

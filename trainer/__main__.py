@@ -14,16 +14,17 @@ from trainer.cli import one_line_errors
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "params": ("trainer.params", "print the trainable-parameter table of a preset (the lab's question 3)"),
-    "tokenizer": ("trainer.tokenizer_cli", "build the tokenizer of a config (load the lab's, or train one)"),
-    "prepare": ("trainer.prepare", "tokenize data.pretrain once, in parallel, into shards (pretrain --set "
+    "params": ("trainer.model.params", "print the trainable-parameter table of a preset (the lab's question 3)"),
+    "tokenizer": ("trainer.data.tokenizer_cli", "build the tokenizer of a config (load the lab's, or train one)"),
+    "prepare": ("trainer.data.prepare", "tokenize data.pretrain once, in parallel, into shards (pretrain --set "
                                    "data.prepared=DIR)"),
-    "pretrain": ("trainer.pretrain", "pretrain the encoder as a language model (DeepSpeed)"),
-    "finetune": ("trainer.finetune", "fine-tune a classifier, pretrained or from scratch, or --compare both"),
-    "generate": ("trainer.generate", "greedy completion of a prompt with a pretrained LM artifact"),
+    "pretrain": ("trainer.tasks.pretrain", "pretrain the encoder as a language model (DeepSpeed)"),
+    "finetune": ("trainer.tasks.finetune", "fine-tune a classifier, pretrained or from scratch, or --compare both"),
+    "generate": ("trainer.tasks.generate", "greedy completion of a prompt with a pretrained LM artifact"),
     "export": ("trainer.export", "export a classifier artifact to a validated ONNX bundle, or --check one"),
-    "predict": ("trainer.predict", "predict (and score, when labelled) a file with an artifact or a bundle, offline"),
-    "config": ("trainer.config_cli", "print every config key of a preset with its type, value and meaning"),
+    "predict": ("trainer.tasks.predict", "predict (and score, when labelled) a file with an artifact or a bundle, "
+                                         "offline"),
+    "config": ("trainer.config.cli", "print every config key of a preset with its type, value and meaning"),
 }
 
 

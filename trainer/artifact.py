@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from contract.tokens import meta_path
-from trainer import config as config_mod
 from trainer.atomic import file_mode, temp_dir
 from trainer.atomic import replace_dir as replace_dir  # re-exported: monitor, checkpoint, export
 from trainer.atomic import write_text_atomic as write_text_atomic
-from trainer.config import RunConfig
-from trainer.model import build
+from trainer.config import schema as config_mod
+from trainer.config.schema import RunConfig
+from trainer.model.encoder import build
 
 FORMAT = 1
 WEIGHTS = "model.safetensors"
@@ -104,17 +104,21 @@ def save(
     return out
 
 
-def _check_max_len(path: Path, cfg: RunConfig) -> None:
-    """The cut is stored twice (config.json for the trainer, tokenizer/meta.json for whoever reads the tokenizer
-    folder alone): training writes one value into both, so two values mean a hand-edited or mixed-up artifact."""
+def _check_tokenizer_meta(path: Path, cfg: RunConfig) -> None:
+    """The cut and the id count are stored twice (config.json for the trainer, tokenizer/meta.json for whoever reads
+    the tokenizer folder alone): training writes one value into both, so two values mean a hand-edited or mixed-up
+    artifact (config.check_tokenizer, the rule every stage applies)."""
     meta = meta_path(path / "tokenizer")
     try:
-        max_len = json.loads(meta.read_text(encoding="utf-8")).get("max_len")
+        raw = json.loads(meta.read_text(encoding="utf-8"))
+        vocab_size, max_len = raw.get("vocab_size"), raw.get("max_len")
     except (OSError, ValueError, AttributeError) as e:
         raise ArtifactError(f"{meta}: unreadable ({type(e).__name__}: {e})") from None
-    if max_len != cfg.tokenizer.max_len:
-        raise ArtifactError(f"{meta}: max_len {max_len!r} but {path / 'config.json'} says tokenizer.max_len="
-                            f"{cfg.tokenizer.max_len}; the artifact was edited or assembled from two runs")
+    try:
+        config_mod.check_tokenizer(vocab_size, max_len, cfg, str(meta), fix=f"{path / 'config.json'} says otherwise: "
+                                   "the artifact was edited or assembled from two runs")
+    except config_mod.ConfigError as e:
+        raise ArtifactError(str(e)) from None
 
 
 def config_path(path: str | Path) -> Path:
@@ -145,7 +149,7 @@ def load(path: str | Path, verify: bool = True) -> Artifact:
     if verify and sha256_file(path / WEIGHTS) != meta.get("weights_sha256"):
         raise ArtifactError(f"{path / WEIGHTS}: checksum does not match artifact.json (corrupt or replaced)")
     cfg = config_mod.load(path / "config.json")
-    _check_max_len(path, cfg)
+    _check_tokenizer_meta(path, cfg)
     try:
         state = load_file(str(path / WEIGHTS))  # safetensors: no pickle
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files

@@ -1,5 +1,6 @@
-"""The command line's shared glue: how a subcommand picks its config (`--preset`, `--config`, `--set`), the run
-options of the training subcommands, and how a subcommand ends (an error in the input: one line, exit 2).
+"""The command line's shared glue: the run options of the training subcommands, and how a subcommand ends (an error
+in the input: one line, exit 2). How a subcommand picks its config (`--preset`, `--config`, `--set`):
+trainer/config/choice.py.
 
 Imports no torch and no DeepSpeed at module level: `params`, `tokenizer` and `export` use it too.
 """
@@ -8,46 +9,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
-from trainer import config as config_mod
-from trainer.choice import Choice
-from trainer.presets import PRESETS
+from trainer.config import schema as config_mod
 
 # Errors in the user's input: config, data, checkpoint, artifact (ConfigError, DataError, CheckpointError,
 # ArtifactError, ExportError... are ValueErrors whose message names the file, key or limit).
 INPUT_ERRORS = (ValueError, FileNotFoundError)
 
 T = TypeVar("T")
-
-
-def add_config_args(parser: argparse.ArgumentParser, default_preset: str = "demo", resumable: bool = False) -> None:
-    g = parser.add_argument_group("configuration (applied in this order; every key: python -m trainer config)")
-    more = "; with --resume and no --preset/--config: the run's own config.json" if resumable else ""
-    g.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help=f"named preset (default: {default_preset}{more})")
-    g.add_argument("--config", metavar="FILE", help="JSON file of overrides, nested like config.json")
-    g.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override one field, e.g. --set pretrain.optim.lr=1e-3 (repeatable; lists: a,b,c); naming a "
-                        "data file (data.train, data.test, ...) replaces the preset's whole data section")
-    parser.set_defaults(default_preset=default_preset)
-
-
-def config_choice(args: argparse.Namespace) -> Choice:
-    """The preset, --config and --set of the command line; `--resume` with neither a preset nor a config file
-    continues from the run's own config.json (plus any --set, which must then change nothing)."""
-    run = None
-    if getattr(args, "resume", None) and args.preset is None and args.config is None:
-        run = Path(args.out) / "config.json"
-        if not run.is_file():
-            raise config_mod.ConfigError(f"nothing to resume: {run} not found")
-    return Choice(args.preset or args.default_preset, args.config, tuple(args.overrides),
-                             str(run) if run else None)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, tokenizer_help: str) -> None:
@@ -111,32 +85,3 @@ def one_line_errors(main: Callable[[], int | None]) -> int:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-def on_every_rank(stage: Callable[[], object]) -> NoReturn:
-    """Run a training stage on this rank and end the process the way every rank must (engine.finish): exit 0, 2 for
-    an error in the input (one line naming the rank), 130 on SIGINT and 143 on SIGTERM (inside the training loop
-    after a checkpoint, trainer/loop.py), 1 with a traceback for anything else."""
-    from trainer import engine as eng  # DeepSpeed: only for the training subcommands
-
-    def term(signum: int, frame: object) -> None:  # outside the loop SIGTERM stops like Ctrl-C, with a message
-        raise KeyboardInterrupt("SIGTERM")
-
-    signal.signal(signal.SIGTERM, term)
-    code = 0
-    try:
-        stage()
-    except INPUT_ERRORS as e:
-        if os.environ.get("TS_TRACEBACK"):
-            traceback.print_exc()
-        print(f"error: [rank {eng.rank()}] {e}", file=sys.stderr)
-        code = 2
-    except KeyboardInterrupt as e:
-        code = getattr(e, "code", 143 if str(e) == "SIGTERM" else 130)
-        if not hasattr(e, "code") and eng.is_main():  # the loop names its checkpoint; elsewhere say what was kept
-            print(f"interrupted ({e or 'SIGINT'}) outside the training loop: checkpoints written so far are "
-                  "kept (--resume continues from the latest); no new one was written", file=sys.stderr)
-    except BaseException:  # print it, then leave through finish like every other path
-        traceback.print_exc()
-        code = 1
-    eng.finish(code)

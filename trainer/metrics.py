@@ -46,7 +46,7 @@ def summarize(cm: np.ndarray, names: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def one_line(m: dict[str, Any]) -> str:
+def summary_line(m: dict[str, Any]) -> str:
     """"accuracy 81.20% (majority class 50.10%), macro-F1 81.17%" plus what the model never predicts."""
     line = (f"accuracy {m['accuracy']:.2f}% (majority class {m['majority_baseline']:.2f}%), "
             f"macro-F1 {m['macro_f1']:.2f}%")

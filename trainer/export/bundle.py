@@ -43,12 +43,13 @@ from contract.tokens import SPECIALS, TOKENIZER_META, TokenizerMeta
 from trainer import artifact as artifact_mod
 from trainer.artifact import replace_dir, sha256_file, write_text_atomic
 from trainer.atomic import temp_dir
+from trainer.config.schema import check_positions
+from trainer.data.tokenizer import Tokenizer
 from trainer.export.errors import ExportError, ExportValidationError
 from trainer.export.graph import check_graph, export_onnx, open_session
 from trainer.export.precision import INT8_CPU_BOUND, TOLERANCES, Tolerance, convert_fp16, quantize_int8
 from trainer.export.score import data_check, encode_file, torch_reference
 from trainer.export.validate import validate_graph
-from trainer.tokenizer import Tokenizer
 
 AUTO = "auto"
 
@@ -141,9 +142,7 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
     label_values, label_names = check_labels(art)
     tok = Tokenizer.load(art.tokenizer_dir)
     max_len = tok.max_len if opt.max_len is None else opt.max_len
-    if max_len > mcfg.max_positions:
-        raise ExportError(f"max_len {max_len} exceeds the model's positional table: model.max_positions="
-                          f"{mcfg.max_positions} is the longest sequence {art.path} accepts")
+    check_positions(max_len, mcfg, f"{art.path}: max_len")
     model = art.model()
 
     out = Path(out_dir)

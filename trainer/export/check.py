@@ -11,10 +11,10 @@ from contract.errors import BundleError, one_line
 from contract.manifest import DEVICES, TOKENIZER_DIR
 from contract.tokens import PAD, TOKENIZER_FILES
 from trainer import artifact as artifact_mod
+from trainer.data.tokenizer import Tokenizer
 from trainer.export.errors import ExportError
 from trainer.export.graph import open_session
 from trainer.export.score import encode_file, score_data, torch_reference
-from trainer.tokenizer import Tokenizer
 
 
 def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | Path | None = None,

@@ -2,7 +2,7 @@
 
 The graph comes from the dynamo exporter (`torch.onnx.export(..., dynamo=True)`) with symbolic batch and sequence
 axes: the TorchScript exporter bakes the attention's reshape into the graph, which then fails on every other shape.
-Each layer's self-attention becomes one onnxruntime `com.microsoft.Attention` node (trainer/onnx_attention.py)
+Each layer's self-attention becomes one onnxruntime `com.microsoft.Attention` node (trainer/model/onnx_attention.py)
 unless `fuse_attention=False`.
 """
 
@@ -60,8 +60,9 @@ def export_onnx(model: nn.Module, path: Path, max_len: int, opset: int | None = 
                 fuse_attention: bool = True) -> onnx.ModelProto:
     """Write the fp32 graph of a Classifier to `path` (one file) and return it. Batch and sequence are dynamic
     (torch.export Dim); the example batch avoids sizes 0/1, which torch.export would specialise.
-    fuse_attention: each layer's self-attention becomes one com.microsoft.Attention node (trainer/onnx_attention.py)."""
-    from trainer.onnx_attention import TRANSLATION_TABLE, with_fused_attention
+    fuse_attention: each layer's self-attention becomes one com.microsoft.Attention node
+    (trainer/model/onnx_attention.py)."""
+    from trainer.model.onnx_attention import TRANSLATION_TABLE, with_fused_attention
 
     wrapper = ExportWrapper(with_fused_attention(model) if fuse_attention else model).eval()
     batch = torch.export.Dim(BATCH_AXIS, min=1)

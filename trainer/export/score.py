@@ -10,12 +10,12 @@ import numpy as np
 import onnxruntime as ort
 from torch import nn
 
-from trainer.data import read_labeled
+from trainer.data.readers import read_labeled
+from trainer.data.tokenizer import Tokenizer
 from trainer.export.errors import ExportValidationError
 from trainer.export.graph import open_session
 from trainer.export.precision import TOLERANCES, Tolerance
 from trainer.export.validate import ort_logits, torch_logits
-from trainer.tokenizer import Tokenizer
 
 
 def encode_file(tok: Tokenizer, data_file: Path, label_values: list[str], max_len: int, limit: int = 0,

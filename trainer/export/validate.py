@@ -121,7 +121,7 @@ def validate_graph(model: nn.Module, path: Path, precision: str, level: str, max
     """Validation on CPU (the deterministic reference); an fp16 graph the CPU provider cannot run is validated on
     CUDA when present, and otherwise the manifest says it was not validated."""
     tol = tol or TOLERANCES[precision]
-    base = {"reference": "PyTorch fp32 eager (trainer.model.Classifier)", "graph_optimization_level": level,
+    base = {"reference": "PyTorch fp32 eager (trainer.model.encoder.Classifier)", "graph_optimization_level": level,
             "tolerance": asdict(tol)}
     try:
         session = open_session(path, level, prefer_gpu=False)

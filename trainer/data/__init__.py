@@ -1,0 +1,1 @@
+"""Data: readers for the user's files, labelled splits, the tokenizer, the prepared corpus, windows and batches."""

@@ -1,0 +1,388 @@
+"""DeepSpeed, in one place: the only module that imports `deepspeed`.
+
+- `ds_config()` derives DeepSpeed's JSON from our `RunConfig` (micro-batch, accumulation, ZeRO stage, precision,
+  Adam/AdamW, clipping); a user's own JSON overrides it key by key, and is checked before DeepSpeed sees it
+  (unknown keys and batch sizes that do not divide are errors naming the file and the key).
+- `init_distributed()` starts torch.distributed with the same code under the DeepSpeed launcher, torchrun, Slurm
+  (`SLURM_PROCID`... mapped to `RANK`...) or plain `python` (one process, loopback defaults): NCCL on GPU, gloo on CPU.
+  `local_env()` is the part of it that needs no process group (what a rank learns from its environment).
+- `initialize()` wraps a model into a DeepSpeed engine with our learning-rate schedule.
+- `finish()` is how every rank's entry point ends: gloo ranks intermittently abort at interpreter exit
+  ("terminate called without an active exception"), so we tear down and leave with `os._exit`.
+Ranks, nodes and collectives without DeepSpeed are trainer/engine/distributed.py's (re-exported below: callers say
+`eng.rank()`), which precision `auto` means is trainer/engine/precision.py's, the learning-rate schedule is
+trainer/engine/schedule.py's.
+Importing this module sets only DS_ACCELERATOR (below); `init_distributed()` sets the rest of a rank's environment.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from trainer.config.schema import OptimConfig, RunConfig, read_json
+from trainer.engine import precision
+from trainer.engine.distributed import (  # noqa: F401  (re-exported: the stages call them as eng.*)
+    DistInfo,
+    EngineConfigError,
+    agree,
+    all_reduce_sum,
+    barrier,
+    dist_info,
+    free_port,
+    is_main,
+    prepare_env,
+    process_defaults,
+    rank,
+    world_size,
+)
+from trainer.engine.schedule import lr_factor
+
+Stage = Literal["pretrain", "finetune"]
+
+if not torch.cuda.is_available():
+    # DeepSpeed picks its accelerator while it is imported; without a GPU it would pick the CPU anyway, after a
+    # warning. The one environment default set at import, because it must precede `import deepspeed`.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402  (after DS_ACCELERATOR above)
+from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # noqa: E402
+from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
+from deepspeed.utils.tensor_fragment import fragment_address  # noqa: E402
+
+# The only objects besides tensors and plain containers that a DeepSpeed checkpoint may unpickle: what ZeRO 1/2
+# optimizer-state files of deepspeed 0.19.8 hold, fp32 and bf16 (torch.serialization.get_unsafe_globals_in_checkpoint
+# on them): the loss scaler's state, the ZeRO stage enum, and a (start, numel) namedtuple (BF16_Optimizer's slice
+# mappings hold it too); the dynamic loss scaler where a user's DeepSpeed JSON turns fp16 on. Model-state files hold
+# none. All are rebuilt from plain values.
+SAFE_GLOBALS = (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+
+def local_env() -> DistInfo:
+    """What this process is, from its environment alone (`process_defaults`, `prepare_env`): usable before the
+    process group exists, e.g. to prepare a corpus with no collective waiting on it."""
+    process_defaults(os.environ)
+    prepare_env(os.environ)
+    return dist_info()
+
+
+def init_distributed(timeout_s: int = 1800) -> DistInfo:
+    """Make this process a rank: `local_env()`, then start (or join) the process group: NCCL on GPU, gloo on CPU.
+    Safe to call twice."""
+    info = local_env()
+    if info.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Unbound ranks on one CPU each default to a thread per core, so every core runs several ranks' threads that
+        # wait on each other: split the cores between the ranks.
+        # `deepspeed --bind_cores_to_rank` sets OMP_NUM_THREADS itself and pins each rank with numactl.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // info.local_size))
+    if info.device.type == "cuda":
+        torch.cuda.set_device(info.device)
+    _quiet_deepspeed(info.rank)
+    if info.device.type == "cpu":
+        _skip_shm_allreduce()
+    if not dist.is_initialized():
+        import datetime as dt
+
+        deepspeed.init_distributed(dist_backend=info.backend, auto_mpi_discovery=False, verbose=False,
+                                   timeout=dt.timedelta(seconds=timeout_s))
+    return info
+
+
+def _skip_shm_allreduce() -> None:
+    """Keep DeepSpeed's CPU backend from building and starting its shared-memory all-reduce (deepspeed_shm_comm).
+
+    That op serves `inference_all_reduce` only; training all-reduces go through torch.distributed (gloo). Started,
+    it costs ~26 s of g++ on first use and a 66 MiB /dev/shm segment per rank per run that DeepSpeed never unlinks
+    (20 GiB had piled up here after a day of runs). Where /dev/shm is smaller (64 MiB is a container's default) a rank
+    dies of SIGSEGV/SIGBUS writing it and its peers spin forever waiting for its segment (seen in CI)."""
+    from deepspeed import ops
+
+    ops.__compatible_ops__["deepspeed_shm_comm"] = False  # DeepSpeed's own switch: build_shm_op() then returns None
+
+
+def _quiet_deepspeed(rank_: int) -> None:
+    # DeepSpeed logs every config key at INFO; our own log lines (rank 0) say what matters.
+    import logging
+
+    deepspeed.utils.logger.setLevel(logging.WARNING if rank_ == 0 else logging.ERROR)
+
+
+def finish(code: int = 0) -> NoReturn:
+    """End a rank: barrier, destroy the process group, flush, `os._exit(code)`.
+
+    With the interpreter's normal exit, gloo ranks intermittently abort ("terminate called without an active
+    exception", launcher rc 250: 4 runs in 10 on the 2-core CPU machine); this sequence gave 0 in 18. On failure the
+    barrier is skipped (the other ranks may never reach it; the launcher stops them when one rank exits non-zero).
+    """
+    try:
+        if dist.is_initialized():
+            if code == 0:
+                dist.barrier()
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed JSON
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a global batch is cut: every rank runs `grad_accum` micro-batches of `micro_batch` sequences per step."""
+
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.world_size
+
+
+def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = None,
+              cuda: bool | None = None) -> tuple[dict[str, Any], BatchPlan]:
+    """DeepSpeed's JSON for one training stage, derived from `cfg`, then overridden by `user_json`'s keys.
+
+    DeepSpeed infers `train_batch_size` from micro-batch x accumulation x world size; a user JSON that sets it must
+    agree. Returns the merged JSON and the batch plan the data loader must follow.
+    """
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    micro = cfg.pretrain.micro_batch if stage == "pretrain" else cfg.finetune.micro_batch
+    optim = cfg.pretrain.optim if stage == "pretrain" else cfg.finetune.optim
+    derived: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": cfg.engine.grad_accum,
+        "gradient_clipping": optim.grad_clip,
+        "zero_optimization": {"stage": cfg.engine.zero_stage},
+        "bf16": {"enabled": precision.resolve(cfg.engine.precision, cuda) == "bf16"},
+        "optimizer": {
+            # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false: say which one we mean.
+            "type": "AdamW" if optim.name == "adamw" else "Adam",
+            "params": {
+                "lr": optim.lr,
+                "betas": list(optim.betas),
+                "eps": 1e-8,
+                "weight_decay": optim.weight_decay,
+                "adam_w_mode": optim.name == "adamw",
+                # Without torch_adam DeepSpeed picks FusedAdam, which JIT-compiles C++ for ~45 s on a CPU.
+                **({} if cuda else {"torch_adam": True}),
+            },
+        },
+        "steps_per_print": 1 << 30,  # our loop logs; DeepSpeed's per-step prints would interleave with tqdm
+        "wall_clock_breakdown": False,
+    }
+    source = user_json or ""
+    user = read_json(user_json, "DeepSpeed config") if user_json else {}
+    merged = _merge(derived, user)
+    check_keys(user, source)
+    plan = _batch_plan(merged, user, world, source)
+    merged["train_micro_batch_size_per_gpu"] = plan.micro_batch
+    merged["gradient_accumulation_steps"] = plan.grad_accum
+    merged.pop("train_batch_size", None)  # DeepSpeed infers it; we checked any user value above
+    try:
+        DeepSpeedConfig(copy.deepcopy(merged))  # DeepSpeed's own checks (e.g. unknown zero_optimization keys)
+    except Exception as e:  # pydantic ValidationError, AssertionError, DeepSpeedConfigError...
+        raise EngineConfigError(f"{source or 'derived DeepSpeed config'}: {type(e).__name__}: {e}") from None
+    return merged, plan
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+@lru_cache(maxsize=1)
+def known_keys() -> frozenset[str]:
+    """The top-level keys the installed DeepSpeed reads, found by watching `DeepSpeedConfig` read a config.
+
+    DeepSpeed silently ignores a top-level key it does not know (a typo like "gradient_clippping" would do nothing),
+    so we ask it which names it looks up instead of keeping a list that goes stale with each release.
+    """
+    seen: set[str] = set()
+
+    class Keys:  # what `param_dict.keys()` returns: DeepSpeed tests `NAME in param_dict.keys()`
+        def __init__(self, d: dict[str, Any]) -> None:
+            self.d = d
+
+        def __contains__(self, k: object) -> bool:
+            seen.add(str(k))
+            return k in self.d
+
+        def __iter__(self) -> Any:
+            return iter(self.d)
+
+        def __len__(self) -> int:
+            return len(self.d)
+
+    class Watch(dict):
+        def get(self, k: Any, default: Any = None) -> Any:
+            seen.add(k)
+            return super().get(k, default)
+
+        def __getitem__(self, k: Any) -> Any:
+            seen.add(k)
+            return super().__getitem__(k)
+
+        def __contains__(self, k: object) -> bool:
+            seen.add(str(k))
+            return super().__contains__(k)
+
+        def keys(self) -> Any:  # type: ignore[override]
+            return Keys(self)
+
+    DeepSpeedConfig(Watch({"train_micro_batch_size_per_gpu": 1}))
+    return frozenset(seen)
+
+
+def check_keys(user: dict[str, Any], source: str) -> None:
+    unknown = sorted(set(user) - known_keys())
+    if unknown:
+        raise EngineConfigError(
+            f"{source}: unknown DeepSpeed key(s) {unknown} (deepspeed {deepspeed.__version__} would ignore them); "
+            f"known keys: {', '.join(sorted(known_keys()))}"
+        )
+
+
+def _batch_plan(merged: dict[str, Any], user: dict[str, Any], world: int, source: str) -> BatchPlan:
+    """Resolve micro-batch and accumulation; a user's train_batch_size must divide and agree (DeepSpeed asserts)."""
+    micro = merged["train_micro_batch_size_per_gpu"]
+    accum = merged["gradient_accumulation_steps"]
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum)):
+        if not isinstance(value, int) or value < 1:
+            raise EngineConfigError(f"{source}: {key} must be an integer >= 1, got {value!r}")
+    if "train_batch_size" in user:
+        total = user["train_batch_size"]
+        if not isinstance(total, int) or total < 1:
+            raise EngineConfigError(f"{source}: train_batch_size must be an integer >= 1, got {total!r}")
+        if "train_micro_batch_size_per_gpu" not in user:
+            # The user fixed the global batch: the micro-batch follows from it, and must come out whole.
+            if total % (accum * world):
+                raise EngineConfigError(
+                    f"{source}: train_batch_size={total} is not divisible by gradient_accumulation_steps={accum} "
+                    f"x world size {world}"
+                )
+            micro = total // (accum * world)
+        elif total != micro * accum * world:
+            raise EngineConfigError(
+                f"{source}: train_batch_size={total} != train_micro_batch_size_per_gpu={micro} x "
+                f"gradient_accumulation_steps={accum} x world size {world} (= {micro * accum * world})"
+            )
+    return BatchPlan(micro, accum, world)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, total_steps: int) -> Any:
+    """A DeepSpeed engine around `model`. Our schedule drives the lr unless the user's JSON names a "scheduler"."""
+    scheduler = None
+    if "scheduler" not in ds:
+        def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+            return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, optim, total_steps))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=copy.deepcopy(ds), lr_scheduler=scheduler)
+    if world_size() == 1 and engine.zero_optimization_stage() == 0:
+        # Alone, DeepSpeed would still copy every gradient into a flat buffer, all-reduce it over a group of one and
+        # copy it back after each backward: ~15% of a lab-size LM step on 2 CPU cores (bench/train_throughput.py).
+        # DeepSpeed's own switch; ZeRO 1/2 need that pass to fill their gradient partitions, so they keep it.
+        engine.enable_backward_allreduce = False
+    return engine
+
+
+def weights_finite(engine: Any) -> bool:
+    """Every parameter of the engine's module is finite on every rank (call on every rank: one all-reduce)."""
+    ok = torch.stack([p.detach().isfinite().all() for p in engine.module.parameters()]).all()
+    return all_reduce_sum([0.0 if bool(ok) else 1.0])[0] == 0.0
+
+
+def current_lr(engine: Any) -> float:
+    return float(engine.get_lr()[0])
+
+
+def fp32_state_dict(engine: Any, ckpt_dir: str | Path | None = None, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's fp32 weights, for the artifact (call on every rank; use the result on rank 0).
+
+    fp32 training: every rank's module holds the full fp32 weights under ZeRO 0/1/2 (ZeRO 1/2 partition optimizer
+    state and gradients, not parameters), so they are read directly: exact. bf16: the module holds bf16 copies and
+    the fp32 master weights live in the optimizer. ZeRO 1/2 partition them across ranks: consolidated from the
+    checkpoint `tag` with deepspeed.utils.zero_to_fp32 (in-process: its CLI needs huggingface_hub). ZeRO 0 keeps
+    them whole in its FP16 optimizer wrapper (which zero_to_fp32 does not read): taken from there.
+    """
+    own = engine.module.state_dict()
+    if not engine.bfloat16_enabled():
+        return {k: v.detach().to("cpu", torch.float32).clone() for k, v in own.items()}
+    if engine.zero_optimization_stage() >= 1:
+        if ckpt_dir is None or tag is None:
+            raise ValueError("bf16 under ZeRO 1/2: the fp32 weights are consolidated from a checkpoint; pass its tag")
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with weights_only_loads():  # reads the checkpoint's files (a finished run's on --resume)
+            master = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    else:
+        from torch._utils import _unflatten_dense_tensors
+
+        opt = engine.optimizer  # FP16_Optimizer (fused: flat fp32 groups) or FP16_UnfusedOptimizer (torch Adam)
+        masters = ([_unflatten_dense_tensors(f, g) for f, g in zip(opt.fp32_groups_flat, opt.fp16_groups, strict=True)]
+                   if hasattr(opt, "fp32_groups_flat") else opt.fp32_groups)
+        by_id = {id(p): m for group, ms in zip(opt.fp16_groups, masters, strict=True)
+                 for p, m in zip(group, ms, strict=True)}
+        master = {name: by_id[id(p)] for name, p in engine.module.named_parameters() if id(p) in by_id}
+    # Parameters come from the fp32 masters; buffers (none persistent in our models today) from the module.
+    return {k: (master[k] if k in master else v).detach().to("cpu", torch.float32).clone() for k, v in own.items()}
+
+
+# ---------------------------------------------------------------------------------------------- loading checkpoints
+
+
+def safe_global_names() -> frozenset[str]:
+    """SAFE_GLOBALS as torch.serialization names them ("module.Class")."""
+    return frozenset(f"{t.__module__}.{t.__qualname__}" for t in SAFE_GLOBALS)
+
+
+@contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """Inside, every torch.load unpickles only tensors, plain containers and SAFE_GLOBALS, whatever its caller asks:
+    DeepSpeed's TorchCheckpointEngine.load and its zero_to_fp32 both pass weights_only=False, so a planted pickle in
+    a checkpoint would run code on --resume. torch's own switch (TORCH_FORCE_WEIGHTS_ONLY_LOAD, read at every
+    torch.load) makes weights_only=True win over the argument; it is set only for the duration."""
+    old = os.environ.get(_FORCE_WEIGHTS_ONLY)
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop(_FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[_FORCE_WEIGHTS_ONLY] = old
+
+
+def package_versions() -> dict[str, str]:
+    import platform
+
+    import numpy
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+           "numpy": numpy.__version__}
+    try:
+        import sentencepiece
+
+        out["sentencepiece"] = sentencepiece.__version__
+    except ImportError:
+        pass
+    return out

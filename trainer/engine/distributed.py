@@ -1,0 +1,231 @@
+"""Ranks, nodes and what they tell each other; no DeepSpeed here (trainer/engine/deepspeed_engine.py starts the process
+group).
+
+- `prepare_env()` fills the variables torch.distributed reads, under the DeepSpeed launcher, torchrun, Slurm or plain
+  `python`; `dist_info()` reads them back as a `DistInfo` (usable before the process group exists: the data of a run
+  is made ready before it, see trainer/tasks/pretrain.py).
+- `rank()`, `is_main()`, `barrier()`, `all_reduce_sum()`: the few collectives the loops use.
+- `agree()`: every rank contributes a problem (or none) and every rank gets the first one, so a fault seen on one
+  node stops all of them with the same line instead of leaving the others waiting for a peer that has exited.
+- `file_lock()`: one process at a time in a folder, across the ranks of a node or of every node that shares it,
+  with no process group and so no collective timeout, however long the holder works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer.config.schema import ConfigError
+
+_REPO = Path(__file__).resolve().parents[2]  # a checkout's root: trainer/engine/distributed.py
+AGREE_BYTES = 1024  # the longest problem line `agree` carries (UTF-8 bytes; longer ones are cut)
+
+
+class EngineConfigError(ConfigError):
+    """The training setup is invalid (a DeepSpeed JSON, or the launcher's environment); the message names the file,
+    the key or the variable."""
+
+
+def process_defaults(env: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Environment defaults a training process needs before DeepSpeed compiles an op; `init_distributed` applies
+    them to os.environ. Returns the variables it set or changed.
+
+    - TORCH_EXTENSIONS_DIR: a checkout keeps DeepSpeed's JIT cache (ops compiled on first use) beside the code,
+      as the Makefile does; an installed package leaves DeepSpeed's default (~/.cache/torch_extensions).
+    - PATH: torch's JIT runs the first `ninja` on PATH. The venv's ninja (pip, 1.13) and the system's (apt, 1.11)
+      record different command hashes in the shared .ninja_log, so alternating them rebuilt the op (~30-90 s) on
+      every switch (`.venv/bin/python` run without the venv on PATH vs the launcher): the one beside this
+      interpreter goes first.
+    """
+    changed: dict[str, str] = {}
+    if (_REPO / "pyproject.toml").exists() and "TORCH_EXTENSIONS_DIR" not in env:
+        changed["TORCH_EXTENSIONS_DIR"] = str(_REPO / ".cache" / "torch_extensions")
+    here = str(Path(sys.executable).parent)
+    if (Path(here) / "ninja").exists() and env.get("PATH", "").split(os.pathsep)[0] != here:
+        changed["PATH"] = here + os.pathsep + env.get("PATH", "")
+    env.update(changed)
+    return changed
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    backend: str
+    device: torch.device
+
+    @property
+    def node(self) -> str:
+        """This rank's node as a log line names it: "node 1 (gpu07)"."""
+        return f"node {node_index(self)} ({socket.gethostname()})"
+
+
+def prepare_env(env: MutableMapping[str, str]) -> list[str]:
+    """Fill the variables torch.distributed reads (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) in `env`.
+
+    Under the DeepSpeed launcher or torchrun they are already set. Under Slurm (`srun`, or `deepspeed --launcher
+    slurm`, which sets no RANK) they come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and the job's first node.
+    Under plain `python` this is one process on loopback with a free port. Returns the names it set.
+    """
+    set_: list[str] = []
+
+    def default(name: str, value: str) -> None:
+        if name not in env:
+            env[name] = value
+            set_.append(name)
+
+    if "RANK" not in env and "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        default("RANK", env["SLURM_PROCID"])
+        default("WORLD_SIZE", env["SLURM_NTASKS"])
+        default("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+        if "SLURM_NTASKS_PER_NODE" in env:
+            default("LOCAL_SIZE", env["SLURM_NTASKS_PER_NODE"].split("(")[0].split(",")[0])
+        default("MASTER_ADDR", _slurm_first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", ""))))
+        # Every rank must pick the same port without talking: derive it from the job id.
+        default("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    default("RANK", "0")
+    default("WORLD_SIZE", "1")
+    default("LOCAL_RANK", "0")
+    default("LOCAL_SIZE", env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))  # torchrun names it LOCAL_WORLD_SIZE
+    default("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in env:
+        if env["WORLD_SIZE"] != "1":
+            raise EngineConfigError(
+                f"MASTER_PORT is not set for a world of {env['WORLD_SIZE']} processes: start the ranks with "
+                "`deepspeed`, `torchrun` or `srun`, or set MASTER_ADDR and MASTER_PORT"
+            )
+        default("MASTER_PORT", str(free_port()))
+    return set_
+
+
+def _slurm_first_host(nodelist: str) -> str:
+    """First host of a Slurm node list ("gpu[07-09,12],cpu1" -> "gpu07"); scontrol when available."""
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    first = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
+    if "[" in first:
+        prefix, rest = first.split("[", 1)
+        return prefix + rest.split(",")[0].split("-")[0].rstrip("]")
+    return first
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def dist_info() -> DistInfo:
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_size = int(os.environ.get("LOCAL_SIZE", world))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if cuda else torch.device("cpu")
+    return DistInfo(rank, world, local_rank, local_size, "nccl" if cuda else "gloo", device)
+
+
+def node_index(info: DistInfo) -> int:
+    """This rank's node: the launcher's own number where it gives one (DeepSpeed's CROSS_RANK, torchrun's
+    GROUP_RANK, Slurm's SLURM_NODEID), else rank // local_size (launchers number ranks node by node)."""
+    for name in ("CROSS_RANK", "GROUP_RANK", "SLURM_NODEID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return (info.rank - info.local_rank) // max(1, info.local_size)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_main() -> bool:
+    """Only rank 0 logs, plots and writes artifacts; every rank writes its engine-checkpoint shards."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _collective_device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few floats over ranks (fp64). A host-device sync: call at log intervals only."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.to(_collective_device())
+        dist.all_reduce(t)
+    return [float(v) for v in t.cpu()]
+
+
+def all_gather_bytes(data: bytes, size: int = AGREE_BYTES) -> list[bytes]:
+    """Every rank's `data` (cut to `size` bytes), in rank order. Fixed-size uint8 tensors, nothing pickled."""
+    data = data[:size]
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [data]
+    row = np.zeros(4 + size, dtype=np.uint8)  # (4 + size,) little-endian length, then the bytes
+    row[:4] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
+    row[4:4 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    buf = torch.from_numpy(row).to(_collective_device())
+    out = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, buf)
+    rows = [t.cpu().numpy().tobytes() for t in out]
+    return [r[4:4 + int.from_bytes(r[:4], "little")] for r in rows]
+
+
+def agree(problem: str) -> str:
+    """Collective: every rank passes its problem ("" for none) and gets the first rank's non-empty one ("" when no
+    rank has one). Call it on every rank, including those with nothing to report."""
+    for p in all_gather_bytes(problem.encode("utf-8")):
+        if p:
+            return p.decode("utf-8", errors="replace")
+    return ""
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if missing): one process at a time, among the ranks of a node and
+    among nodes that see the same folder (POSIX locks work over NFS; the lock goes when its process dies, so a
+    killed holder never leaves it stale). Blocks without a timeout: no process group is involved."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise EngineConfigError(
+                    f"{path}: this filesystem does not support file locks ({e.strerror}): prepare the corpus "
+                    "first (python -m trainer prepare) and pass --set data.prepared=DIR") from None
+            raise
+        yield
+    finally:
+        os.close(fd)  # releases the lock

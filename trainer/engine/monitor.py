@@ -1,0 +1,129 @@
+"""What a training run leaves in its folder besides checkpoints: the resolved config, the environment, metrics.
+
+Only rank 0 writes (every function here is a no-op elsewhere): `config.json`, `env.json` (versions, world size,
+hostname, command line), `metrics.csv` (one row per log interval) and TensorBoard event files under `tb/`, plus a
+tqdm progress bar on a terminal (one plain line per logged row otherwise).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import io
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.artifact import write_text_atomic
+from trainer.config import schema as config_mod
+from trainer.config.schema import ConfigError, RunConfig
+from trainer.engine import deepspeed_engine as eng
+
+
+def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
+    """A resumed run must use the config it started with: any differing key is an error that names it."""
+    saved = config_mod.flatten(config_mod.load(run_dir / "config.json").to_dict())
+    now = config_mod.flatten(cfg.to_dict())
+    diff = [k for k in now if now.get(k) != saved.get(k)]
+    if diff:
+        shown = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:8])
+        raise ConfigError(f"{run_dir / 'config.json'}: --resume with a different config ({shown}); "
+                          "pass the same --preset/--config/--set as the first run")
+
+
+def write_run_info(run_dir: Path, cfg: RunConfig, ds: dict[str, Any] | None, extra: dict[str, Any]) -> None:
+    if not eng.is_main():
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / "config.json", cfg.to_json())
+    if ds is not None:
+        write_text_atomic(run_dir / "deepspeed_config.json", json.dumps(ds, indent=2) + "\n")
+    env = {
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+        "world_size": eng.world_size(),
+        "backend": eng.dist_info().backend,
+        "device": str(eng.dist_info().device),
+        "threads_per_rank": torch.get_num_threads(),
+        "argv": sys.argv,
+        "versions": eng.package_versions(),
+        **extra,
+    }
+    write_text_atomic(run_dir / "env.json", json.dumps(env, indent=2) + "\n")
+
+
+def note(text: str) -> None:
+    """A line on stderr from rank 0."""
+    if eng.is_main():
+        print(text, file=sys.stderr)
+
+
+class RunLog:
+    """metrics.csv + TensorBoard + a tqdm bar, on rank 0. `log(step, **values)` appends one row."""
+
+    def __init__(self, run_dir: Path, total: int, initial: int, desc: str, columns: list[str]) -> None:
+        self.main = eng.is_main()
+        self.columns = ["step", *columns]
+        self.bar = self.tb = None
+        if not self.main:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.csv"
+        rows: list[list[str]] = []
+        if self.path.exists() and initial > 0:  # a resume: drop the rows logged after the checkpoint
+            with open(self.path, newline="", encoding="utf-8") as f:
+                rows = [r for r in list(csv.reader(f))[1:] if r and r[0].isdigit() and int(r[0]) <= initial]
+        buf = io.StringIO()
+        csv.writer(buf).writerows([self.columns, *rows])
+        write_text_atomic(self.path, buf.getvalue())
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(run_dir / "tb"))
+        self._bar_args = {"total": total, "initial": initial, "desc": desc}
+        # A bar redraws with \r many times a second: in a log file (cluster jobs, `make demo > log`) that is one
+        # endless line, so without a terminal each logged row is printed as a plain line instead.
+        self.tty = sys.stderr.isatty()
+
+    def advance(self, n: int = 1) -> None:
+        if not self.main or not self.tty:
+            return
+        if self.bar is None:  # created on the first step, so the lines printed before it stay above it
+            from tqdm import tqdm
+
+            self.bar = tqdm(**self._bar_args, unit="step", dynamic_ncols=True, file=sys.stderr)
+        self.bar.update(n)
+
+    def log(self, step: int, **values: float | int | str | None) -> None:
+        if not self.main:
+            return
+        row = [step, *(values.get(c) for c in self.columns[1:])]
+        with open(self.path, "a", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in row])
+        for k, v in values.items():
+            if isinstance(v, (int, float)) and self.tb is not None:
+                self.tb.add_scalar(k, v, step)
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in values.items() if v is not None}
+        if self.bar is not None:
+            self.bar.set_postfix(shown, refresh=False)
+        elif not self.tty:
+            args = self._bar_args
+            print(f"{args['desc']}: step {step}/{args['total']} " + " ".join(f"{k}={v}" for k, v in shown.items()),
+                  file=sys.stderr, flush=True)
+
+    def print(self, text: str) -> None:
+        if not self.main:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()

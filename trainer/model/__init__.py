@@ -1,0 +1,1 @@
+"""The model, plain PyTorch: the encoder with its language-model and classification heads."""

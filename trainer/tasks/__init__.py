@@ -1,0 +1,1 @@
+"""The stages a user runs: pretrain, finetune (one run or --compare), generate, predict."""

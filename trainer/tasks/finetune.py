@@ -1,0 +1,292 @@
+"""Fine-tune a sentiment classifier with DeepSpeed: from a pretrained LM artifact's encoder (loaded by key, new head)
+or from scratch.
+
+Every epoch scores the validation set, which picks the epoch whose weights the artifact keeps (finetune.select_metric;
+finetune.patience stops early), and the test set: a per-epoch test curve, never used to choose. The kept weights are
+then scored on the whole test set and on every data.extra_test file: those are the numbers reported (the log,
+metrics.json, artifact.json, compare.md). Validation and test are the user's files, or shares of the training file
+split off (data.valid_split, data.test_split). trainer/data/labelled.py reads and splits; trainer/metrics.py scores.
+
+`--compare` trains both with the same seed, the same initial head and the same data order (the lab's question 4)
+and writes compare.csv, compare.md and compare.png into the run folder (trainer/tasks/report.py).
+With `--pretrained`, the encoder's architecture and the tokenizer come from the artifact (the scratch run of a
+comparison uses them too, so only the initial weights differ).
+
+Run folder: RUN/artifact is the classifier to export (the pretrained one when --pretrained is given).
+Without --compare: RUN/{metrics.json, metrics.csv, tb/, checkpoints/, best.safetensors}. With --compare: RUN/scratch/
+and RUN/pretrained/ each hold those, and the scratch classifier is RUN/scratch/artifact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainer import artifact, cli
+from trainer.artifact import ArtifactError
+from trainer.config import schema as config_mod
+from trainer.config.choice import Choice, add_config_args, config_choice
+from trainer.config.schema import ConfigError, ModelConfig, RunConfig
+from trainer.data import labelled
+from trainer.data.labelled import Split, encode, load_split, sample_split  # noqa: F401 (load_split: tests, bench)
+from trainer.data.tokenizer import Tokenizer
+from trainer.engine import checkpoint as ckpt
+from trainer.engine import deepspeed_engine as eng
+from trainer.engine import loop, monitor
+from trainer.engine.stage import on_every_rank
+from trainer.metrics import balanced_weights, summarize, summary_line, warning
+from trainer.model.encoder import Classifier, load_encoder
+from trainer.tasks import report
+from trainer.tasks.classifier_task import KEPT, ClassifierTask, Sets, confusion_of, kept_step
+from trainer.tasks.tokenizer_folder import run_tokenizer
+
+EXAMPLES = """examples:
+  python -m trainer finetune --preset demo --pretrained runs/demo/pretrain/artifact --compare --out runs/demo/finetune
+  python -m trainer finetune --preset tiny --set data.train=reviews.jsonl --set data.text_field=review \\
+      --set data.label_field=sentiment --out runs/mine          # labels, valid and test come from reviews.jsonl
+  python -m trainer finetune --out runs/mine --resume           # after Ctrl-C: the run's own config and options
+  deepspeed --num_gpus 2 --bind_cores_to_rank launch/finetune.sh --preset tiny --out runs/tiny-cls
+"""
+
+ARCH = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions", "pad_id")  # from the artifact
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser, default_preset="demo", resumable=True)
+    cli.add_run_arguments(parser, tokenizer_help="without --pretrained: use this tokenizer folder")
+    parser.add_argument("--pretrained", metavar="ARTIFACT",
+                        help="pretraining artifact (task lm) whose encoder and tokenizer to use (with --resume: "
+                             "the run's own, by default)")
+    parser.add_argument("--compare", action="store_true",
+                        help="train from scratch and from --pretrained (same seed, data order); write compare.*")
+
+
+def main(args: argparse.Namespace) -> int:
+    def stage() -> None:
+        pretrained, compare = args.pretrained, args.compare
+        if args.resume and pretrained is None:  # --resume alone: the run's own --pretrained and --compare
+            pretrained, compare = previous_options(Path(args.out), compare)
+        opts = cli.run_options(args, FinetuneOptions, pretrained=Path(pretrained) if pretrained else None,
+                               compare=compare)
+        run(resolve_config(config_choice(args), opts.pretrained), opts)
+
+    on_every_rank(stage)
+
+
+def previous_options(run_dir: Path, compare: bool) -> tuple[str | None, bool]:
+    """--pretrained and --compare of the run being resumed, from its env.json."""
+    try:
+        info = json.loads((run_dir / "env.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, compare
+    return info.get("pretrained") or None, compare or bool(info.get("compare"))
+
+
+class ClassifierObjective(Classifier):
+    """The classifier with its loss inside forward (DeepSpeed's engine runs both); same parameter names."""
+
+    def __init__(self, cfg: ModelConfig, class_weight: torch.Tensor | None = None) -> None:
+        super().__init__(cfg)
+        # (C,) loss weight per class; not persistent: the artifact's weights stay those of a Classifier
+        self.register_buffer("class_weight", class_weight, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor,  # type: ignore[override]
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T), (B, T) [, (B,) labels] -> (B, C) logits, or the summed cross-entropy when labels are given."""
+        logits = super().forward(input_ids, padding_mask)
+        if labels is None:
+            return logits
+        weight = None if self.class_weight is None else self.class_weight.float()
+        return F.cross_entropy(logits.float(), labels, weight=weight, reduction="sum")
+
+
+def pretrained_fields(pre_cfg: RunConfig) -> dict[str, Any]:
+    """The keys a pretrained artifact decides: the encoder's architecture and the whole tokenizer section."""
+    return {**{f"model.{k}": getattr(pre_cfg.model, k) for k in ARCH},
+            **{f"tokenizer.{k}": v for k, v in dataclasses.asdict(pre_cfg.tokenizer).items()}}
+
+
+def resolve_config(choice: Choice, pretrained: Path | None) -> RunConfig:
+    """The run's config: with --pretrained, the artifact's encoder architecture and tokenizer (a --set or --config
+    key that would change them is an error); finetune.dropout, when set, replaces model.dropout; data.labels, when
+    empty, are the training file's label values."""
+    if pretrained is None:
+        cfg = choice.resolve()
+    else:
+        pre_cfg = config_mod.load(artifact.config_path(pretrained))
+        cfg = choice.resolve(pretrained_fields(pre_cfg), f"--pretrained {pretrained}")
+    if cfg.finetune.dropout is not None:
+        # A config file may hold both (model.dropout is pretraining's); a --set of model.dropout here is a mistake.
+        if any(a.split("=", 1)[0].strip() == "model.dropout" for a in choice.assignments) \
+                and cfg.model.dropout != cfg.finetune.dropout:
+            raise ConfigError(f"--set model.dropout={cfg.model.dropout} would be ignored: finetune.dropout="
+                              f"{cfg.finetune.dropout} replaces it while fine-tuning; set finetune.dropout instead")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=cfg.finetune.dropout))
+    return labelled.settle_labels(cfg, "model.num_classes" in choice.settings())
+
+
+# ---------------------------------------------------------------------------------------------- entry
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneOptions(loop.RunOptions):
+    """RunOptions plus what fine-tuning starts from."""
+
+    pretrained: Path | None = None  # a pretraining artifact (task lm) whose encoder and tokenizer to use
+    compare: bool = False  # train from scratch and from `pretrained` (same seed and data order); write compare.*
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.compare and self.pretrained is None:
+            raise ConfigError("--compare needs --pretrained ARTIFACT (the encoder to compare with scratch)")
+
+
+def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
+    """Fine-tune into `opts.out` (`cfg` from `resolve_config`); returns the classifier artifact (None on ranks > 0,
+    or when stopped by stop_at)."""
+    run_dir = opts.out
+    info = eng.init_distributed()
+    pretrained = artifact.load(opts.pretrained) if opts.pretrained else None
+    if pretrained is not None:
+        if pretrained.task != "lm":
+            raise ArtifactError(f"{pretrained.path}: task {pretrained.task!r}; --pretrained needs a pretraining "
+                                "artifact (task 'lm')")
+        flat, want = config_mod.flatten(cfg.to_dict()), pretrained_fields(pretrained.cfg)
+        differ = [k for k in want if flat[k] != want[k]]
+        if differ:
+            raise ConfigError(f"the config differs from {pretrained.path} at {', '.join(differ)}: build it with "
+                              "finetune.resolve_config")
+    runs = [("scratch", None), ("pretrained", pretrained)] if opts.compare \
+        else [("pretrained" if pretrained else "scratch", pretrained)]
+    run_dirs = {name: run_dir / name if opts.compare else run_dir for name, _ in runs}
+    tags = dict(zip(run_dirs, loop.resume_tags(run_dir, cfg, [d / "checkpoints" for d in run_dirs.values()],
+                                               opts.resume), strict=True))
+    ds, plan = eng.ds_config(cfg, "finetune", info.world_size, opts.deepspeed_config or cfg.engine.deepspeed_config)
+    cli.check_out(run_dir)  # every rank writes its checkpoint shards there
+    data = labelled.load(cfg)
+
+    if pretrained is not None:
+        if eng.is_main() and not (run_dir / "tokenizer").exists():
+            Tokenizer.load(pretrained.tokenizer_dir).save(run_dir / "tokenizer")
+        eng.barrier()
+    tok = run_tokenizer(cfg, run_dir, opts.tokenizer, labelled.texts(data.train.examples))
+    encoded: dict[str, Split] = {}  # by file: a test file also among extra_test is encoded once
+    test = encode(data.test.examples, tok)
+    encoded[data.test.source] = test
+    sets = Sets(encode(data.train.examples, tok), encode(data.valid.examples, tok), test,
+                sample_split(test, cfg.seed, cfg.data.max_test_examples),
+                {name: encoded.get(p.source) or encode(p.examples, tok) for name, p in data.extra.items()})
+    monitor.write_run_info(run_dir, cfg, ds, {
+        "stage": "finetune", "pretrained": str(opts.pretrained or ""), "compare": opts.compare,
+        "train_examples": len(sets.train.ids), "valid_examples": len(sets.valid.ids),
+        "test_examples": len(sets.test.ids)})
+    for line in data.summary(cfg):
+        monitor.note(line)
+    monitor.note(f"data: {labelled.cut_share(sets.train, tok.max_len):.1f}% of the training examples reach "
+                 f"tokenizer.max_len={tok.max_len} ids (longer ones are cut)")
+    if pretrained is not None and pretrained.meta.get("objective") == "mlm" and cfg.model.classifier_causal:
+        monitor.note(f"note: {pretrained.path} was pretrained without a causal mask (mlm) but "
+                     "model.classifier_causal=true; consider --set model.classifier_causal=false")
+
+    t0 = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    for name, src in runs:
+        artifact_dir = run_dir / "scratch" / "artifact" if opts.compare and src is None else run_dir / "artifact"
+        result = train_classifier(cfg, name, src, tok, sets, plan, ds, run_dirs[name], artifact_dir, tags[name],
+                                  opts.stop_at, info)
+        if result is None:
+            return None  # stop_at
+        results[name] = result
+    if not eng.is_main():
+        return None
+    if opts.compare:
+        report.write_compare(run_dir, results, cfg, pretrained)
+    for name, r in results.items():
+        print(f"finetune {name}: kept epoch {r['kept']['epoch']} of {len(r['history'])} (best validation "
+              f"{cfg.finetune.select_metric}); test {summary_line(r['final']['test'])}")
+        for file, m in r["final"]["extra"].items():
+            print(f"finetune {name}: {file}: {summary_line(m)}")
+    print(f"finetune: {time.perf_counter() - t0:.0f} s this session; classifier artifact: {run_dir / 'artifact'}")
+    return run_dir / "artifact"
+
+
+# ---------------------------------------------------------------------------------------------- loop
+
+
+def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | None, tok: Tokenizer, sets: Sets,
+                     plan: eng.BatchPlan, ds: dict[str, Any], run_dir: Path, artifact_dir: Path,
+                     resume_tag: str | None, stop_at: int, info: eng.DistInfo) -> dict[str, Any] | None:
+    """Train one classifier, keep the epoch its validation score picks, score those weights; returns {history,
+    kept, final} (None when stopped by stop_at)."""
+    fc, ckpt_dir = cfg.finetune, run_dir / "checkpoints"
+    task = ClassifierTask(cfg, name, sets, plan, info, run_dir / KEPT)
+    per_epoch, task.total = loop.steps_of(task, fc.epochs, fc.max_steps, f"{len(sets.train.ids)} training examples",
+                                          plan.global_batch)
+    names = cfg.data.names
+    weight = torch.from_numpy(balanced_weights(sets.train.labels, len(names))) \
+        if fc.class_weights == "balanced" else None
+
+    torch.manual_seed(cfg.seed)  # scratch and pretrained start from the same head (and scratch encoder) weights
+    model = ClassifierObjective(cfg.model, weight)
+    if pretrained is not None:
+        load_encoder(model, pretrained.state)
+    engine = eng.initialize(model, ds, fc.optim, task.total)
+    state = ckpt.LoopState()
+    if resume_tag:
+        state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
+        best_step = state.history[task.best(state)]["step"] if state.history else None
+        if best_step == state.step and kept_step(task.kept_path) != state.step:  # killed between the two
+            task.store_best(engine, ckpt_dir, resume_tag, state)
+    task.log = log = monitor.RunLog(run_dir, task.total, state.step, f"finetune {name}",
+                                    ["epoch", "loss", "lr", "examples_per_s", "valid_accuracy", "valid_macro_f1",
+                                     "test_accuracy", "elapsed_s"])
+    weights_note = f", class weights {np.round(weight.numpy(), 3).tolist()}" if weight is not None else ""
+    log.print(f"finetune {name}: {len(sets.train.ids):,} train / {len(sets.valid.ids):,} valid / "
+              f"{len(sets.test_epoch.ids):,} test examples per epoch, {per_epoch} steps of {plan.global_batch}/epoch, "
+              f"{task.total} steps, world {info.world_size}; keeps the epoch of best validation {fc.select_metric}"
+              + (f", patience {fc.patience}" if fc.patience else "") + weights_note
+              + (f", resumed at step {state.step}" if resume_tag else ""))
+
+    cadence = loop.Cadence(task.total, cfg.engine.log_every, cfg.engine.checkpoint_every, eval_epochs=True,
+                           stop_at=stop_at)
+    run = loop.LoopRun(engine, cadence, plan, info, cfg.seed, log, ckpt_dir, cfg.engine.keep_checkpoints,
+                       {"stage": "finetune", "run": name})
+    if not loop.train(run, task, state):
+        return None
+
+    # The kept weights, exactly as the artifact will hold them (fp32), scored on every set on every rank's share.
+    clf = Classifier(cfg.model)
+    clf.load_state_dict(task.kept_weights(state), strict=True)
+    clf.to(info.device)
+    final = {"valid": summarize(confusion_of(clf, sets.valid, info, len(names)), names),
+             "test": summarize(confusion_of(clf, sets.test, info, len(names)), names),
+             "extra": {f: summarize(confusion_of(clf, sp, info, len(names)), names) for f, sp in sets.extra.items()}}
+    kept = state.history[task.best(state)]
+    result = {"history": state.history, "kept": kept, "final": final}
+    if eng.is_main():
+        for where, m in [("the test set", final["test"]), *final["extra"].items()]:
+            if (text := warning(m, where)) is not None:
+                log.print(f"finetune {name}: {text}")
+        summary = report.run_metrics(cfg, name, result)
+        report.write_metrics(run_dir, summary)
+        artifact.save(artifact_dir, clf.cpu(), cfg, "classifier", tok, extra={
+            "objective": None, "run": name, "steps": state.step, "epochs": len(state.history),
+            "kept_epoch": kept["epoch"], "kept_step": kept["step"], "selected_on": summary["selected_on"],
+            "test_accuracy": final["test"]["accuracy"], "test_macro_f1": final["test"]["macro_f1"],
+            "valid_accuracy": final["valid"]["accuracy"],
+            "extra_accuracy": {f: m["accuracy"] for f, m in final["extra"].items()},
+            "metrics": final, "history": state.history,
+            "pretrained_from": None if pretrained is None else {
+                "path": str(pretrained.path), "weights_sha256": pretrained.meta.get("weights_sha256"),
+                "objective": pretrained.meta.get("objective")},
+        })
+    eng.barrier()
+    return result
