@@ -369,7 +369,8 @@ def main() -> int:
     ap.add_argument("--no-in-process", action="store_true", help="skip the in-process predictor's rows")
     ap.add_argument("--eager", choices=["lab", "tiny"],
                     help="also PyTorch eager in-process: the random weights --make-bundle --size SIZE exported")
-    ap.add_argument("--eager-dtype", nargs="+", choices=["fp32", "fp16"], default=["fp32"])
+    ap.add_argument("--eager-dtype", nargs="+", choices=["fp32", "fp16"], default=["fp32"],
+                    help="--eager's weights and activations, one row set each")
     ap.add_argument("--sweep", type=int, nargs="*", default=[1, 4, 8, 16, 32, 64],
                     help="batch sizes of the in-process cost-per-text sweep (none: skip it)")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")

@@ -276,9 +276,10 @@ def test_gpu_component_asks_for_a_gpu_and_cuda_and_changes_nothing_else(overlay:
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container["resources"]["limits"]["memory"] == container["resources"]["requests"]["memory"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-    name, tag = container["image"].rsplit(":", 1)
     (base_container,) = base["spec"]["template"]["spec"]["containers"]
-    assert name == base_container["image"].rsplit(":", 1)[0] and tag.endswith("-gpu")
+    name, digest = container["image"].split("@")
+    assert name == base_container["image"].split("@")[0] + "-gpu"  # the GPU build: an image of its own
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", digest) and digest != base_container["image"].split("@")[1]
     # Everything else is the base's: probes, ports, security, volumes, the other flags.
     changed = {"args", "image", "resources"}
     assert {k: v for k, v in container.items() if k not in changed} == \
