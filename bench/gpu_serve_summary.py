@@ -84,10 +84,13 @@ def tests(folder: Path) -> list[str]:
 
 
 def serving(folder: Path) -> tuple[list[str], list[dict]]:
-    rows = []
+    rows, notes = [], []
     for name in ("serve-fp32.json", "serve-fp16.json"):
         data = _json(folder / name)
         rows += data["rows"] if data else []
+        if data and data.get("in_process_skipped"):
+            notes.append(f"{name}: in-process and eager rows skipped (too many texts at once on the device): "
+                         + ", ".join(data["in_process_skipped"]))
     out = ["## Serving", "", "| mode | device, graph | texts per call | concurrency | texts/s | p50 ms | p99 ms | "
            "mean texts per ORT run | refused |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -97,7 +100,7 @@ def serving(folder: Path) -> tuple[list[str], list[dict]]:
                    f"| {r['texts_per_s']:.1f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {batch} | {refused} |")
     if not rows:
         out.append("| (serve-fp32.json and serve-fp16.json missing) | | | | | | | | |")
-    return out, rows
+    return out + ([""] + notes if notes else []), rows
 
 
 def comparisons(rows: list[dict]) -> list[str]:

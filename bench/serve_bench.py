@@ -367,6 +367,9 @@ def main() -> int:
     ap.add_argument("--modes", nargs="*", default=["on", "off"], choices=["on", "off", "floor"],
                     help="servers to run: batching on, batching off, the bare grpcio floor (bench/grpc_floor.py)")
     ap.add_argument("--no-in-process", action="store_true", help="skip the in-process predictor's rows")
+    ap.add_argument("--in-process-max-texts", type=int, default=1024,
+                    help="in-process and eager points whose callers hold more texts at once (concurrency x texts "
+                         "per call) are skipped: every caller's run is in flight on the device at once, unbatched")
     ap.add_argument("--eager", choices=["lab", "tiny"],
                     help="also PyTorch eager in-process: the random weights --make-bundle --size SIZE exported")
     ap.add_argument("--eager-dtype", nargs="+", choices=["fp32", "fp16"], default=["fp32"],
@@ -390,18 +393,20 @@ def main() -> int:
     texts = random.Random(0).sample([t for t in lines if t.strip()], args.texts)
     swept = sweep(args.bundle, texts, args.sweep, args.threads, args.device) if args.sweep else []
     points = [(k, c) for k in args.per_call for c in args.concurrency]
+    local = [(k, c) for k, c in points if k * c <= args.in_process_max_texts]  # in-process and eager
+    skipped = [f"{k} per call at concurrency {c}" for k, c in points if (k, c) not in local]
     rows = []
     if not args.no_in_process:
         from serving.predictor import Predictor
 
         predictor = Predictor(args.bundle, device=args.device, intra_op_threads=args.threads)
         rows += [bench_in_process(args.bundle, texts, c, args.seconds, args.threads, k, args.device, predictor)
-                 for k, c in points]
+                 for k, c in local]
         del predictor
     for dtype in args.eager_dtype if args.eager else []:
         call, drift_of = eager_caller(args.bundle, args.data, args.eager, args.device, dtype)
         drift = drift_of(texts[:8])
-        rows += [bench_eager(call, drift, texts, c, args.seconds, k, args.device, dtype) for k, c in points]
+        rows += [bench_eager(call, drift, texts, c, args.seconds, k, args.device, dtype) for k, c in local]
         del call, drift_of
     threads = ["--intra-op-threads", str(args.threads), *args.server_args.split()]
     modes = {"on": ("server, batching on", []), "off": ("server, batching off", ["--no-batching"]),
@@ -427,11 +432,15 @@ def main() -> int:
         print()
     print(table(rows))
     print("\n".join(ratios(rows, modes, args.modes)))
+    if skipped and (not args.no_in_process or args.eager):
+        print(f"in-process and eager rows skipped (more than {args.in_process_max_texts} texts at once): "
+              + ", ".join(skipped))
     mean_chars = np.mean([len(t) for t in texts])
     print(f"texts: {len(texts)} test reviews, mean {mean_chars:.0f} characters; device {args.device}; machine: "
           f"{platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "sweep": swept, "args": sys.argv[1:]}, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "sweep": swept, "in_process_skipped": skipped,
+                                         "args": sys.argv[1:]}, indent=2))
     return 0
 
 
