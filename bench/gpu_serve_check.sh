@@ -21,6 +21,7 @@
 #
 #   bash bench/gpu_serve_check.sh                       # in a checkout with `make setup` done, or see below
 #   bash bench/gpu_serve_check.sh --quick --out /tmp/q  # the tests' tiny model and short points: the path, not figures
+#   bash bench/gpu_serve_check.sh --pack                # $OUT keeps summary.md and logs.tar.gz only
 #
 # A bare machine with python3.12, a CUDA 13 torch, numpy, sentencepiece and onnx (no onnxruntime-gpu, no grpcio):
 # `make gpu-serve-carry` here writes .gpu-serve/: ort/ (onnxruntime-gpu in 61 MiB parts and SHA256SUMS), whl/ (the
@@ -35,16 +36,18 @@ usage() {
   echo "options: --out DIR (default \$OUT, else runs/gpu-serve-check)  --quick  --device auto|cuda|cpu"
   echo "         --only STEP,STEP (of: $STEPS)  --deadline SECONDS"
   echo "         --carry DIR (default .gpu-serve)  --seconds S (per benchmark point)"
+  echo "         --pack (leave in DIR only summary.md and logs.tar.gz: for a machine that returns few files)"
 }
 die() { echo "gpu_serve_check: $*" >&2; exit 2; }
 
 STEPS="setup machine tests bundles serve workers iobinding rss summary"
 out=${OUT:-runs/gpu-serve-check}
-quick=0 device=auto only="" deadline=540 carry=.gpu-serve seconds=""
+quick=0 pack=0 device=auto only="" deadline=540 carry=.gpu-serve seconds=""
 while [ $# -gt 0 ]; do
   case $1 in
     -h|--help) usage; exit 0 ;;
     --quick) quick=1 ;;
+    --pack) pack=1 ;;
     --out|--device|--only|--deadline|--carry|--seconds)
       [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value"
       case $1 in
@@ -291,3 +294,14 @@ if wanted summary; then
 fi
 echo "gpu_serve_check: $((SECONDS))s; logs in $out"
 column -t -s $'\t' "$out/steps.tsv" 2>/dev/null || cat "$out/steps.tsv"
+
+# --pack: the files this script wrote (each step's log, the JSON results, steps.tsv, device.txt) into one archive,
+# summary.md beside it; nothing else in $out is touched.
+if [ "$pack" = 1 ]; then
+  written=(steps.tsv device.txt)
+  for name in $(awk -F'\t' 'NR > 1 {print $1}' "$out/steps.tsv") serve-fp32 serve-fp16 iobinding workers; do
+    for f in "$name.txt" "$name.json"; do [ -f "$out/$f" ] && written+=("$f"); done
+  done
+  tar -czf "$work/logs.tar.gz" -C "$out" "${written[@]}" && mv "$work/logs.tar.gz" "$out/logs.tar.gz" \
+    && (cd "$out" && rm -f "${written[@]}") && echo "gpu_serve_check: packed ${#written[@]} files into $out/logs.tar.gz"
+fi

@@ -36,7 +36,7 @@ def test_help_lists_the_steps_and_options(tmp_path: Path) -> None:
     run = _run("--help", tmp_path=tmp_path)
     assert run.returncode == 0, run.stderr
     for word in ("setup", "machine", "tests", "serve", "iobinding", "workers", "--quick", "--only", "--deadline",
-                 "--carry"):
+                 "--carry", "--pack"):
         assert word in run.stdout
 
 
@@ -111,6 +111,21 @@ def test_a_missing_or_altered_part_is_named_and_nothing_is_installed(damage: str
                 "sums missing": f"{carry}/ort/SHA256SUMS missing"}[damage]
     assert expected in log, log
     assert not (tmp_path / "ts-gpu-serve" / "site").exists()
+
+
+def test_pack_leaves_the_summary_and_one_archive_of_what_it_wrote(tmp_path: Path) -> None:
+    """--pack: for a machine that returns few files. The script's own files go into logs.tar.gz; a file of the
+    user's in the same folder stays."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    run = _run("--only", "summary", "--device", "cpu", "--pack", "--carry", str(tmp_path / "none"), "--out",
+               str(out), tmp_path=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "notes.txt", "summary.md"]
+    listed = subprocess.run(["tar", "-tzf", str(out / "logs.tar.gz")], capture_output=True, text=True, timeout=60)
+    assert sorted(listed.stdout.split()) == ["device.txt", "steps.tsv", "summary.txt"]
+    assert "## Steps" in (out / "summary.md").read_text()
 
 
 def test_shellcheck_finds_nothing() -> None:
