@@ -195,10 +195,17 @@ wanted machine && step machine 30 machine
 
 # The device the benchmarks use: cuda where onnxruntime's CUDA provider loads (or --device cuda: then a failure to
 # load is each step's error), else the CPU.
+gpu=0
+{ [ -e /dev/nvidiactl ] || nvidia-smi -L >/dev/null 2>&1; } && gpu=1
 if [ "$device" = auto ]; then
   device=cpu
   "$py" -c 'from contract import runtime as r; import sys; sys.exit(0 if r.cuda_driver_present() and
 r.cuda_library_problem() is None else 1)' 2>/dev/null && device=cuda
+  if [ "$gpu" = 1 ] && [ "$device" = cpu ]; then
+    why=$("$py" -c 'from contract import runtime as r; print(r.cuda_unavailable_reason())' 2>&1 | tail -1)
+    echo "gpu_serve_check: WARNING: a GPU is here but onnxruntime's CUDA provider does not load, so the" \
+      "benchmarks run on the CPU: $why"
+  fi
 fi
 echo "gpu_serve_check: device $device, output in $out"
 echo "$device" >"$out/device.txt"
@@ -217,7 +224,7 @@ server_args=""
 
 # ------------------------------------------------------------------------------------------------------ tests
 if wanted tests; then
-  if [ "$device" = cuda ]; then
+  if [ "$device" = cuda ] || [ "$gpu" = 1 ]; then  # on a GPU whose provider fails, the tests say how
     step tests 120 "$py" -m pytest -q -rs -m gpu -p no:cacheprovider -o addopts="" --timeout 120 \
       tests/test_serving_predictor.py tests/test_bundle_format.py tests/test_export.py
   else

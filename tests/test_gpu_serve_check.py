@@ -128,6 +128,27 @@ def test_pack_leaves_the_summary_and_one_archive_of_what_it_wrote(tmp_path: Path
     assert "## Steps" in (out / "summary.md").read_text()
 
 
+def test_a_gpu_whose_cuda_provider_does_not_load_is_said_loudly(tmp_path: Path) -> None:
+    """On a GPU machine where onnxruntime's CUDA provider cannot load, the benchmarks fall back to the CPU, and the
+    output says so with the reason, instead of CPU figures passing for GPU ones. The GPU is a stand-in nvidia-smi
+    (this machine has none); the missing libraries are this machine's own."""
+    from contract.runtime import cuda_library_problem
+
+    problem = cuda_library_problem()
+    if problem is None:
+        pytest.skip("onnxruntime's CUDA provider loads here")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: stand-in'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    run = _run("--only", "summary", "--carry", str(tmp_path / "none"), "--out", str(tmp_path / "out"),
+               tmp_path=tmp_path, env={"PATH": f"{fake}:{os.environ['PATH']}"})
+    assert run.returncode == 0, run.stderr
+    (warning,) = [x for x in run.stdout.splitlines() if "WARNING" in x]
+    assert "CUDA provider does not load" in warning and problem.split(":")[0] in warning, warning
+    assert (tmp_path / "out" / "device.txt").read_text().strip() == "cpu"
+
+
 def test_shellcheck_finds_nothing() -> None:
     if not SHELLCHECK.exists():
         message = f"{SHELLCHECK} missing: run `make deploy-venv`"
