@@ -58,7 +58,10 @@ class Choice:
 
         A user who names a data file gets a data section of their own: none of the preset's files, caps or labels
         (a preset's test file scored against their training file would be a silent wrong result). Label names
-        come from the user's labels unless given with them. data.root ends up absolute."""
+        come from the user's labels unless given with them. data.root ends up absolute.
+
+        Every setting is applied at once (one `override`, one validation): keys that go together, such as
+        model.num_classes and data.labels, are checked together whichever source set them."""
         settings = self.settings()
         own = self.run is None and any(k in settings for k in OWN_DATA)
         cfg = load(self.run) if self.run else preset(self.preset)
@@ -66,20 +69,16 @@ class Choice:
             tc = cfg.tokenizer
             cfg = dataclasses.replace(cfg, data=DataConfig(), tokenizer=tc if tc.kind == "lab" else
                                       dataclasses.replace(tc, model="", vocab=""))
-        if fixed:
-            cfg = override(cfg, fixed)
-        if self.file:
-            cfg = override(cfg, flatten(read_json(self.file)))
-        if self.assignments:
-            cfg = override(cfg, list(self.assignments))
+        changes: dict[str, Any] = {**(fixed or {}), **settings}
         if "data.labels" in settings and "data.label_names" not in settings:
-            cfg = override(cfg, {"data.label_names": []})
+            changes["data.label_names"] = []
+        changes["data.root"] = os.path.abspath(os.path.expanduser(str(changes.get("data.root", cfg.data.root))))
+        cfg = override(cfg, changes)
         if own and cfg.tokenizer.kind == "lab" and "tokenizer.kind" not in (fixed or {}) \
                 and "tokenizer.model" not in settings:
             raise ConfigError(f"preset {cfg.preset!r} loads the lab's French tokenizer (tokenizer.kind=lab) from its "
                               "data sets; with your own data set tokenizer.kind=train, or name the files "
                               "(tokenizer.model, tokenizer.vocab)")
-        cfg = override(cfg, {"data.root": os.path.abspath(os.path.expanduser(cfg.data.root))})
         flat = flatten(cfg.to_dict())
         for key in settings:
             if fixed and key in fixed and flat[key] != fixed[key]:
