@@ -73,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("requirements", help="print the image's requirements after torch")
-    r.add_argument("ort_package", nargs="?", default="onnxruntime", choices=ORT_PACKAGES)
-    r.add_argument("--pyproject", type=Path, default=Path("pyproject.toml"))
+    r.add_argument("ort_package", nargs="?", default="onnxruntime", choices=ORT_PACKAGES,
+                   help="the onnxruntime package to install (default: onnxruntime, the CPU one)")
+    r.add_argument("--pyproject", type=Path, default=Path("pyproject.toml"),
+                   help="the pyproject.toml to read (default: ./pyproject.toml)")
     c = sub.add_parser("check-torch", help="fail when the installed torch is not the variant asked for")
     c.add_argument("torch_index", help="the TORCH_INDEX build argument (empty: PyPI's own build)")
     args = p.parse_args(argv)

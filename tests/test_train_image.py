@@ -1,13 +1,13 @@
 """The training image (Containerfile.train): its CPU variant built with buildah as CI does and run as its non-root
 user; its CUDA variant's logic checked without building it (its wheels are gigabytes).
 
-The CPU variant (slow: `make test-slow`) builds offline from a wheelhouse made by the host's pip (torch's CPU build, the `train` extra for the
-base's Python, and DeepSpeed's wheel built here from its sdist), on the Debian base that tests/test_container.py
-makes with mmdebstrap (the same cached image). Inside it, `python -m trainer params --preset lab` prints the lab's
-parameter table, and a two-step pretraining run writes its checkpoint and artifact into a mounted folder, both as
-user 10001 with no writable home but /tmp. The CUDA variant: PyPI's torch wheel metadata (read by pip's resolver
-without downloading the wheel) names the CUDA major that the Makefile's base image and the build's own check must
-agree with.
+The CPU variant (slow: `make test-slow`) builds offline from a wheelhouse made by the host's pip (torch's CPU
+build, the `train` extra for the base's Python, and DeepSpeed's wheel built here from its sdist), on the Debian base
+that tests/test_container.py makes with mmdebstrap (the same cached image). Inside it, `python -m trainer params
+--preset lab` prints the lab's parameter table, and a two-step pretraining run writes its checkpoint and artifact
+into a mounted folder, both as user 10001 with no writable home but /tmp. The CUDA variant: PyPI's torch wheel
+metadata (read by pip's resolver without downloading the wheel) names the CUDA major that the Makefile's base image
+and the build's own check must agree with.
 """
 
 from __future__ import annotations

@@ -148,7 +148,9 @@ def test_the_pods_run_the_trainer_as_its_image_user_writing_only_the_run_folder(
             limits = c["resources"]["limits"]
             assert limits["memory"] == c["resources"]["requests"]["memory"]
             assert ("nvidia.com/gpu" in limits) == (variant == "gpu")
-            assert c["image"].endswith("-cuda13" if variant == "gpu" else "-cpu")
+            name, digest = c["image"].split("@")  # by digest: a tag can be moved to another image
+            assert re.fullmatch(r"sha256:[0-9a-f]{64}", digest)
+            assert name.endswith("transfer-sentiment-train-cuda13" if variant == "gpu" else "transfer-sentiment-train")
     # The prepare Job writes the folder the TrainJob reads.
     prepare = one(variants["cpu"], "Job")["spec"]["template"]["spec"]
     (pc,) = prepare["containers"]
