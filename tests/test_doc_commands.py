@@ -298,6 +298,19 @@ def check_deepspeed(args: list[str]) -> str:
     return check_script(ns.user_script, ns.user_args)
 
 
+def check_sbatch(args: list[str]) -> str:
+    """`sbatch [SBATCH OPTIONS] launch/train.sbatch pretrain|finetune OPTIONS`: the options are the subcommand's."""
+    while args and args[0].startswith("-"):
+        args = args[1:]
+    if args[:1] != ["launch/train.sbatch"]:
+        return f"sbatch {args[:1]}: not ours"
+    if not (REPO / args[0]).is_file():
+        return f"{args[0]}: no such file"
+    if len(args) < 2 or args[1] not in ("pretrain", "finetune"):
+        return f"{args[0]}: takes pretrain or finetune, then its options"
+    return check_trainer(args[1], args[2:])
+
+
 def makefile() -> tuple[set[str], set[str]]:
     """The Makefile's targets and variables."""
     text = (REPO / "Makefile").read_text(encoding="utf-8")
@@ -320,10 +333,15 @@ def check_make(args: list[str]) -> str:
 
 
 def check_container_run(args: list[str]) -> str:
-    """`docker run ... transfer-sentiment:TAG [BUNDLE SERVER FLAGS]`: the flags after the image are the server's."""
+    """`docker run ... transfer-sentiment:TAG [BUNDLE SERVER FLAGS]`: the flags after the image are the server's;
+    `docker run ... transfer-sentiment-train:TAG SUBCOMMAND ...`: the trainer's (Containerfile.train)."""
     image = next((i for i, a in enumerate(args) if a.startswith("transfer-sentiment:")), None)
     if args[:1] == ["push"]:
         return ""  # a registry's business: nothing of ours in it
+    train = next((i for i, a in enumerate(args) if a.startswith("transfer-sentiment-train:")), None)
+    if args[:1] == ["run"] and train is not None:
+        rest = args[train + 1:]
+        return check_trainer(rest[0], rest[1:]) if rest else ""
     if args[:1] != ["run"] or image is None:
         return f"not a run of the server's image: {' '.join(args[:3])}"
     return _parsed(module_parser("serving.server"), args[image + 1:], "the image's server") if args[image + 1:] else ""
@@ -392,7 +410,11 @@ def check(command: Command) -> str:
     if head in PYTHONS:
         return check_python(args)
     if head == "srun":
+        while args and args[0].startswith("-"):  # srun's own options (--container-image=..., -N2)
+            args = args[1:]
         return check_python(args[1:]) if args and args[0] in PYTHONS else f"srun {args[:1]}: not ours"
+    if head == "sbatch":
+        return check_sbatch(args)
     if head == "transfer-sentiment":
         return check_trainer(args[0] if args else "", args[1:])
     if head in ("sentiment-server", "sentiment-client"):
@@ -453,6 +475,10 @@ def test_the_commands_are_found() -> None:
     ("make image IMAGES=x", "no variable IMAGES"),
     ("docker run --rm transfer-sentiment:cpu /mnt/models --max-textz 3", "unrecognized arguments"),
     ("kubectl apply -k deploy/nothing/", "no kustomization.yaml"),
+    ("podman run --rm transfer-sentiment-train:cpu params --presett lab", "unrecognized arguments"),
+    ("sbatch --nodes=4 launch/train.sbatch pretrain --preset lab --outt x", "unrecognized arguments"),
+    ("sbatch launch/train.sbatch export runs/x", "takes pretrain or finetune"),
+    ("srun --container-image=x python -m trainer pretrainn", "no subcommand 'pretrainn'"),
     (".venv/bin/python -m pytest tests/test_help.py::test_no_such_thing", "no such test"),
 ])
 def test_a_renamed_flag_subcommand_key_or_target_breaks_the_check(text: str, problem: str) -> None:

@@ -99,13 +99,20 @@ def add_config_args(parser: argparse.ArgumentParser, default_preset: str = "demo
     parser.set_defaults(default_preset=default_preset)
 
 
+# `--resume auto`: continue the run the folder holds, or start it (trainer/engine/loop.py, resume_tags).
+RESUME_AUTO = "auto"
+
+
 def config_choice(args: argparse.Namespace) -> Choice:
     """The preset, --config and --set of the command line; `--resume` with neither a preset nor a config file
-    continues from the run's own config.json (plus any --set, which must then change nothing)."""
+    continues from the run's own config.json (plus any --set, which must then change nothing). `--resume auto` in a
+    folder that holds no run yet starts one from the preset."""
     run = None
     if getattr(args, "resume", None) and args.preset is None and args.config is None:
         run = Path(args.out) / "config.json"
         if not run.is_file():
-            raise ConfigError(f"nothing to resume: {run} not found")
+            if args.resume != RESUME_AUTO:
+                raise ConfigError(f"nothing to resume: {run} not found")
+            run = None
     return Choice(args.preset or args.default_preset, args.config, tuple(args.overrides),
                   str(run) if run else None)
