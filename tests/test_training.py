@@ -233,7 +233,7 @@ def test_a_setting_pretrained_would_replace_is_refused(base: list[str], tmp_path
     (art / "config.json").write_text(tiny().to_json())
     p = trainer(["finetune", *base, "--pretrained", str(art), "--set", "tokenizer.max_len=40", "--out",
                  str(tmp_path / "run")], ok=False)
-    assert p.returncode == 2 and p.stderr.strip() == (f"error: [rank 0] tokenizer.max_len=40 would be ignored: "
+    assert p.returncode == 2 and p.stderr.strip() == (f"error: tokenizer.max_len=40 would be ignored: "
                                                       f"--pretrained {art} fixes it to 48; remove the setting")
     assert not (tmp_path / "run").exists()
     # A tokenizer folder whose cut differs from tokenizer.max_len: refused too (the run would store both values).

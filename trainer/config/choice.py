@@ -19,7 +19,10 @@ from trainer.config.schema import (
     ConfigError,
     DataConfig,
     RunConfig,
+    assign,
+    derive,
     flatten,
+    from_dict,
     load,
     override,
     read_json,
@@ -58,7 +61,8 @@ class Choice:
 
         A user who names a data file gets a data section of their own: none of the preset's files, caps or labels
         (a preset's test file scored against their training file would be a silent wrong result). Label names
-        come from the user's labels unless given with them. data.root ends up absolute."""
+        come from the user's labels unless given with them; keys that follow from others follow them unless set
+        (`schema.derive`: model.vocab_size, model.num_classes). data.root ends up absolute."""
         settings = self.settings()
         own = self.run is None and any(k in settings for k in OWN_DATA)
         cfg = load(self.run) if self.run else preset(self.preset)
@@ -66,14 +70,15 @@ class Choice:
             tc = cfg.tokenizer
             cfg = dataclasses.replace(cfg, data=DataConfig(), tokenizer=tc if tc.kind == "lab" else
                                       dataclasses.replace(tc, model="", vocab=""))
-        if fixed:
-            cfg = override(cfg, fixed)
+        data = cfg.to_dict()
+        assign(data, fixed or {})
         if self.file:
-            cfg = override(cfg, flatten(read_json(self.file)))
-        if self.assignments:
-            cfg = override(cfg, list(self.assignments))
+            assign(data, flatten(read_json(self.file)))
+        assign(data, list(self.assignments))
         if "data.labels" in settings and "data.label_names" not in settings:
-            cfg = override(cfg, {"data.label_names": []})
+            assign(data, {"data.label_names": []})
+        derive(data, {*settings, *(fixed or {})})
+        cfg = from_dict(data)
         if own and cfg.tokenizer.kind == "lab" and "tokenizer.kind" not in (fixed or {}) \
                 and "tokenizer.model" not in settings:
             raise ConfigError(f"preset {cfg.preset!r} loads the lab's French tokenizer (tokenizer.kind=lab) from its "

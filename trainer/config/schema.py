@@ -245,8 +245,15 @@ def valid_keys() -> list[str]:
 
 def override(cfg: RunConfig, assignments: list[str] | dict[str, Any]) -> RunConfig:
     """Apply `section.field=value` overrides (values are coerced to the field's type); a new, validated config."""
-    items = assignments.items() if isinstance(assignments, dict) else [split_assignment(a) for a in assignments]
     data = cfg.to_dict()
+    assign(data, assignments)
+    return from_dict(data)
+
+
+def assign(data: dict[str, Any], assignments: list[str] | dict[str, Any]) -> None:
+    """Set `section.field=value` items in a config's nested dict, unvalidated (`from_dict` checks it); an unknown key
+    is an error with the closest valid one."""
+    items = assignments.items() if isinstance(assignments, dict) else [split_assignment(a) for a in assignments]
     valid = valid_keys()
     for key, value in items:
         if key not in valid:
@@ -256,7 +263,21 @@ def override(cfg: RunConfig, assignments: list[str] | dict[str, Any]) -> RunConf
         for p in parents:
             node = node[p]
         node[leaf] = value
-    return from_dict(data)
+
+
+def derive(data: dict[str, Any], given: set[str]) -> None:
+    """The keys that follow from others unless the user gave them (`given`), set in a config's nested dict:
+    model.vocab_size from a trained tokenizer's vocab_size (plus the specials), model.num_classes from data.labels.
+    A value that does not parse is left for validation to name."""
+    model, tok = data["model"], data["tokenizer"]
+    if "model.vocab_size" not in given and tok.get("kind") == "train":
+        try:
+            model["vocab_size"] = int(tok["vocab_size"]) + N_SPECIALS
+        except (TypeError, ValueError):
+            pass
+    labels = comma_list(data["data"].get("labels"))
+    if "model.num_classes" not in given and isinstance(labels, list) and len(labels) >= 2:
+        model["num_classes"] = len(labels)
 
 
 def split_assignment(assignment: str) -> tuple[str, str]:
