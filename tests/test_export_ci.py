@@ -163,7 +163,7 @@ def test_triton_repository_matches_the_graph_it_serves(default_bundle: Path, tmp
         "other", "sentiment", "sentiment/1", "sentiment/1/model.onnx", "sentiment/config.pbtxt",
         "sentiment/labels.txt"]
     assert (model / "1" / "model.onnx").read_bytes() == (default_bundle / graph_file).read_bytes()
-    assert (model / "labels.txt").read_text().split("\n")[:-1] == manifest["labels"]
+    assert (model / "labels.txt").read_text().split("\n")[:-1] == manifest["label_names"]
 
     config = triton_config(model / "config.pbtxt")
     graph = onnx.load(str(model / "1" / "model.onnx")).graph

@@ -201,7 +201,8 @@ def test_suggestions_search_every_key_and_other_tools_names() -> None:
     """finetune.learning_rate got no suggestion, and the section's list hid finetune.optim.*, where lr lives."""
     for typed, meant in [("finetune.learning_rate", "finetune.optim.lr"), ("finetune.lr", "finetune.optim.lr"),
                          ("pretrain.learningrate", "pretrain.optim.lr"), ("engine.logging_steps", "engine.log_every"),
-                         ("finetune.num_train_epochs", "finetune.epochs"), ("tokenizer.max_length", "tokenizer.max_len"),
+                         ("finetune.num_train_epochs", "finetune.epochs"), ("tokenizer.max_length",
+                                                                             "tokenizer.max_len"),
                          ("finetune.batch_size", "finetune.micro_batch")]:
         with pytest.raises(ConfigError) as e:
             own(f"{typed}=1").resolve()

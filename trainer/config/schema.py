@@ -165,7 +165,9 @@ class EngineConfig:
     deepspeed_config: str = ""  # a user's DeepSpeed JSON whose keys override the derived ones
     checkpoint_every: Count = 0  # steps between resumable checkpoints (0 = only at the end)
     keep_checkpoints: Size = 2  # older engine checkpoints are deleted; 0 would delete the one --resume needs
-    log_every: Size = 10  # steps between log lines (the only host-device syncs in the loop)
+    # Steps between log rows (metrics.csv, TensorBoard, a line when stderr is no terminal; each is the loop's one
+    # host-device sync); 0: about 50 rows per run, a round number (trainer/engine/monitor.py, log_interval)
+    log_every: Count = 0
 
 
 @section("pretrain")
@@ -195,6 +197,9 @@ class FinetuneConfig:
     select_metric: Literal["accuracy", "macro_f1"] = "accuracy"  # validation score that picks the epoch kept
     patience: Count = 0  # stop after this many epochs without a better validation score (0: run every epoch)
     class_weights: Literal["none", "balanced"] = "none"  # balanced: loss weight n / (classes x n_class) per class
+    # TF-IDF + logistic regression scored on the same splits beside the model (trainer/baseline.py): word 1-2-grams
+    # and character 2-5-grams, word n-grams only (large sets: seconds, not minutes), or none
+    tfidf_baseline: Literal["word+char", "word", "none"] = "word+char"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
 
 

@@ -160,12 +160,13 @@ def train(engine: Any, task: Task, state: ckpt.LoopState, cadence: Cadence, plan
                 improved = evaluated and task.improved(state)
                 state.done = state.step == cadence.total or (evaluated and task.stop_early(state))
                 signum = signals.agreed()
-                tag = None
+                tag, t_save = None, time.perf_counter()
                 if cadence.checkpoint(state.step) or state.done or improved or signum:
                     tag = _checkpoint(engine, state, loss_acc, logged, ckpt_dir, keep, meta)
                 if improved:
                     assert tag is not None
                     task.keep(engine, ckpt_dir, tag, state)
+                t_log += time.perf_counter() - t_save  # saving is no training: the next row's rates leave it out
                 if signum:
                     log.print(f"interrupted by {SIGNALS.get(signum, signum)} after step {state.step}: checkpoint "
                               f"{ckpt_dir / str(tag)}; continue with the same command and --out plus --resume")

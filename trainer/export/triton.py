@@ -50,7 +50,7 @@ def config_pbtxt(name: str, bundle: Bundle, device: str, max_batch_size: int) ->
     m = bundle.manifest
     graph = m.graph_for(device)
     params = {"bundle_sha256": m.bundle_sha256, "bundle_graph": graph, "precision": m.graphs[graph].precision,
-              "max_len": str(m.max_len), "labels": json.dumps(m.label_names, ensure_ascii=False),
+              "max_len": str(m.max_len), "label_names": json.dumps(m.label_names, ensure_ascii=False),
               "pad_id": str(m.special_ids["pad"])}
     lines = [
         f"# Written by `python -m trainer export --triton-repo` from the bundle {bundle.folder.name} "
