@@ -166,6 +166,13 @@ def test_export_check_predict_and_serve_answer_with_the_users_labels(run, user: 
                                                                "true_label_value", "reason"]
     assert [r["label"] for r in rows] == [r["label"] for r in jrows]
     assert jrows[0]["text"] == json.loads((user / "test.jsonl").read_text().splitlines()[0])["review"]
+    # standard input, one text a line: a row for every line, the blank one says why it has no label
+    p = subprocess.run([sys.executable, "-m", "trainer", "predict", "bundle", "--data", "-", "--out", "-"], cwd=user,
+                       env=env(), input="A wonderful, moving film.\n \nThe worst two hours of my life.\n",
+                       capture_output=True, text=True, timeout=300)
+    lines = [json.loads(line) for line in p.stdout.splitlines()]
+    assert p.returncode == 0 and [(r["line"], r["reason"]) for r in lines] == [(1, ""), (2, "blank text"), (3, "")]
+    assert lines[1]["label"] == "" and lines[0]["label"] in ("pos", "neg") and "1 blank text: no prediction" in p.stderr
     # unlabelled text: predictions only
     (user / "new.txt").write_text("A wonderful, moving film.\nThe worst two hours of my life.\n")
     p = trainer(["predict", "bundle", "--data", "new.txt", "--out", "-"], user)

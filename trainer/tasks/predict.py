@@ -133,7 +133,8 @@ def main(args: argparse.Namespace) -> int:
     if args.out:
         write_predictions(args.out, model, rows, probs, args.with_text)
     print(f"predict: {len(rows)} row{'s' * (len(rows) != 1)} of {args.data} with {args.model} ({model.about})"
-          + (f"; {blank} blank texts: no prediction (their rows say so)" if blank else "")
+          + (f"; {blank} blank text{'s' * (blank != 1)}: no prediction (a row each, with the reason)" if blank
+             else "")
           + ("" if labelled else f"; no labels (no {label_field!r} field): predictions only"), file=report)
     if labelled:
         scored = [i for i, ex in enumerate(rows) if not is_blank(ex)]
