@@ -7,16 +7,18 @@ bench/tfidf_baseline.py run the same function on the project's data sets.
 The recipe (`finetune.tfidf_baseline`):
   word+char  word 1-2-grams and character 2-5-grams within word boundaries (char_wb: robust to inflection and
              typos), each TF-IDF with sublinear tf, side by side; the default
-  word       word 1-2-grams only: for large English sets, where the character n-grams cost minutes
+  word       word 1-2-grams only: for large English sets (character 2-5-grams took 6.5x the word n-grams' time to
+             vectorize 3,000 IMDB reviews)
   none       no baseline
 N-grams count when at least 2 training texts hold them (1 below 1,000 texts). Logistic regression's C is chosen on
 the validation split from C_GRID by the run's finetune.select_metric (the smallest C of a tie), trained on the
 training split only, as the transformer is; finetune.class_weights=balanced applies to it too. Seeded and
-deterministic (lbfgs).
+deterministic (lbfgs, the path of C values warm-started in increasing order).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from collections.abc import Sequence
@@ -73,15 +75,19 @@ def fit(recipe: str, train: tuple[Sequence[str], np.ndarray], valid: tuple[Seque
     x_train = vectorizer.fit_transform(list(train[0]))
     x_valid = vectorizer.transform(list(valid[0]))
     best: tuple[float, float, Any] | None = None
+    # The regularisation path, C increasing, each fit starting from the previous solution (warm start, as
+    # scikit-learn's LogisticRegressionCV walks it). tol 1e-6: at the default 1e-4 lbfgs stopped early enough that
+    # cold and warm starts disagreed on validation (0.5 to 1 point on cls-books-fr); at 1e-6 they give the same
+    # predictions, the warm path in about half the time.
+    model = LogisticRegression(max_iter=5000, tol=1e-6, random_state=seed, warm_start=True,
+                               class_weight="balanced" if class_weights == "balanced" else None)
     for c in C_GRID:
-        model = LogisticRegression(C=c, max_iter=1000, random_state=seed,
-                                   class_weight="balanced" if class_weights == "balanced" else None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)  # a large C on separable data: still a classifier
-            model.fit(x_train, train[1])
+            model.set_params(C=c).fit(x_train, train[1])
         m = summarize(confusion(valid[1], model.predict(x_valid), len(names)), names)
         if best is None or m[select_metric] > best[0]:
-            best = (m[select_metric], c, model)
+            best = (m[select_metric], c, copy.deepcopy(model))
     assert best is not None
     _, c, model = best
     chosen = summarize(confusion(valid[1], model.predict(x_valid), len(names)), names)

@@ -118,8 +118,8 @@ def english() -> RunConfig:
         # 65,367 packed windows of 256 ids, 4,085 steps a pass: max_steps ends the run in the third pass (with
         # max_steps set, epochs does not bound the run)
         pretrain=dataclasses.replace(base.pretrain, micro_batch=16, seq_len=256, epochs=2, max_steps=10_000),
-        # 22,500 labeled reviews: 2 epochs are 2,814 steps. The baseline's character n-grams of 100,000 long reviews
-        # would take many minutes: word n-grams only (docs/RESULTS.md measures both)
+        # 22,500 labeled reviews: 2 epochs are 2,814 steps. The baseline: word n-grams only; character n-grams of
+        # 100,000 long reviews cost 6.5x as much to vectorize (docs/RESULTS.md, the baseline)
         finetune=dataclasses.replace(base.finetune, epochs=2, tfidf_baseline="word"),
         engine=dataclasses.replace(base.engine, checkpoint_every=1000),
     )
