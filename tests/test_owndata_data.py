@@ -64,7 +64,7 @@ def test_two_spellings_of_one_value_are_an_error_with_both(tmp_path: Path, odd: 
     with pytest.raises(DataError) as e:
         settle(f)
     msg = str(e.value)
-    assert f"{odd!r} (1 examples: {f}:42)" in msg and f"{other!r} (20 examples:" in msg, msg
+    assert f"{odd!r} (1 example: {f}:42)" in msg and f"{other!r} (20 examples:" in msg, msg
     assert "differ only by case or type" in msg
 
 
@@ -72,7 +72,7 @@ def test_json_booleans_and_numbers_are_compared_as_the_file_writes_them(tmp_path
     f = tmp_path / "r.jsonl"
     f.write_text("".join(json.dumps({"text": f"t{i}", "label": lab}) + "\n"
                          for i, lab in enumerate([True, False] * 12 + [1])))
-    with pytest.raises(DataError, match=r"'1' \(1 examples: .*\) and 'true' \(12 examples"):
+    with pytest.raises(DataError, match=r"'1' \(1 example: .*\) and 'true' \(12 examples"):
         settle(f)
 
 

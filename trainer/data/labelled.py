@@ -100,7 +100,8 @@ def check_values(path: Path, found: dict[str, Occurrences]) -> None:
         spellings.setdefault(canonical(value), []).append(value)
     for same in spellings.values():
         if len(same) > 1:
-            shown = " and ".join(f"{v!r} ({found[v].count} examples: {lines(v)})" for v in same)
+            shown = " and ".join(f"{v!r} ({found[v].count} example{'s' * (found[v].count != 1)}: {lines(v)})"
+                                 for v in same)
             raise DataError(f"{path}: the label values {shown} differ only by case or type: write one spelling "
                             "(or list the classes in data.labels)")
     if len(found) < 2:
