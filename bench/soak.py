@@ -251,7 +251,7 @@ def soak(args: argparse.Namespace) -> dict:
     preds = [p for i in range(0, len(texts), 16) for p in reference.predict(texts[i : i + 16])]
     expected = np.stack([p.probabilities for p in preds])  # (texts, C)
     counts = np.array([p.token_count for p in preds])  # (texts,)
-    labels, max_len = reference.labels, reference.max_len
+    labels, max_len = reference.label_names, reference.max_len
     del reference
 
     server_args = args.server_args.split()

@@ -1,62 +1,64 @@
-"""The baseline every published accuracy sits beside (docs/RESULTS.md): TF-IDF word 1-2 grams + logistic regression.
+"""The baseline every published accuracy sits beside (docs/RESULTS.md): TF-IDF + logistic regression, the function
+`finetune` and `export --check` run (trainer/baseline.py), on a preset's own splits.
 
-    .venv/bin/python bench/tfidf_baseline.py [--sets cls-books-fr sst2 imdb]
+    .venv/bin/python bench/tfidf_baseline.py [--presets demo english] [--recipe word+char|word]
 
-Reads the data through trainer/data/readers.py (the same readers a user's files go through) and prints a markdown table.
-scikit-learn is a benchmark-only dependency (the `dev` extra).
+For each preset, the splits its fine-tuning uses (trainer/data/labelled.py: its training file less the validation
+share, or its validation file; its test file and extra test files), the recipe of the preset unless --recipe says
+otherwise, C chosen on validation. Prints a markdown table: each set's accuracy and macro-F1, the time to fit (the
+vectorizer and every C) and the time in all (reading the files, scoring every set).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import platform
 import time
 
-from sklearn.feature_extraction.text import TfidfVectorizer
-from sklearn.linear_model import LogisticRegression
-
-from trainer.config.schema import DataConfig
-from trainer.data.readers import detokenize, read_labeled
-
-# name -> (train file, [(split name, eval file)]); paths relative to the data root.
-SETS = {
-    "cls-books-fr": ("cls-books-fr/train.review.txt", [("test", "cls-books-fr/test.review.txt")]),
-    "sst2": ("sst2/train.tsv", [("dev", "sst2/dev.tsv"), ("test", "sst2/test.tsv")]),
-    "imdb": ("imdb/train.jsonl.gz", [("test", "imdb/test.jsonl.gz")]),
-}
+from trainer import baseline
+from trainer.config.presets import preset
+from trainer.data import labelled
 
 
-def _texts(path: str, data: DataConfig) -> tuple[list[str], list[int]]:
-    examples = read_labeled(data.path(path), data.labels, data.text_field, data.label_field)
-    texts = [ex.text if ex.text is not None else detokenize(ex.pieces or []) for ex in examples]
-    return texts, [int(ex.label) for ex in examples]  # type: ignore[arg-type]
-
-
-def run(name: str, data: DataConfig) -> list[tuple[str, str, float, float]]:
-    train_file, evals = SETS[name]
+def run(name: str, recipe: str | None) -> list[str]:
+    cfg = preset(name)
+    if recipe:
+        cfg = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, tfidf_baseline=recipe))
     t0 = time.perf_counter()
-    x, y = _texts(train_file, data)
-    vec = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=2)
-    clf = LogisticRegression(max_iter=2000).fit(vec.fit_transform(x), y)
-    rows = []
-    for split, path in evals:
-        xe, ye = _texts(path, data)
-        acc = 100.0 * (clf.predict(vec.transform(xe)) == ye).mean()
-        rows.append((name, f"{len(x)} -> {split} {len(xe)}", acc, time.perf_counter() - t0))
-    return rows
+    data = labelled.load(cfg)
+    scored = {"test": data.test.examples, **{f: p.examples for f, p in data.extra.items() if f != cfg.data.test}}
+    base = baseline.on_splits(cfg, data.train.examples, data.valid.examples, scored)
+    if "skipped" in base:
+        return [f"| {name} | {base['skipped']} | | | | | | | |"]
+    seconds = time.perf_counter() - t0
+
+    def named(where: str) -> str:
+        if where in ("valid", "test"):
+            return getattr(cfg.data, where) or f"{getattr(cfg.data, where + '_split'):.0%} of {cfg.data.train}"
+        return where
+
+    return [f"| {name} | {len(data.train.examples)} | {named(w)} ({base[w]['examples']}) | {base['recipe']} | "
+            f"{base['C']:g} | {base[w]['accuracy']:.2f} | {base[w]['macro_f1']:.2f} | {base['fit_seconds']:.1f} | "
+            f"{seconds:.1f} |"
+            for w in ("valid", *scored)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS),
-                   help="data sets to score (default: all)")
+    p.add_argument("--presets", nargs="+", default=["demo", "english"],
+                   help="the presets whose splits are scored (default: demo english)")
+    p.add_argument("--recipe", choices=baseline.RECIPES[:2],
+                   help="the n-grams to use instead of each preset's finetune.tfidf_baseline")
     args = p.parse_args()
-    data = DataConfig()
-    print(f"machine: {platform.machine()} {platform.processor() or ''}, python {platform.python_version()}")
-    print("| data | train -> eval | TF-IDF + LR accuracy | wall time (s) |\n|---|---|---|---|")
-    for name in args.sets:
-        for set_name, split, acc, secs in run(name, data):
-            print(f"| {set_name} | {split} | {acc:.2f}% | {secs:.1f} |", flush=True)
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}; load "
+          f"average {os.getloadavg()[0]:.2f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print("| preset | training texts | scored on (examples) | n-grams | C | accuracy | macro-F1 | fit (s) | "
+          "in all, reading included (s) |\n|---|---:|---|---|---:|---:|---:|---:|---:|")
+    for name in args.presets:
+        for row in run(name, args.recipe):
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -13,20 +13,24 @@ A bundle folder:
                     matches.
 
 Each graph file carries what it is in its model-level metadata_props (`graph_metadata`), for any ONNX tool
-(onnx.load(...).metadata_props, onnxruntime's `get_modelmeta().custom_metadata_map`): task, labels, label_values,
-max_len, special_ids, its precision, and the sha256 of the tokenizer files it must be run with. Not the bundle's
-digest: that covers the graph files' checksums (and the export's time and measurements), so a graph holding it would
-be circular, and would change with every export of the same artifact. The order is: graph files with their metadata
--> their checksums in "files" -> bundle_sha256 over all of it; the verifier holds each graph's metadata to this
-manifest.
+(onnx.load(...).metadata_props, onnxruntime's `get_modelmeta().custom_metadata_map`): task, label_names,
+label_values, max_len, special_ids, its precision, and the sha256 of the tokenizer files it must be run with. Not the
+bundle's digest: that covers the graph files' checksums (and the export's time and measurements), so a graph holding
+it would be circular, and would change with every export of the same artifact. The order is: graph files with their
+metadata -> their checksums in "files" -> bundle_sha256 over all of it; the verifier holds each graph's metadata to
+this manifest.
 
-Two kinds of label travel from the training data to the client, and their names say which:
-  label_values  the raw values of the data's label column, in logit order ("0", "1"); artifact.json calls them
-                "labels", and `trainer export --check` reads labelled files with them
-  label_names   what the server answers with ("negative", "positive"); manifest.json keeps them under "labels"
+Two kinds of label travel from the training data to the client, each under one key everywhere (artifact.json,
+manifest.json, the graphs' metadata_props): no key is called "labels" alone.
+  label_values  the raw values of the data's label column, in logit order ("0", "1"); `trainer export --check` and
+                `predict` read labelled files with them
+  label_names   what the server answers with ("negative", "positive")
+data_fields holds the data's text and label fields the model was trained with ({"text_field", "label_field"}):
+`predict BUNDLE` and `export --check BUNDLE` read files with them unless told otherwise.
 
-Format 2 (this one) replaced format 1 (one graph, tokenizer/tokenizer.json, top-level "precision" and
-"validation"); a format-1 bundle is refused with the command that exports it again.
+Format 3 (this one) named the label names "label_names" and added data_fields. A format-2 bundle (label names under
+"labels", in manifest.json and in each graph's metadata_props) is still read, its fields taken as "text" and
+"label". Format 1 (one graph, tokenizer/tokenizer.json) is refused with the command that exports it again.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from contract.graph import TensorSpec
 from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
 from contract.tokens import SPECIALS, TOKENIZER_FILES
 
-FORMAT = 2
+FORMAT = 3
+READABLE_FORMATS = (2, 3)  # format 2: label names under "labels" (module docstring)
 TASK = "sentiment-classification"
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
@@ -90,25 +95,38 @@ class Graph:
     validation: dict[str, Any] = field(default_factory=dict)  # the exporter's report against PyTorch, tolerances
     # included; with --data, its accuracy on that file
 
+    @property
+    def per_row(self) -> bool:
+        """Run it one text per onnxruntime run. A dynamically quantized graph (int8) quantizes each activation tensor
+        with one scale computed at run time: in a batch, every text's answer would move with the other texts and
+        with the padding (docs/BENCHMARKS.md, "Answers independent of the batch"). Alone, a text gets its own."""
+        return self.quantization is not None and self.quantization.get("method") == "dynamic"
+
     def to_dict(self) -> dict[str, Any]:
         return {"precision": self.precision, "quantization": self.quantization, "validation": self.validation}
 
 
+def names_key(fmt: int) -> str:
+    """The key of the label names in a manifest and its graphs' metadata_props of format `fmt`."""
+    return "labels" if fmt == 2 else "label_names"
+
+
 def graph_metadata(label_names: list[str], label_values: list[str], max_len: int, special_ids: Mapping[str, int],
-                   tokenizer_sha256: Mapping[str, str], precision: str) -> dict[str, str]:
-    """The model-level metadata_props of a graph file (ONNX keeps strings: lists and objects as JSON)."""
+                   tokenizer_sha256: Mapping[str, str], precision: str, fmt: int = FORMAT) -> dict[str, str]:
+    """The model-level metadata_props of a graph file (ONNX keeps strings: lists and objects as JSON); `fmt`: the
+    bundle format they belong to."""
     def js(value: object) -> str:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
 
-    return {"task": TASK, "bundle_format": str(FORMAT), "labels": js(label_names), "label_values": js(label_values),
-            "max_len": str(max_len), "special_ids": js(dict(special_ids)), "precision": precision,
-            "tokenizer_sha256": js(dict(tokenizer_sha256))}
+    return {"task": TASK, "bundle_format": str(fmt), names_key(fmt): js(label_names),
+            "label_values": js(label_values), "max_len": str(max_len), "special_ids": js(dict(special_ids)),
+            "precision": precision, "tokenizer_sha256": js(dict(tokenizer_sha256))}
 
 
 @dataclass(frozen=True)
 class Manifest:
-    label_names: list[str]  # "labels": what the server answers, in logit order
-    label_values: list[str]  # "label_values": the training data's raw label values, in logit order
+    label_names: list[str]  # what the server answers, in logit order
+    label_values: list[str]  # the training data's raw label values, in logit order
     max_len: int  # longest id sequence served, <sos> and <eos> included (the bundle's one stored copy; the server's
     # GetModelMetadata calls it max_tokens, the published proto's name)
     inputs: list[TensorSpec]
@@ -122,6 +140,9 @@ class Manifest:
     opset_imports: dict[str, int] = field(default_factory=dict)
     cpu_int8: dict[str, Any] | None = None  # `export`'s default: the bound int8 was held to for CPU, and the outcome
     source_artifact: dict[str, Any] = field(default_factory=dict)  # where the weights came from
+    # the data's fields the model was trained with; a format-2 bundle: the readers' defaults
+    data_fields: dict[str, str] = field(default_factory=lambda: {"text_field": "text", "label_field": "label"})
+    format: int = FORMAT  # as read (READABLE_FORMATS); `to_dict` writes FORMAT
     versions: dict[str, str] = field(default_factory=dict)  # of the exporter's libraries
     created: str = ""
     export_seconds: float = 0.0
@@ -135,15 +156,18 @@ class Manifest:
         """The metadata_props `graph_file` carries (module docstring)."""
         return graph_metadata(self.label_names, self.label_values, self.max_len, self.special_ids,
                               {rel: self.files[rel] for rel in TOKENIZER_BUNDLE_FILES},
-                              self.graphs[graph_file].precision)
+                              self.graphs[graph_file].precision, self.format)
 
     def to_dict(self) -> dict[str, Any]:
-        """The manifest as written, its digest last."""
+        """The manifest as written (format FORMAT), its digest last."""
+        if self.format != FORMAT:
+            raise BundleError(f"a format-{self.format} manifest is read, never written: {_REEXPORT}")
         body = {
             "format": FORMAT,
             "task": TASK,
-            "labels": self.label_names,
+            "label_names": self.label_names,
             "label_values": self.label_values,
+            "data_fields": self.data_fields,
             "max_len": self.max_len,
             "special_ids": self.special_ids,
             "opset": self.opset,
@@ -171,21 +195,32 @@ class Manifest:
         if not isinstance(m, dict):
             raise BundleError(f"{path}: expected a JSON object")
         if m.get("format") == 1:
+            readable = " and ".join(map(str, READABLE_FORMATS))
             raise BundleError(f"{path}: format 1, a bundle from an earlier exporter (one graph, "
-                              f"tokenizer/tokenizer.json); this version reads format {FORMAT}: {_REEXPORT}")
-        if m.get("format") != FORMAT:
-            raise BundleError(f"{path}: field 'format' must be {FORMAT}, got {m.get('format')!r}")
+                              f"tokenizer/tokenizer.json); this version reads formats {readable}: {_REEXPORT}")
+        fmt = m.get("format")
+        if fmt not in READABLE_FORMATS:
+            raise BundleError(f"{path}: field 'format' must be one of {list(READABLE_FORMATS)}, got {fmt!r}")
         if m.get("task") != TASK:
             raise BundleError(f"{path}: field 'task' must be {TASK!r}, got {m.get('task')!r}")
-        names = m.get("labels")
+        key = names_key(fmt)
+        if fmt == FORMAT and "labels" in m:
+            raise BundleError(f"{path}: field 'labels' is not one of format {FORMAT}: it says 'label_names' (what "
+                              "the server answers) and 'label_values' (the data's values)")
+        names = m.get(key)
         if (not isinstance(names, list) or len(names) < 2 or not all(isinstance(x, str) and x for x in names)
                 or len(set(names)) != len(names)):
-            raise BundleError(f"{path}: field 'labels' must list at least 2 distinct non-empty names, got {names!r}")
-        values = m.get("label_values", [str(i) for i in range(len(names))])
+            raise BundleError(f"{path}: field {key!r} must list at least 2 distinct non-empty names, got {names!r}")
+        values = m.get("label_values")
         if not isinstance(values, list) or len(values) != len(names) or not all(isinstance(x, str) for x in values) \
                 or len(set(values)) != len(values):
             raise BundleError(f"{path}: field 'label_values' must list {len(names)} distinct strings (the data's "
-                              f"label value of each name in 'labels'), got {values!r}")
+                              f"label value of each name in {key!r}), got {values!r}")
+        fields = m.get("data_fields", {"text_field": "text", "label_field": "label"} if fmt == 2 else None)
+        if not (isinstance(fields, dict) and set(fields) == {"text_field", "label_field"}
+                and all(isinstance(v, str) and v for v in fields.values())):
+            raise BundleError(f"{path}: field 'data_fields' must name the data's text_field and label_field, got "
+                              f"{fields!r}")
         max_len = m.get("max_len")
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 3:
             raise BundleError(f"{path}: field 'max_len' must be an int >= 3, got {max_len!r}")
@@ -217,6 +252,8 @@ class Manifest:
             opset_imports=m.get("opset_imports") or {},
             cpu_int8=cpu_int8,
             source_artifact=m.get("source_artifact") or {},
+            data_fields=dict(fields),
+            format=fmt,
             versions=m.get("versions") or {},
             created=str(m.get("created", "")),
             export_seconds=m.get("export_seconds", 0.0),

@@ -92,7 +92,7 @@ class Result:
 
     label: str
     label_index: int
-    probabilities: list[float]  # in the order of the model's labels (metadata()["labels"])
+    probabilities: list[float]  # in the order of the model's labels (metadata()["label_names"])
     token_count: int
     truncated: bool
 
@@ -166,7 +166,7 @@ class SentimentClient:
         m = self._call(self.stub.GetModelMetadata, pb.GetModelMetadataRequest(), timeout)
         return {
             "model_name": m.model_name,
-            "labels": list(m.labels),
+            "label_names": list(m.labels),  # the proto's `labels` field
             "label_values": list(m.label_values),
             "max_tokens": m.max_tokens,
             "bundle_sha256": m.bundle_sha256,
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.metadata:
             print(json.dumps(client.metadata(), indent=2))
             return 0
-        labels = client.metadata()["labels"]
+        labels = client.metadata()["label_names"]
         for chunk in _chunks(texts, max(1, args.batch)):
             for text, r in zip(chunk, client.classify(chunk), strict=True):
                 if args.json:

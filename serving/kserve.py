@@ -85,7 +85,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     def ModelMetadata(self, request, context):
         self._check_model(request.name, request.version)
         T = pb.ModelMetadataResponse.TensorMetadata
-        C = len(self.core.predictor.labels)
+        C = len(self.core.predictor.label_names)
         return pb.ModelMetadataResponse(
             name=self.name,
             versions=[VERSION],
@@ -104,7 +104,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         wanted = self._outputs(request)
         texts = self._texts(request)
         preds = self.core.classify(texts, deadline_of(context), cancelled_of(context))
-        n, C = len(preds), len(self.core.predictor.labels)
+        n, C = len(preds), len(self.core.predictor.label_names)
         tensors = {  # built only when asked for
             "probabilities": lambda: ("FP32", [n, C],
                                       np.stack([p.probabilities for p in preds]).astype("<f4").tobytes()),

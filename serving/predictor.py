@@ -3,8 +3,9 @@
 The bundle (its graphs, tokenizer/, manifest.json: contract/manifest.py) is checked by contract.bundle.verify_bundle,
 the bytes it verified are what gets loaded (no window between check and load), and the graph runs once at max_len
 before the constructor returns. Which graph: the manifest's for the device onnxruntime runs on ("serve": by default
-the int8 graph on a CPU, the fp32 or fp16 one on CUDA). A missing, corrupt, tampered or inconsistent bundle is a
-`BundleError` naming the file, on one line.
+the int8 graph on a CPU, the fp32 or fp16 one on CUDA). A dynamic int8 graph runs one text per onnxruntime run, so
+that no text's answer depends on the texts batched with it (contract/manifest.py, Graph.per_row). A missing, corrupt,
+tampered or inconsistent bundle is a `BundleError` naming the file, on one line.
 
 Shapes: n texts, T = the longest sequence of a batch (<= max_len), C classes.
 """
@@ -38,7 +39,7 @@ Optimization = Literal["disable", "basic", "extended", "all"]
 class Prediction:
     """The answer for one text."""
 
-    label: str  # labels[label_index]
+    label: str  # label_names[label_index]
     label_index: int  # argmax of probabilities
     probabilities: np.ndarray  # (C,) float32, in the manifest's label order, sums to 1
     token_count: int  # ids the model read, <sos> and <eos> included
@@ -82,7 +83,7 @@ class Predictor:
         self.bundle_dir = b.folder
         self.manifest = b.manifest
         self.bundle_sha256 = b.bundle_sha256  # the manifest's own digest, over every file: GetModelMetadata says it
-        self.labels: list[str] = list(b.manifest.label_names)  # what clients get: the manifest's "labels"
+        self.label_names: list[str] = list(b.manifest.label_names)  # what clients get, in logit order
         self.label_values: list[str] = list(b.manifest.label_values)  # the data's value of each label, same order
         self.max_len: int = b.manifest.max_len
         self.tokenizer = Encoder.from_files(b.tokenizer, max_len=self.max_len)
@@ -103,11 +104,12 @@ class Predictor:
             self.graph, self.session = cpu_graph, self._open(b, cpu_graph, options, [runtime.CPU])
             self.provider = self.session.get_providers()[0]
         self.precision: str = b.manifest.graphs[self.graph].precision
+        self.per_row: bool = b.manifest.graphs[self.graph].per_row  # int8: one text per run (contract/manifest.py)
         check_session(self.session, b, self.graph)  # the warm-up at max_len, before the server says SERVING
         self._lock = threading.Lock()
         self._runs = 0
         log.info("loaded bundle %s (sha256 %s, %s: %s, max_len %d, labels %s, graph optimization %s) on %s",
-                 b.folder, self.bundle_sha256[:12], self.graph, self.precision, self.max_len, self.labels,
+                 b.folder, self.bundle_sha256[:12], self.graph, self.precision, self.max_len, self.label_names,
                  self.optimization, self.provider)
 
     @staticmethod
@@ -120,14 +122,23 @@ class Predictor:
 
     @property
     def runs(self) -> int:
-        """onnxruntime runs made by `infer` so far (tests use it to prove batching)."""
+        """Batches `infer` has run so far (tests use it to prove batching); a per-row graph runs each of their
+        texts alone."""
         return self._runs
 
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
         return [self.tokenizer.encode(t) for t in texts]
 
     def infer(self, rows: Sequence[np.ndarray]) -> np.ndarray:
-        """One onnxruntime run over right-padded rows of ids -> (n, C) float32 probabilities."""
+        """Rows of ids -> (n, C) float32 probabilities: one onnxruntime run over the right-padded rows, or one run per
+        row for a per-row graph. Either way a row's answer does not depend on the other rows."""
+        probs = np.concatenate([self._run(rows[i:i + 1]) for i in range(len(rows))]) if self.per_row \
+            else self._run(rows)
+        with self._lock:
+            self._runs += 1
+        return probs
+
+    def _run(self, rows: Sequence[np.ndarray]) -> np.ndarray:
         n, T = len(rows), max(r.shape[0] for r in rows)
         ids = np.full((n, T), PAD, dtype=np.int64)  # (n, T)
         mask = np.zeros((n, T), dtype=np.int64)  # (n, T), 1 = real token
@@ -135,8 +146,6 @@ class Predictor:
             ids[i, : r.shape[0]] = r
             mask[i, : r.shape[0]] = 1
         (logits,) = self.session.run([LOGITS], {INPUT_IDS: ids, ATTENTION_MASK: mask})  # (n, C)
-        with self._lock:
-            self._runs += 1
         return softmax(logits)
 
     def predictions(self, encoded: Sequence[Encoded], probabilities: np.ndarray) -> list[Prediction]:
@@ -144,7 +153,7 @@ class Predictor:
         out = []
         for e, p in zip(encoded, probabilities, strict=True):
             k = int(np.argmax(p))
-            out.append(Prediction(self.labels[k], k, p, e.token_count, e.truncated))
+            out.append(Prediction(self.label_names[k], k, p, e.token_count, e.truncated))
         return out
 
     def predict(self, texts: Sequence[str]) -> list[Prediction]:

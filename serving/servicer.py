@@ -139,7 +139,7 @@ class SentimentServicer(pb_grpc.SentimentServiceServicer):
         policy = {"truncate": pb.LONG_TEXT_POLICY_TRUNCATE, "refuse": pb.LONG_TEXT_POLICY_REFUSE}[cfg.long_text]
         return pb.GetModelMetadataResponse(
             model_name=cfg.model_name,
-            labels=p.labels,
+            labels=p.label_names,  # the proto's `labels` field: the names
             max_tokens=p.max_len,
             bundle_sha256=p.bundle_sha256,
             execution_provider=p.provider,

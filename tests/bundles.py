@@ -11,7 +11,7 @@ from pathlib import Path
 
 import onnx
 
-from contract.manifest import DIGEST_KEY, TOKENIZER_BUNDLE_FILES, graph_metadata, manifest_digest
+from contract.manifest import DIGEST_KEY, FORMAT, TOKENIZER_BUNDLE_FILES, graph_metadata, manifest_digest, names_key
 
 
 def _sha256(path: Path) -> str:
@@ -34,13 +34,24 @@ def reseal(bundle: Path, graphs: bool = True) -> None:
         if graphs:
             model = onnx.load(str(path))
             del model.metadata_props[:]
-            for key, value in graph_metadata(m["labels"], m["label_values"], m["max_len"], m["special_ids"],
-                                             tokenizer, graph["precision"]).items():
+            fmt = m.get("format", FORMAT)
+            for key, value in graph_metadata(m[names_key(fmt)], m["label_values"], m["max_len"], m["special_ids"],
+                                             tokenizer, graph["precision"], fmt).items():
                 model.metadata_props.add(key=key, value=value)
             onnx.save(model, str(path))
         m["files"][name] = _sha256(path)
     m[DIGEST_KEY] = manifest_digest(m)
     (bundle / "manifest.json").write_text(json.dumps(m, indent=2), encoding="utf-8")
+
+
+def as_format_2(bundle: Path) -> None:
+    """A bundle as the previous exporter wrote it: label names under "labels" (manifest.json and every graph's
+    metadata_props), no data_fields, format 2; sealed."""
+    def older(m: dict) -> None:
+        m.update(format=2, labels=m.pop("label_names"))
+        del m["data_fields"]
+
+    edit_manifest(bundle, older, sealed=True)
 
 
 def edit_manifest(bundle: Path, change: Callable[[dict], None], sealed: bool = True) -> None:

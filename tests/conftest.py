@@ -88,9 +88,8 @@ def tiny_classifier_artifact(tmp_path_factory: pytest.TempPathFactory, data_dir:
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_classifier_artifact: Path) -> Path:
     """The fp32 ONNX bundle exported (and validated) from `tiny_classifier_artifact` by trainer.export: one graph,
-    model.onnx, served on every device (`export --precision fp32`). The serving tests compare answers exactly
-    (batched against alone, server against in-process): an int8 graph quantizes activations with one scale per
-    batch, so its answers move with the other rows of the batch (by up to 2e-3 in probability here)."""
+    model.onnx, served on every device (`export --precision fp32`), run in batches. (The default bundle's int8 graph
+    runs one text per run: tests/test_owndata_batch.py.)"""
     from trainer.export import ExportOptions, export_bundle
 
     return export_bundle(tiny_classifier_artifact, tmp_path_factory.mktemp("tiny-bundle") / "bundle",

@@ -62,7 +62,7 @@ def _entry_outside(bundle: Path) -> None:
 
 
 def _swapped_labels(bundle: Path) -> None:
-    edit_manifest(bundle, lambda m: m.update(labels=m["labels"][::-1]), sealed=False)
+    edit_manifest(bundle, lambda m: m.update(label_names=m["label_names"][::-1]), sealed=False)
 
 
 def _vocabulary_beyond_the_embedding(bundle: Path) -> None:
@@ -76,7 +76,7 @@ def _vocabulary_beyond_the_embedding(bundle: Path) -> None:
 def _graph_of_another_bundle(bundle: Path) -> None:
     model = onnx.load(str(bundle / "model.onnx"))
     for prop in model.metadata_props:
-        if prop.key == "labels":
+        if prop.key == "label_names":
             prop.value = json.dumps(json.loads(prop.value)[::-1], separators=(",", ":"))
     onnx.save(model, str(bundle / "model.onnx"))
     reseal(bundle, graphs=False)
@@ -125,7 +125,7 @@ def _oversized_model(bundle: Path) -> None:
 def _key_twice(bundle: Path) -> None:
     text = (bundle / "manifest.json").read_text().rstrip()
     assert text.endswith("}")
-    (bundle / "manifest.json").write_text(text[:-1] + ',\n  "labels": ["positive", "negative"]\n}\n')
+    (bundle / "manifest.json").write_text(text[:-1] + ',\n  "label_names": ["positive", "negative"]\n}\n')
 
 
 # name -> (damage, the file the refusal names (bundle-relative), the reason: a regex)
@@ -145,9 +145,9 @@ ATTACKS: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "character device": (_device_node, "model.onnx", "a character device, not a regular file"),
     "100,000-deep manifest.json": (_deep_manifest, "manifest.json", "JSON nested deeper than 16 levels"),
     "3 GiB model.onnx": (_oversized_model, "model.onnx", "3 GiB, larger than the 2 GiB"),
-    "a key twice in manifest.json": (_key_twice, "manifest.json", "key 'labels' appears twice"),
+    "a key twice in manifest.json": (_key_twice, "manifest.json", "key 'label_names' appears twice"),
     "a graph of another bundle": (_graph_of_another_bundle, "model.onnx",
-                                  "its metadata_props differ from manifest.json on labels"),
+                                  "its metadata_props differ from manifest.json on label_names"),
     "a second max_len in the tokenizer folder": (_second_max_len, "tokenizer/meta.json",
                                                  "max_len 32 in a bundle's tokenizer folder"),
     "a bundle of the earlier format": (_format_1, "manifest.json",
@@ -193,9 +193,9 @@ def test_a_resealed_edit_changes_the_digest_the_server_reports(bundle: Path, pre
                                                                tmp_path: Path) -> None:
     """The digest is integrity, not a signature: whoever may write the bundle can reseal an edit. Then it is
     another bundle_sha256, and GetModelMetadata (and the server's log) says so: pin the one `export` printed."""
-    edit_manifest(bundle, lambda m: m.update(labels=m["labels"][::-1]), sealed=True)
+    edit_manifest(bundle, lambda m: m.update(label_names=m["label_names"][::-1]), sealed=True)
     resealed = Predictor(bundle, device="cpu")
-    assert resealed.labels == predictor.labels[::-1]
+    assert resealed.label_names == predictor.label_names[::-1]
     assert resealed.bundle_sha256 != predictor.bundle_sha256
     manifest = json.loads((predictor.bundle_dir / "manifest.json").read_text())
     assert predictor.bundle_sha256 == manifest["bundle_sha256"] == manifest_digest(manifest)

@@ -276,7 +276,7 @@ def test_bundled_target_bakes_the_bundle_in(build: list[str], tiny_bundle: Path)
     try:
         load = "from serving.predictor import Predictor; print(Predictor('/mnt/models').predict(['Super.'])[0].label)"
         out = _ok(["buildah", "run", "--isolation", "chroot", ctr, "--", "python", "-c", load], timeout=300)
-        assert out.stdout.strip() in json.loads((tiny_bundle / "manifest.json").read_text())["labels"]
+        assert out.stdout.strip() in json.loads((tiny_bundle / "manifest.json").read_text())["label_names"]
     finally:
         run(["buildah", "rm", ctr], timeout=120)
         run(["buildah", "rmi", name], timeout=120)

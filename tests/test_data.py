@@ -134,8 +134,10 @@ def test_label_file_shorter_or_longer_than_its_text_file(tmp_path: Path) -> None
         read_labeled(tmp_path / "a.review.spm", ["0", "1"])
     _write(tmp_path / "b.review.txt", "un\n\ntrois\n")
     _write(tmp_path / "b.label", "1\n0\n1\n")
-    with pytest.raises(DataError, match=r"b\.review\.txt:2: empty document"):
-        read_labeled(tmp_path / "b.review.txt", ["0", "1"])
+    skipped: list[str] = []  # a blank text is skipped and said, as in every format; its label line still pairs
+    assert [(e.text, e.label) for e in read_labeled(tmp_path / "b.review.txt", ["0", "1"], skipped=skipped)] == \
+        [("un", 1), ("trois", 1)]
+    assert skipped == [f"{tmp_path / 'b.review.txt'}:2"]
     with pytest.raises(DataError, match="no label file beside it"):
         read_labeled(_write(tmp_path / "c.spm", "▁x\n"), ["0", "1"])
 
@@ -180,7 +182,7 @@ def test_jsonl_and_tsv_field_errors(tmp_path: Path) -> None:
         list(iter_texts(tsv))
     assert [e.text for e in iter_texts(tsv, text_field="body")] == ["great"]
     ragged = _write(tmp_path / "r.tsv", "label\tsentence\n1\tgood\textra\n")
-    with pytest.raises(DataError, match=r"r\.tsv:2: 3 tab-separated fields, the header has 2"):
+    with pytest.raises(DataError, match=r"r\.tsv:2: row 1 \(line 2\) has 3 tab-separated fields, the header has 2"):
         read_labeled(ragged, ["0", "1"])
     with pytest.raises(DataError, match=r"unsupported file type '\.xml'; supported: \.txt, \.jsonl, \.tsv, \.spm, "
                                         r"\.csv, \.parquet"):

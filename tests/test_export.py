@@ -106,13 +106,14 @@ def test_compare_counts_flips_only_outside_near_ties():
 def test_manifest_describes_the_bundle(default_bundle, tiny_classifier_artifact):
     m = manifest_of(default_bundle)
     src = json.loads((tiny_classifier_artifact / "artifact.json").read_text())
-    assert m["format"] == 2 and m["task"] == "sentiment-classification"
+    assert m["format"] == 3 and m["task"] == "sentiment-classification"
     assert {n: g["precision"] for n, g in m["graphs"].items()} == {"model.onnx": "fp32", "model.int8.onnx": "int8"}
     assert m["serve"] == {"cpu": "model.int8.onnx", "cuda": "model.onnx"}
     assert m["cpu_int8"]["accepted"] is True and m["cpu_int8"]["bound"] == dataclasses.asdict(INT8_CPU_BOUND)
     assert m["graphs"]["model.int8.onnx"]["quantization"]["method"] == "dynamic"
     assert m["graphs"]["model.onnx"]["quantization"] is None
-    assert m["labels"] == ["negative", "positive"] and m["max_len"] == 48
+    assert m["label_names"] == ["negative", "positive"] and m["max_len"] == 48 and "labels" not in m
+    assert m["data_fields"] == {"text_field": "text", "label_field": "label"}
     assert m["special_ids"] == {"sos": 0, "pad": 1, "eos": 2, "oov": 3}
     assert m["inputs"] == [{"name": n, "dtype": d, "shape": ["batch", "sequence"]} for n, d in INPUTS]
     assert m["outputs"] == [{"name": OUTPUT[0], "dtype": "float32", "shape": ["batch", 2]}]
@@ -128,7 +129,7 @@ def test_manifest_describes_the_bundle(default_bundle, tiny_classifier_artifact)
     # The typed manifest writes back the very bytes the exporter wrote.
     b = verify_bundle(default_bundle)
     assert b.manifest.to_json() == (default_bundle / "manifest.json").read_text(encoding="utf-8")
-    assert b.manifest.label_names == m["labels"] and b.manifest.label_values == src["labels"] == ["0", "1"]
+    assert b.manifest.label_names == m["label_names"] and b.manifest.label_values == src["label_values"] == ["0", "1"]
 
 
 def test_model_bytes_hold_no_path_of_the_machine_that_exported_them(tiny_bundle):
@@ -301,7 +302,8 @@ def test_manifest_that_does_not_match_the_graph_is_rejected(bundle_copy):
 
 def test_manifest_with_wrong_label_count_or_missing_file_is_rejected(bundle_copy):
     original = {p: p.read_bytes() for p in bundle_copy.glob("*.*")}  # manifest.json and the graphs it reseals
-    edit_manifest(bundle_copy, lambda m: m.update(labels=["neg", "neutral", "pos"], label_values=["0", "1", "2"]))
+    edit_manifest(bundle_copy, lambda m: m.update(label_names=["neg", "neutral", "pos"],
+                                                  label_values=["0", "1", "2"]))
     with pytest.raises(BundleError, match=r"model\.onnx: logits has 2 classes but manifest\.json lists 3 labels"):
         verify_bundle(bundle_copy)
     for path, data in original.items():

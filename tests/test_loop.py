@@ -50,3 +50,33 @@ def test_run_options_are_checked() -> None:
 def test_order_digest_tells_orders_apart() -> None:
     assert order_digest([[3, 1], [4]]) == order_digest([[3, 1], [4]])
     assert len({order_digest([[3, 1], [4]]), order_digest([[1, 3], [4]]), order_digest([[3], [1, 4]])}) == 3
+
+
+# ---------------------------------------------------------------------------------------------- progress
+
+
+def test_the_default_log_interval_gives_about_50_round_rows_a_run() -> None:
+    """The tiny preset logged every 2 steps: 1,662 lines for a 17 s run."""
+    from trainer.engine.monitor import log_interval
+
+    assert [log_interval(0, total) for total in (6, 120, 600, 3300, 10_000, 28_140)] == [1, 2, 10, 50, 200, 500]
+    assert log_interval(7, 10_000) == 7  # engine.log_every, when set, decides
+    for total in range(1, 30_000, 997):
+        assert 20 <= -(-total // log_interval(0, total)) <= 100 or total < 50
+
+
+def test_without_a_terminal_each_row_is_a_line_with_the_share_done_and_the_time_left(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer.engine.monitor as monitor
+
+    clock = iter([100.0, 112.0, 130.0])  # started, then two rows 12 s and 30 s later
+    monkeypatch.setattr(monitor.time, "monotonic", lambda: next(clock))
+    log = monitor.RunLog(tmp_path, total=1500, initial=100, desc="finetune scratch", columns=["loss"])
+    for step in (200, 400):
+        log.advance()  # no bar without a terminal
+        log.log(step, loss=0.5)
+    log.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["finetune scratch: step 200/1,500 (13%, 0:12, about 2:36 left) loss=0.5",
+                     "finetune scratch: step 400/1,500 (27%, 0:30, about 1:50 left) loss=0.5"]
+    assert (tmp_path / "metrics.csv").read_text().splitlines() == ["step,loss", "200,0.5", "400,0.5"]

@@ -52,7 +52,7 @@ def test_label_names_given_as_pairs_follow_the_labels_order() -> None:
 def test_labels_are_the_training_files_values_when_not_given(tmp_path: Path) -> None:
     f = tmp_path / "r.jsonl"
     f.write_text("".join(json.dumps({"text": f"t{i}", "label": lab}) + "\n"
-                         for i, lab in enumerate([10, 2, 2, 10, 1, 1])))
+                         for i, lab in enumerate([10, 2, 2, 10, 1, 1] * 5)))
     assert label_values(f) == ["1", "2", "10"]  # numbers in numeric order
     cfg = settle_labels(own(f"data.train={f}").resolve(), num_classes_set=False)
     assert cfg.data.labels == ["1", "2", "10"] and cfg.model.num_classes == 3 and cfg.data.names == cfg.data.labels
@@ -195,3 +195,41 @@ def test_a_headerless_tsv_is_reported_as_such(tmp_path: Path) -> None:
                                         r"with data.label_field=NAME"):
         read_labeled(g, ["good"], "body")
     assert read_labeled(g, ["good"], "body", "stars")[0].text == "Fine."
+
+
+def test_suggestions_search_every_key_and_other_tools_names() -> None:
+    """finetune.learning_rate got no suggestion, and the section's list hid finetune.optim.*, where lr lives."""
+    for typed, meant in [("finetune.learning_rate", "finetune.optim.lr"), ("finetune.lr", "finetune.optim.lr"),
+                         ("pretrain.learningrate", "pretrain.optim.lr"), ("engine.logging_steps", "engine.log_every"),
+                         ("finetune.num_train_epochs", "finetune.epochs"), ("tokenizer.max_length",
+                                                                             "tokenizer.max_len"),
+                         ("finetune.batch_size", "finetune.micro_batch")]:
+        with pytest.raises(ConfigError) as e:
+            own(f"{typed}=1").resolve()
+        assert str(e.value).startswith(f"unknown config key {typed!r} (did you mean {meant!r}?)"), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        own("finetune.learning_rate=1e-3").resolve()
+    assert "finetune.optim.lr, finetune.optim.weight_decay" in str(e.value)  # nested keys are listed too
+    with pytest.raises(ConfigError, match=r"'learning_rate' \(did you mean 'pretrain.optim.lr' or "
+                                          r"'finetune.optim.lr'\?\)"):
+        own("learning_rate=1e-3").resolve()
+
+
+def test_derived_keys_follow_their_source_unless_set() -> None:
+    """Changing tokenizer.vocab_size stopped with "set model.vocab_size=1004"; listing 3 labels needed
+    model.num_classes=3 too."""
+    cfg = own("tokenizer.vocab_size=1000").resolve()
+    assert cfg.model.vocab_size == 1004
+    assert own("data.train=r.jsonl", "data.labels=a,b,c").resolve().model.num_classes == 3
+    with pytest.raises(ConfigError, match=r"model.vocab_size=99; set model.vocab_size=1004"):
+        own("tokenizer.vocab_size=1000", "model.vocab_size=99").resolve()  # set by the user: theirs, and checked
+    with pytest.raises(ConfigError, match=r"model.num_classes=2 but data.labels has 3 classes"):
+        own("data.train=r.jsonl", "data.labels=a,b,c", "model.num_classes=2").resolve()
+
+
+def test_a_one_process_error_has_no_rank_prefix(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "trainer", "finetune", "--preset", "tiny", "--set",
+                        "finetune.learning_rate=1e-3", "--out", str(tmp_path / "run")], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.strip().startswith("error: unknown config key 'finetune.learning_rate' "
+                                                             "(did you mean 'finetune.optim.lr'?)"), p.stderr

@@ -83,7 +83,7 @@ def test_the_artifact_keeps_the_epoch_validation_picks_and_reports_its_own_test_
     hist = meta["history"]
     valid = [h["valid"]["accuracy"] for h in hist]
     assert len(hist) == 3 and meta["kept_epoch"] == int(np.argmax(valid)) + 1
-    assert meta["selected_on"] == "valid accuracy" and meta["labels"] == meta["label_names"] == ["pos", "neg"]
+    assert meta["selected_on"] == "valid accuracy" and meta["label_values"] == meta["label_names"] == ["pos", "neg"]
     # The artifact holds exactly that epoch's weights: those of the engine checkpoint saved at its step ...
     tag = f"step{meta['kept_step']:08d}"
     module = torch.load(out / "checkpoints" / tag / "mp_rank_00_model_states.pt", map_location="cpu",
@@ -100,6 +100,16 @@ def test_the_artifact_keeps_the_epoch_validation_picks_and_reports_its_own_test_
     assert summary["kept_epoch"] == meta["kept_epoch"] and set(summary["test"]["per_class"]) == {"pos", "neg"}
     assert [e["test_accuracy_curve"] for e in summary["per_epoch"]] == [h["test"]["accuracy"] for h in hist]
     assert f"kept epoch {meta['kept_epoch']} of 3 (best validation accuracy); test accuracy " in p.stdout
+    # Beside it, TF-IDF + logistic regression on the same splits, and a verdict a person reads
+    base = summary["tfidf_baseline"]
+    assert base["recipe"] == "word+char" and base["C"] in base["C_grid"] and base["test"]["examples"] == 60
+    assert meta["tfidf_baseline"]["test"]["accuracy"] == base["test"]["accuracy"]
+    verdict = re.search(r"finetune scratch: test accuracy ([\d.]+)%, ([\d.]+) points (above|below) the TF-IDF \+ "
+                        r"logistic regression baseline \(([\d.]+)%\)", p.stdout)
+    assert verdict and float(verdict[1]) == pytest.approx(meta["test_accuracy"], abs=0.005), p.stdout
+    assert float(verdict[4]) == pytest.approx(base["test"]["accuracy"], abs=0.005)
+    assert summary["verdicts"] == [verdict[0].removeprefix("finetune ")]
+    assert "baseline: TF-IDF + logistic regression (word+char n-grams, C=" in p.stderr
 
 
 def test_an_interrupted_finetune_resumes_alone_into_the_same_artifact(run, user: Path) -> None:
@@ -133,20 +143,36 @@ def test_export_check_predict_and_serve_answer_with_the_users_labels(run, user: 
     p = trainer(["export", "run/artifact", "--out", "bundle", "--data", "test.jsonl"], user)  # the artifact's fields
     assert "labels (value in the data -> name served): 'pos' -> 'pos', 'neg' -> 'neg'" in p.stdout
     manifest = json.loads((user / "bundle" / "manifest.json").read_text())
-    assert manifest["labels"] == manifest["label_values"] == ["pos", "neg"]
-    p = trainer(["export", "--check", "bundle", "--data", "test.jsonl", "--text-field", "review",
-                 "--label-field", "sentiment"], user)
+    assert manifest["label_names"] == manifest["label_values"] == ["pos", "neg"]
+    assert manifest["data_fields"] == {"text_field": "review", "label_field": "sentiment"}
+    # the bundle remembers the fields it was trained with: --check and predict need no --text-field
+    p = trainer(["export", "--check", "bundle", "--data", "test.jsonl", "--json", "check.json", "--junit",
+                 "check.xml"], user)
     assert "'pos' -> 'pos', 'neg' -> 'neg'" in p.stdout
+    check = json.loads((user / "check.json").read_text())
+    base = check["tfidf_baseline"]
+    assert base["examples"] == 60 and base["trained_on"].endswith("train.jsonl less its valid split")
+    summary = json.loads((out / "metrics.json").read_text())["tfidf_baseline"]
+    assert base["C"] == summary["C"] and base["accuracy"] == pytest.approx(summary["test"]["accuracy"])  # same fit
+    for name, g in check["graphs"].items():
+        assert base["verdicts"][name] in p.stdout and f"accuracy {g['bundle_accuracy']:.2f}%" in base["verdicts"][name]
+    assert 'name="tfidf_baseline_accuracy"' in (user / "check.xml").read_text()
     # predict with the bundle: same answers as the artifact (fp32), as CSV and JSONL
-    trainer(["predict", "bundle", "--data", "test.jsonl", "--text-field", "review", "--label-field", "sentiment",
-             "--out", "bundle.csv"], user)
+    trainer(["predict", "bundle", "--data", "test.jsonl", "--out", "bundle.csv"], user)
     trainer(["predict", "run/artifact", "--data", "test.jsonl", "--out", "artifact.jsonl", "--with-text"], user)
     rows = list(csv.DictReader(open(user / "bundle.csv", encoding="utf-8")))
     jrows = [json.loads(line) for line in open(user / "artifact.jsonl", encoding="utf-8")]
     assert len(rows) == len(jrows) == 60 and list(rows[0]) == ["line", "label", "label_value", "p_pos", "p_neg",
-                                                               "true_label_value"]
+                                                               "true_label_value", "reason"]
     assert [r["label"] for r in rows] == [r["label"] for r in jrows]
     assert jrows[0]["text"] == json.loads((user / "test.jsonl").read_text().splitlines()[0])["review"]
+    # standard input, one text a line: a row for every line, the blank one says why it has no label
+    p = subprocess.run([sys.executable, "-m", "trainer", "predict", "bundle", "--data", "-", "--out", "-"], cwd=user,
+                       env=env(), input="A wonderful, moving film.\n \nThe worst two hours of my life.\n",
+                       capture_output=True, text=True, timeout=300)
+    lines = [json.loads(line) for line in p.stdout.splitlines()]
+    assert p.returncode == 0 and [(r["line"], r["reason"]) for r in lines] == [(1, ""), (2, "blank text"), (3, "")]
+    assert lines[1]["label"] == "" and lines[0]["label"] in ("pos", "neg") and "1 blank text: no prediction" in p.stderr
     # unlabelled text: predictions only
     (user / "new.txt").write_text("A wonderful, moving film.\nThe worst two hours of my life.\n")
     p = trainer(["predict", "bundle", "--data", "new.txt", "--out", "-"], user)
@@ -155,7 +181,7 @@ def test_export_check_predict_and_serve_answer_with_the_users_labels(run, user: 
     # the server's metadata pairs the names with the data's values
     with running_server(user / "bundle", device="cpu") as s, SentimentClient(f"127.0.0.1:{s.port}") as c:
         meta = c.metadata()
-        assert meta["labels"] == ["pos", "neg"] and meta["label_values"] == ["pos", "neg"]
+        assert meta["label_names"] == ["pos", "neg"] and meta["label_values"] == ["pos", "neg"]
         assert [r.label for r in c.classify(["A wonderful, moving film."])][0] in ("pos", "neg")
 
 

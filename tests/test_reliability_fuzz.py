@@ -384,7 +384,7 @@ def check_infer(server: tuple[ServerProcess, grpc.Channel], reference: Predictor
             out = {}
             for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
                 if tensor.name == "probabilities":
-                    assert (tensor.datatype, list(tensor.shape)) == ("FP32", [n, len(reference.labels)])
+                    assert (tensor.datatype, list(tensor.shape)) == ("FP32", [n, len(reference.label_names)])
                     out[tensor.name] = np.frombuffer(raw, dtype="<f4").reshape(n, -1)
                 elif tensor.name == "label":
                     assert (tensor.datatype, list(tensor.shape)) == ("BYTES", [n])

@@ -152,7 +152,7 @@ def test_token_missing_or_wrong_is_unauthenticated_and_nothing_is_computed(tiny_
         _both_protocols_answer(channel, reference, ["Avec le bon jeton."], [("authorization", f"Bearer {TOKEN}")])
         assert s.predictor.runs > runs
         with SentimentClient(target(s), token=TOKEN, tls_ca=certs["ca"]) as client:
-            assert client.classify(["Bien."])[0].label in s.predictor.labels
+            assert client.classify(["Bien."])[0].label in s.predictor.label_names
 
 
 # ------------------------------------------------------------------------------------- no pickle

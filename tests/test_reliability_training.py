@@ -352,7 +352,7 @@ def test_bad_training_values_are_refused_before_any_work(base: list[str], tmp_pa
                                                          message: str) -> None:
     """(The whole list of ranges is tests/test_config.py's: here the command line's answer.)"""
     p = trainer_cli([stage, *base, "--set", setting, "--out", str(tmp_path / "run")])
-    assert one_error_line(p) == f"error: [rank 0] {message}"
+    assert one_error_line(p) == f"error: {message}"
     assert not (tmp_path / "run").exists()
 
 
@@ -368,7 +368,7 @@ def test_a_diverging_run_stops_without_an_artifact_and_its_last_checkpoint_resum
             "--set", "pretrain.max_steps=12", "--set", "engine.log_every=1", "--set", "engine.checkpoint_every=1",
             "--set", "pretrain.optim.lr=3e5", "--out", str(out)]
     line = one_error_line(trainer_cli(args))
-    assert line.startswith("error: [rank 0] the loss is nan at step 3: training diverged; stopped without an "
+    assert line.startswith("error: the loss is nan at step 3: training diverged; stopped without an "
                            f"artifact; {out / 'checkpoints' / 'step00000002'} (the last checkpoint) holds finite"), line
     assert not (out / "artifact").exists() and ckpt.read_latest(out / "checkpoints") == "step00000002"
     assert ckpt.find(out / "checkpoints") == "step00000002"
@@ -383,7 +383,7 @@ def test_out_under_a_file_or_on_a_read_only_mount(base: list[str], tmp_path: Pat
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")
     p = trainer_cli(["pretrain", *base, "--out", str(blocker / "run")])
-    assert one_error_line(p) == f"error: [rank 0] --out {blocker / 'run'}: cannot write there: Not a directory"
+    assert one_error_line(p) == f"error: --out {blocker / 'run'}: cannot write there: Not a directory"
     if os.geteuid() != 0 or not shutil.which("mount"):
         pytest.skip("needs root and mount(8) for the read-only case")
     ro = tmp_path / "ro"
@@ -392,7 +392,7 @@ def test_out_under_a_file_or_on_a_read_only_mount(base: list[str], tmp_path: Pat
         pytest.skip("mount -t tmpfs not permitted here")
     try:
         p = trainer_cli(["finetune", *base, "--out", str(ro / "run")])
-        assert one_error_line(p) == (f"error: [rank 0] --out {ro / 'run'}: cannot write there: Read-only file "
+        assert one_error_line(p) == (f"error: --out {ro / 'run'}: cannot write there: Read-only file "
                                      "system")
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)

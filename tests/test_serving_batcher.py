@@ -125,7 +125,7 @@ def test_full_queue_refuses_at_once_and_accepted_requests_complete(predictor: Pr
     for f in accepted:
         np.testing.assert_allclose(f.result(10), [expected, expected], atol=1e-5)
     blocker.result(10)
-    assert batcher.submit([ids]).result(10).shape == (1, len(predictor.labels))  # room again
+    assert batcher.submit([ids]).result(10).shape == (1, len(predictor.label_names))  # room again
     batcher.close()
 
 
@@ -165,7 +165,7 @@ def test_a_failed_run_fails_only_its_own_requests(predictor: Predictor) -> None:
     ids = predictor.tokenizer.encode("Bof.").ids
     with pytest.raises(RuntimeError, match="onnxruntime failed"):
         batcher.submit([ids]).result(10)
-    assert batcher.submit([ids]).result(10).shape == (1, len(predictor.labels))
+    assert batcher.submit([ids]).result(10).shape == (1, len(predictor.label_names))
     batcher.close()
 
 
@@ -174,7 +174,7 @@ def test_batching_off_runs_each_request_alone(predictor: Predictor) -> None:
     ids = predictor.tokenizer.encode("Sans batching.").ids
     runs = predictor.runs
     for _ in range(3):
-        assert batcher.submit([ids, ids]).result(10).shape == (2, len(predictor.labels))
+        assert batcher.submit([ids, ids]).result(10).shape == (2, len(predictor.label_names))
     assert predictor.runs - runs == 3
     with pytest.raises(DeadlineExpired):
         batcher.submit([ids], deadline=time.monotonic() - 1).result(10)
@@ -194,4 +194,4 @@ def test_close_drains_then_refuses(predictor: Predictor) -> None:
         batcher.submit([predictor.tokenizer.encode("trop tard").ids])
     held.release()
     closer.join(10)
-    assert blocker.done() and queued.result(0).shape == (1, len(predictor.labels))
+    assert blocker.done() and queued.result(0).shape == (1, len(predictor.label_names))

@@ -41,7 +41,7 @@ def test_predictions_equal_a_plain_onnxruntime_session(predictor: Predictor, tin
     got = np.stack([p.probabilities for p in preds])
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
     assert [p.label_index for p in preds] == expected.argmax(1).tolist()
-    assert [p.label for p in preds] == [predictor.labels[k] for k in expected.argmax(1)]
+    assert [p.label for p in preds] == [predictor.label_names[k] for k in expected.argmax(1)]
     assert [p.token_count for p in preds] == [len(r) for r in ids]
     assert any(p.truncated for p in preds) and not all(p.truncated for p in preds)
     np.testing.assert_allclose(got.sum(1), 1.0, atol=1e-6)
@@ -210,7 +210,7 @@ BAD_BUNDLES: dict[str, tuple[Callable[[Path], None], str]] = {
     "unlisted model": (_edit_manifest(lambda m: m["files"].pop("model.onnx")), "lacks 'model.onnx'"),
     "path escapes": (_edit_manifest(lambda m: m["files"].update({"../x": "0" * 64})), "inside the bundle"),
     "wrong task": (_edit_manifest(lambda m: m.update(task="translation")), "'task'"),
-    "labels vs logits": (_edit_manifest(lambda m: m.update(labels=["a", "b", "c"], label_values=["0", "1", "2"])),
+    "labels vs logits": (_edit_manifest(lambda m: m.update(label_names=["a", "b", "c"], label_values=["0", "1", "2"])),
                          "logits has 2 classes but manifest.json lists 3 labels"),
 }
 

@@ -132,7 +132,7 @@ def test_sentiment_metadata(server: SentimentServer) -> None:
     with SentimentClient(target(server)) as client:
         meta = client.metadata()
     p = server.predictor
-    assert meta["labels"] == p.labels and meta["max_tokens"] == p.max_len
+    assert meta["label_names"] == p.label_names and meta["max_tokens"] == p.max_len
     assert meta["bundle_sha256"] == p.bundle_sha256 and len(meta["bundle_sha256"]) == 64
     assert meta["execution_provider"] == p.session.get_providers()[0]
     assert (meta["max_texts"], meta["max_chars"]) == (16, MAX_CHARS)

@@ -233,7 +233,7 @@ def test_a_setting_pretrained_would_replace_is_refused(base: list[str], tmp_path
     (art / "config.json").write_text(tiny().to_json())
     p = trainer(["finetune", *base, "--pretrained", str(art), "--set", "tokenizer.max_len=40", "--out",
                  str(tmp_path / "run")], ok=False)
-    assert p.returncode == 2 and p.stderr.strip() == (f"error: [rank 0] tokenizer.max_len=40 would be ignored: "
+    assert p.returncode == 2 and p.stderr.strip() == (f"error: tokenizer.max_len=40 would be ignored: "
                                                       f"--pretrained {art} fixes it to 48; remove the setting")
     assert not (tmp_path / "run").exists()
     # A tokenizer folder whose cut differs from tokenizer.max_len: refused too (the run would store both values).
@@ -344,9 +344,17 @@ def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> N
     p = deepspeed(args, script="launch/finetune.sh")
     rows = (out / "compare.csv").read_text().splitlines()
     assert rows[0] == ("epoch,scratch_valid_accuracy,pretrained_valid_accuracy,scratch_test_accuracy,"
-                       "pretrained_test_accuracy,test_difference") and len(rows) == 3
-    assert "| epoch | valid, scratch | valid, pretrained | test, scratch | test, pretrained | test difference |" \
-        in (out / "compare.md").read_text()
+                       "pretrained_test_accuracy,test_difference,tfidf_valid_accuracy,tfidf_test_accuracy") \
+        and len(rows) == 3
+    md = (out / "compare.md").read_text()
+    assert "| epoch | valid, scratch | valid, pretrained | test, scratch | test, pretrained | test difference |" in md
+    # the TF-IDF + logistic regression baseline of the same splits, beside both runs (one fit for both)
+    base = json.loads((out / "pretrained" / "metrics.json").read_text())["tfidf_baseline"]
+    assert base == json.loads((out / "scratch" / "metrics.json").read_text())["tfidf_baseline"]
+    assert all(r.endswith(f",{base['valid']['accuracy']:.2f},{base['test']['accuracy']:.2f}") for r in rows[1:])
+    assert "| test accuracy (%) | " in md and f" | {base['test']['accuracy']:.2f} |" in md
+    assert "- pretrained: test accuracy " in md and "- from scratch: test accuracy " in md
+    assert "finetune pretrained: test accuracy " in p.stdout and "logistic regression baseline" in p.stdout
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     clf = artifact.load(out / "artifact")
     assert clf.task == "classifier" and clf.meta["run"] == "pretrained"

@@ -1,9 +1,10 @@
 """Model artifacts: the hand-over between stages (pretrain -> finetune -> export), with no DeepSpeed and no pickle.
 
 An artifact folder holds `model.safetensors` (fp32), `config.json` (the resolved RunConfig), `artifact.json`
-(task, labels, checksum) and `tokenizer/`. It is written into a temporary sibling folder and renamed into place,
-so a crash never leaves a half artifact where a later stage would read it; its modes follow the umask
-(trainer/atomic.py), so a later stage that runs as another user can read it.
+(task, label_values and label_names, checksum) and `tokenizer/`. It is written into a temporary sibling folder and
+renamed into place, so a crash never leaves a half artifact where a later stage would read it; its modes follow the
+umask (trainer/atomic.py), so a later stage that runs as another user can read it. An artifact.json that calls the
+label values "labels" (an earlier version's) is read as label_values.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def save(
         meta = {
             "format": FORMAT,
             "task": task,
-            "labels": cfg.data.labels,  # the data's label values, in logit order
+            "label_values": cfg.data.labels,  # the data's label values, in logit order
             "label_names": cfg.data.names,  # what the server answers for each
             "weights_sha256": sha256_file(tmp / WEIGHTS),
             "parameters": sum(v.numel() for v in state.values()),
@@ -144,6 +145,8 @@ def load(path: str | Path, verify: bool = True) -> Artifact:
         raise ArtifactError(f"{path / 'artifact.json'}: invalid JSON at line {e.lineno}: {e.msg}") from None
     if meta.get("format") != FORMAT:
         raise ArtifactError(f"{path / 'artifact.json'}: format {meta.get('format')!r}, expected {FORMAT}")
+    if "labels" in meta:  # written before label values and names had a key each: "labels" held the values
+        meta.setdefault("label_values", meta.pop("labels"))
     if meta.get("task") not in ("lm", "classifier"):
         raise ArtifactError(f"{path / 'artifact.json'}: task {meta.get('task')!r} is not 'lm' or 'classifier'")
     if verify and sha256_file(path / WEIGHTS) != meta.get("weights_sha256"):

@@ -72,10 +72,10 @@ def check_out(folder: Path, flag: str = "--out") -> None:
 def add_field_arguments(parser: argparse.ArgumentParser, what: str = "") -> None:
     """--text-field / --label-field: the column (.csv/.tsv/.parquet) or key (.jsonl) of a labelled file, as the
     training config's data.text_field / data.label_field name them; `what` prefixes the help ("--data: ")."""
-    for field, default in (("text", "text"), ("label", "label")):
+    for field in ("text", "label"):
         parser.add_argument(f"--{field}-field", metavar="NAME",
-                            help=f"{what}the column or .jsonl key of the {field} (default: the artifact's "
-                                 f"data.{field}_field, else '{default}')")
+                            help=f"{what}the column or .jsonl key of the {field} (default: the one the model was "
+                                 f"trained with: the artifact's data.{field}_field, the bundle's data_fields)")
 
 
 def one_line_errors(main: Callable[[], int | None]) -> int:

@@ -19,9 +19,11 @@ from trainer.config.schema import (
     ConfigError,
     DataConfig,
     RunConfig,
+    assign,
+    derive,
     flatten,
+    from_dict,
     load,
-    override,
     read_json,
     split_assignment,
 )
@@ -58,10 +60,11 @@ class Choice:
 
         A user who names a data file gets a data section of their own: none of the preset's files, caps or labels
         (a preset's test file scored against their training file would be a silent wrong result). Label names
-        come from the user's labels unless given with them. data.root ends up absolute.
+        come from the user's labels unless given with them; keys that follow from others follow them unless set
+        (`schema.derive`: model.vocab_size, model.num_classes). data.root ends up absolute.
 
-        Every setting is applied at once (one `override`, one validation): keys that go together, such as
-        model.num_classes and data.labels, are checked together whichever source set them."""
+        Every setting is applied at once (one validation): keys that go together, such as model.num_classes and
+        data.labels, are checked together whichever source set them."""
         settings = self.settings()
         own = self.run is None and any(k in settings for k in OWN_DATA)
         cfg = load(self.run) if self.run else preset(self.preset)
@@ -69,11 +72,13 @@ class Choice:
             tc = cfg.tokenizer
             cfg = dataclasses.replace(cfg, data=DataConfig(), tokenizer=tc if tc.kind == "lab" else
                                       dataclasses.replace(tc, model="", vocab=""))
-        changes: dict[str, Any] = {**(fixed or {}), **settings}
+        data = cfg.to_dict()
+        assign(data, {**(fixed or {}), **settings})  # --config's keys, then --set's, override what is fixed
         if "data.labels" in settings and "data.label_names" not in settings:
-            changes["data.label_names"] = []
-        changes["data.root"] = os.path.abspath(os.path.expanduser(str(changes.get("data.root", cfg.data.root))))
-        cfg = override(cfg, changes)
+            assign(data, {"data.label_names": []})
+        derive(data, {*settings, *(fixed or {})})
+        data["data"]["root"] = os.path.abspath(os.path.expanduser(str(data["data"]["root"])))
+        cfg = from_dict(data)
         if own and cfg.tokenizer.kind == "lab" and "tokenizer.kind" not in (fixed or {}) \
                 and "tokenizer.model" not in settings:
             raise ConfigError(f"preset {cfg.preset!r} loads the lab's French tokenizer (tokenizer.kind=lab) from its "

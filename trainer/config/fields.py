@@ -70,21 +70,53 @@ def keys_of(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+# What other tools call some of our keys (HF TrainingArguments and model configs, PyTorch, scikit-learn), by leaf
+# name without underscores: a user who types theirs is pointed to ours.
+ALIASES = {
+    "learningrate": "lr", "lrschedulertype": "schedule", "scheduler": "schedule", "warmup": "warmup_steps",
+    "numtrainepochs": "epochs", "numepochs": "epochs", "batchsize": "micro_batch", "trainbatchsize": "micro_batch",
+    "perdevicetrainbatchsize": "micro_batch", "gradientaccumulationsteps": "grad_accum", "maxgradnorm": "grad_clip",
+    "clipgradnorm": "grad_clip", "numlabels": "num_classes", "maxlength": "max_len", "maxseqlength": "max_len",
+    "optimizer": "name", "loggingsteps": "log_every", "savesteps": "checkpoint_every", "evalsteps": "eval_every",
+    "hiddensize": "d_model", "numhiddenlayers": "n_layers", "numattentionheads": "n_heads",
+    "intermediatesize": "d_ff", "earlystoppingpatience": "patience", "savetotallimit": "keep_checkpoints",
+    "textcolumn": "text_field", "labelcolumn": "label_field", "hiddendropoutprob": "dropout",
+}
+
+
+def _leaf(key: str) -> str:
+    return key.rpartition(".")[2]
+
+
+def closest_keys(key: str, valid: list[str]) -> list[str]:
+    """At most two valid keys a mistyped one most likely meant, searched among every key (nested sections too): the
+    same name or another tool's name for it (ALIASES), or a close spelling; those under the same section first."""
+    parent, top, leaf = key.rpartition(".")[0], key.split(".")[0], _leaf(key)
+    leaves = sorted({_leaf(k) for k in valid})
+    alias = ALIASES.get(leaf.replace("_", "").lower())
+    exact = {leaf} | ({alias} if alias else set())
+    near = set(difflib.get_close_matches(leaf, leaves, n=3, cutoff=0.6))
+    whole = difflib.get_close_matches(key, valid, n=2, cutoff=0.8)
+    if whole and not any(k.startswith(top + ".") for k in valid):  # a mistyped section: "pretrian.max_steps"
+        return whole
+    hits = [k for k in valid if _leaf(k) in exact | near]
+    hits += [k for k in whole if k not in hits]
+    same_top = [k for k in hits if k.split(".")[0] == top and "." in key]
+    ranked = sorted(same_top or hits, key=lambda k: (k.rpartition(".")[0] != parent, _leaf(k) not in exact,
+                                                     -difflib.SequenceMatcher(None, leaf, _leaf(k)).ratio()))
+    return ranked[:2]
+
+
 def unknown_key(key: str, valid: list[str]) -> ConfigError:
-    """The error for a key no section has: the closest valid key (in the same section first), then the keys of that
-    section (or the sections), and where every key is described."""
-    parent, _, leaf = key.rpartition(".")
-    siblings = [k for k in valid if k.rpartition(".")[0] == parent]
-    leaves = {k.rpartition(".")[2]: k for k in siblings}  # compare names without their shared section
-    close = [leaves[m] for m in difflib.get_close_matches(leaf, leaves, n=1, cutoff=0.6)] \
-        or difflib.get_close_matches(key, valid, n=1, cutoff=0.8)
-    if not close:  # the right name in the wrong place ("pretrain.lr" for "pretrain.optim.lr")
-        same = [k for k in valid if k.rpartition(".")[2] == leaf]
-        close = [k for k in same if k.split(".")[0] == key.split(".")[0]] or same
-    hint = f" (did you mean {' or '.join(repr(k) for k in close[:2])}?)" if close else ""
+    """The error for a key no section has: the closest valid keys (`closest_keys`), then every key of that section,
+    nested ones included (or the sections), and where every key is described."""
+    parent = key.rpartition(".")[0]
+    close = closest_keys(key, valid)
+    hint = f" (did you mean {' or '.join(repr(k) for k in close)}?)" if close else ""
     sections = f"sections: {', '.join(dict.fromkeys(k.split('.')[0] for k in valid if '.' in k))}"
-    if parent and siblings:
-        listed = f"keys of {parent!r}: {', '.join(siblings)}"
+    inside = [k for k in valid if k.startswith(parent + ".")] if parent else []
+    if inside:
+        listed = f"keys of {parent!r}: {', '.join(inside)}"
     else:
         listed = f"top-level keys: {', '.join(k for k in valid if '.' not in k)}; {sections}"
     return ConfigError(f"unknown config key {key!r}{hint}; {listed} ({HELP})")

@@ -86,7 +86,7 @@ def demo() -> RunConfig:
             optim=OptimConfig(lr=1e-3, warmup_steps=100, schedule="cosine"),
         ),
         finetune=FinetuneConfig(micro_batch=16, epochs=6, dropout=0.1, optim=OptimConfig(lr=1e-4)),
-        engine=EngineConfig(checkpoint_every=500, log_every=25),
+        engine=EngineConfig(checkpoint_every=500),
     )
 
 
@@ -118,7 +118,9 @@ def english() -> RunConfig:
         # 65,367 packed windows of 256 ids, 4,085 steps a pass: max_steps ends the run in the third pass (with
         # max_steps set, epochs does not bound the run)
         pretrain=dataclasses.replace(base.pretrain, micro_batch=16, seq_len=256, epochs=2, max_steps=10_000),
-        finetune=dataclasses.replace(base.finetune, epochs=2),  # 22,500 labeled reviews: 2 epochs are 2,814 steps
+        # 22,500 labeled reviews: 2 epochs are 2,814 steps. The baseline: word n-grams only; character n-grams of
+        # 100,000 long reviews cost 6.5x as much to vectorize (docs/RESULTS.md, the baseline)
+        finetune=dataclasses.replace(base.finetune, epochs=2, tfidf_baseline="word"),
         engine=dataclasses.replace(base.engine, checkpoint_every=1000),
     )
 
@@ -138,7 +140,6 @@ def tiny() -> RunConfig:
         ),
         pretrain=PretrainConfig(micro_batch=13, seq_len=24, epochs=1, max_steps=6, optim=OptimConfig(lr=1e-3)),
         finetune=FinetuneConfig(micro_batch=13, epochs=2, optim=OptimConfig(lr=1e-3)),
-        engine=EngineConfig(log_every=2),
     )
 
 

@@ -165,7 +165,9 @@ class EngineConfig:
     deepspeed_config: str = ""  # a user's DeepSpeed JSON whose keys override the derived ones
     checkpoint_every: Count = 0  # steps between resumable checkpoints (0 = only at the end)
     keep_checkpoints: Size = 2  # older engine checkpoints are deleted; 0 would delete the one --resume needs
-    log_every: Size = 10  # steps between log lines (the only host-device syncs in the loop)
+    # Steps between log rows (metrics.csv, TensorBoard, a line when stderr is no terminal; each is the loop's one
+    # host-device sync); 0: about 50 rows per run, a round number (trainer/engine/monitor.py, log_interval)
+    log_every: Count = 0
 
 
 @section("pretrain")
@@ -195,6 +197,9 @@ class FinetuneConfig:
     select_metric: Literal["accuracy", "macro_f1"] = "accuracy"  # validation score that picks the epoch kept
     patience: Count = 0  # stop after this many epochs without a better validation score (0: run every epoch)
     class_weights: Literal["none", "balanced"] = "none"  # balanced: loss weight n / (classes x n_class) per class
+    # TF-IDF + logistic regression scored on the same splits beside the model (trainer/baseline.py): word 1-2-grams
+    # and character 2-5-grams, word n-grams only (on long texts the character n-grams cost 6.5x more), or none
+    tfidf_baseline: Literal["word+char", "word", "none"] = "word+char"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
 
 
@@ -269,8 +274,15 @@ def valid_keys() -> list[str]:
 
 def override(cfg: RunConfig, assignments: list[str] | dict[str, Any]) -> RunConfig:
     """Apply `section.field=value` overrides (values are coerced to the field's type); a new, validated config."""
-    items = assignments.items() if isinstance(assignments, dict) else [split_assignment(a) for a in assignments]
     data = cfg.to_dict()
+    assign(data, assignments)
+    return from_dict(data)
+
+
+def assign(data: dict[str, Any], assignments: list[str] | dict[str, Any]) -> None:
+    """Set `section.field=value` items in a config's nested dict, unvalidated (`from_dict` checks it); an unknown key
+    is an error with the closest valid one."""
+    items = assignments.items() if isinstance(assignments, dict) else [split_assignment(a) for a in assignments]
     valid = valid_keys()
     for key, value in items:
         if key not in valid:
@@ -280,7 +292,21 @@ def override(cfg: RunConfig, assignments: list[str] | dict[str, Any]) -> RunConf
         for p in parents:
             node = node[p]
         node[leaf] = value
-    return from_dict(data)
+
+
+def derive(data: dict[str, Any], given: set[str]) -> None:
+    """The keys that follow from others unless the user gave them (`given`), set in a config's nested dict:
+    model.vocab_size from a trained tokenizer's vocab_size (plus the specials), model.num_classes from data.labels.
+    A value that does not parse is left for validation to name."""
+    model, tok = data["model"], data["tokenizer"]
+    if "model.vocab_size" not in given and tok.get("kind") == "train":
+        try:
+            model["vocab_size"] = int(tok["vocab_size"]) + N_SPECIALS
+        except (TypeError, ValueError):
+            pass
+    labels = comma_list(data["data"].get("labels"))
+    if "model.num_classes" not in given and isinstance(labels, list) and len(labels) >= 2:
+        model["num_classes"] = len(labels)
 
 
 def split_assignment(assignment: str) -> tuple[str, str]:

@@ -39,14 +39,15 @@ def read_blocks(path: str | Path, block_bytes: int = 1 << 20) -> Iterator[Block]
     """Cut a .txt/.spm/.jsonl/.tsv/.csv file (gzipped or not) into blocks of about `block_bytes` of whole records,
     without decoding them: the one sequential reader of a parallel prepare stays far faster than the workers that
     parse and tokenize. A .csv block ends only where the quotes seen so far are balanced, so a quoted field's
-    newlines never split its record. The header record goes with every block, not in one."""
+    newlines never split its record; a .tsv block too, when a field in it starts with a quote (else every quote in it
+    is a character: `_opens_quote`). The header record goes with every block, not in one."""
     path = Path(path)
     fmt = file_format(path)
     if fmt == ".parquet":
         raise DataError(f"{path}: parquet files are read by row group, not in text blocks")
     if not path.is_file():
         raise DataError(f"{path}: file not found" if not path.exists() else f"{path}: not a file")
-    quoted, wants_header = fmt == ".csv", fmt in (".tsv", ".csv")
+    table = fmt in (".tsv", ".csv")
     header: bytes | None = None
     line = 1  # number of the first line in `pending`
     pending = b""
@@ -59,12 +60,13 @@ def read_blocks(path: str | Path, block_bytes: int = 1 << 20) -> Iterator[Block]
                     if len(pending) < block_bytes:
                         continue
                 while pending:
-                    first = wants_header and header is None
+                    first = table and header is None
+                    quoted = fmt == ".csv" or (fmt == ".tsv" and _opens_quote(pending))
                     end = _record_end(pending, quoted, first)
                     if end < 0 and chunk is not None:  # no whole record yet: read on
                         if len(pending) > MAX_RECORD_BYTES:
                             raise DataError(f"{path}:{line}: a record starting on line {line} runs past "
-                                            f"{MAX_RECORD_BYTES >> 20} MiB" + (" (an unclosed quote?)" * quoted))
+                                            f"{MAX_RECORD_BYTES >> 20} MiB" + (" (an unclosed quote?)" * table))
                         break
                     end = len(pending) - 1 if end < 0 else end  # the end of the file ends the last record
                     piece, pending = pending[:end + 1], pending[end + 1:]
@@ -77,6 +79,11 @@ def read_blocks(path: str | Path, block_bytes: int = 1 << 20) -> Iterator[Block]
                         break  # what is left is less than a record: read on
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise DataError(f"{path}: corrupt gzip data after line {line}: {e}") from None
+
+
+def _opens_quote(data: bytes) -> bool:
+    """Whether a field of these whole lines of a .tsv starts with a quote (only such a quote opens a quoted field)."""
+    return data.startswith(b'"') or b'\t"' in data or b'\n"' in data
 
 
 def _record_end(data: bytes, quoted: bool, first: bool = False) -> int:

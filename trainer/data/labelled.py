@@ -16,10 +16,13 @@ import torch
 
 from trainer.config.schema import ConfigError, RunConfig, override
 from trainer.data.batching import pad_batch
-from trainer.data.readers import DataError, Example, label_values, read_labeled
+from trainer.data.readers import SHOWN_LINES, DataError, Example, Occurrences, label_occurrences, read_labeled
 from trainer.data.tokenizer import Tokenizer
 
 SALT = {"test": 1, "valid": 2}  # seeds the two splits apart
+# Fewest examples of a class found in a training file (without data.labels): below it, a stratified 10% validation
+# split holds at most one of them, and a class of a few rows is more often a typo than a class.
+MIN_CLASS_EXAMPLES = 10
 
 
 @dataclasses.dataclass
@@ -31,6 +34,7 @@ class Part:
     cap: str = ""  # the config key that capped it, with its value ("" when none applied)
     total: int = 0  # examples before the cap
     split_off: bool = False  # held out of data.train
+    blank: list[str] = dataclasses.field(default_factory=list)  # "file:line" of the blank texts skipped
 
 
 @dataclasses.dataclass
@@ -48,7 +52,8 @@ class Labelled:
             counts = Counter(ex.label for ex in part.examples)
             per = ", ".join(f"{names[i]} {counts.get(i, 0)}" for i in range(len(names)))
             cap = f" (of {part.total}: {part.cap})" if part.cap else ""
-            lines.append(f"data: {name}: {part.source}: {len(part.examples)} examples{cap}; {per}")
+            lines.append(f"data: {name}: {part.source}: {len(part.examples)} examples{cap}; {per}"
+                         + (f"; {blank_note(part.blank)}" if part.blank else ""))
         pairs = ", ".join(f"{v!r} -> {n!r}" for v, n in zip(d.labels, names, strict=True))
         lines.append(f"data: labels (value in the file -> name served, head order): {pairs}")
         caps = [f"data.max_train_examples={d.max_train_examples}", f"data.max_valid_examples={d.max_valid_examples}",
@@ -57,20 +62,68 @@ class Labelled:
         return lines
 
 
+def blank_note(where: list[str]) -> str:
+    """"3 blank texts skipped (FILE:4, FILE:9, FILE:12)": what a log or report says of them."""
+    shown = ", ".join(where[:SHOWN_LINES]) + (", ..." if len(where) > SHOWN_LINES else "")
+    return f"{len(where)} blank text{'s' * (len(where) != 1)} skipped ({shown})"
+
+
 def settle_labels(cfg: RunConfig, num_classes_set: bool) -> RunConfig:
-    """data.labels = [] means the distinct values of the training file, sorted; the head gets one logit each."""
+    """data.labels = [] means the distinct values of the training file, sorted; the head gets one logit each. What
+    would silently become a class of its own is an error instead (`check_values`)."""
     if cfg.data.labels:
         return cfg
     if not cfg.data.train:
         raise ConfigError("data.train is not set: name your labelled training file (--set data.train=FILE)")
-    values = label_values(cfg.data.path(cfg.data.train), cfg.data.text_field, cfg.data.label_field)
-    if len(values) < 2:
-        raise DataError(f"{cfg.data.path(cfg.data.train)}: every example has label {values[0]!r}; a classifier "
-                        "needs at least 2 classes")
+    found = label_occurrences(cfg.data.path(cfg.data.train), cfg.data.text_field, cfg.data.label_field)
+    check_values(cfg.data.path(cfg.data.train), found)
+    values = list(found)
     if num_classes_set and cfg.model.num_classes != len(values):
         raise ConfigError(f"model.num_classes={cfg.model.num_classes} but {cfg.data.train} holds {len(values)} label "
                           f"values {values}; set data.labels to the ones to keep, or drop model.num_classes")
     return override(cfg, {"data.labels": values, "model.num_classes": len(values)})
+
+
+def check_values(path: Path, found: dict[str, Occurrences]) -> None:
+    """The label values of a training file, when data.labels does not list them: an empty value, two spellings of
+    one value (`Positive`/`positive`, `1`/`true`/`1.0`) and a class of fewer than MIN_CLASS_EXAMPLES examples are
+    errors naming the value and its lines, since each would silently become a class of its own."""
+    def lines(value: str) -> str:
+        o = found[value]
+        return ", ".join(o.where) + (", ..." if o.count > len(o.where) else "")
+
+    if "" in found:
+        raise DataError(f"{path}: {found[''].count} example{'s' * (found[''].count != 1)} with an empty label "
+                        f"({lines('')}); fill in or drop those rows (or list the classes in data.labels)")
+    spellings: dict[str, list[str]] = {}
+    for value in found:
+        spellings.setdefault(canonical(value), []).append(value)
+    for same in spellings.values():
+        if len(same) > 1:
+            shown = " and ".join(f"{v!r} ({found[v].count} example{'s' * (found[v].count != 1)}: {lines(v)})"
+                                 for v in same)
+            raise DataError(f"{path}: the label values {shown} differ only by case or type: write one spelling "
+                            "(or list the classes in data.labels)")
+    if len(found) < 2:
+        raise DataError(f"{path}: every example has label {next(iter(found))!r}; a classifier needs at least 2 "
+                        "classes")
+    for value, o in found.items():
+        if o.count < MIN_CLASS_EXAMPLES:
+            raise DataError(f"{path}: label {value!r} has {o.count} example{'s' * (o.count != 1)} ({lines(value)}), "
+                            f"fewer than {MIN_CLASS_EXAMPLES}: too few to learn or score a class; fix or drop those "
+                            f"rows, or list the classes to train in data.labels (e.g. data.labels="
+                            f"{','.join(v for v in found if v != value)},{value})")
+
+
+def canonical(value: str) -> str:
+    """One spelling per value: case folded; true/false as 1/0; a number as its float ("1.0" -> "1")."""
+    v = value.strip().casefold()
+    v = {"true": "1", "false": "0"}.get(v, v)
+    try:
+        number = float(v)
+    except ValueError:
+        return v
+    return repr(number) if np.isfinite(number) else v
 
 
 def load(cfg: RunConfig) -> Labelled:
@@ -79,15 +132,17 @@ def load(cfg: RunConfig) -> Labelled:
     if not d.train:
         raise ConfigError("data.train is not set: name your labelled training file (--set data.train=FILE)")
 
-    def read(name: str) -> list[Example]:
-        return read_labeled(d.path(name), d.labels, d.text_field, d.label_field)
+    def read(name: str, blank: list[str]) -> list[Example]:
+        return read_labeled(d.path(name), d.labels, d.text_field, d.label_field, blank)
 
-    rest = read(d.train)
+    train_blank: list[str] = []
+    rest = read(d.train, train_blank)
     file = str(d.path(d.train))
     parts: dict[str, Part] = {}
     for split, name, share in (("test", d.test, d.test_split), ("valid", d.valid, d.valid_split)):
         if name:
-            parts[split] = Part(read(name), str(d.path(name)))
+            blank: list[str] = []
+            parts[split] = Part(read(name, blank), str(d.path(name)), blank=blank)
         elif share > 0:
             held, rest = stratified_split(rest, share, cfg.seed, SALT[split])
             whole = f"{file} less its test split" if "test" in parts and parts["test"].split_off else file
@@ -101,9 +156,13 @@ def load(cfg: RunConfig) -> Labelled:
                               f"to split; name a file with data.{split}=FILE")
     held_out = [s for s, p in parts.items() if p.split_off]
     train_src = f"{file} less its {' and '.join(held_out)} split{'s' * (len(held_out) > 1)}" if held_out else file
-    train = capped(Part(rest, train_src), d.max_train_examples, "data.max_train_examples", cfg.seed)
+    train = capped(Part(rest, train_src, blank=train_blank), d.max_train_examples, "data.max_train_examples",
+                   cfg.seed)
     valid = capped(parts["valid"], d.max_valid_examples, "data.max_valid_examples", cfg.seed)
-    extra = {name: Part(read(name), str(d.path(name))) for name in d.extra_test}
+    extra = {}
+    for name in d.extra_test:
+        blank = []
+        extra[name] = Part(read(name, blank), str(d.path(name)), blank=blank)
     return Labelled(train, valid, parts["test"], extra)
 
 
@@ -131,7 +190,8 @@ def capped(part: Part, limit: int, key: str, seed: int) -> Part:
     if not limit or limit >= len(part.examples):
         return dataclasses.replace(part, total=len(part.examples))
     keep = pick(seed, len(part.examples), limit)
-    return Part([part.examples[i] for i in keep], part.source, f"{key}={limit}", len(part.examples))
+    return Part([part.examples[i] for i in keep], part.source, f"{key}={limit}", len(part.examples),
+                blank=part.blank)
 
 
 def pick(seed: int, n: int, limit: int) -> np.ndarray:

@@ -4,6 +4,8 @@ Formats, chosen by the file name (a trailing .gz means gzip, any format):
   .txt    one document a line; blank lines skipped. Labeled: labels in a sibling .label file (line i <-> line i).
   .jsonl  one JSON object a line; `text_field` / `label_field` name the keys (IMDB: "text", "label").
   .tsv    tab-separated with a header row (SST-2), CRLF tolerated; `text_field` / `label_field` name the columns.
+          Quoted as Python's csv module and pandas write it (a field that starts with " ends at the next lone ",
+          may hold tabs and newlines, and "" inside is one "), so a .tsv and a .csv of the same table read the same.
           When the header lacks `text_field` and has exactly one column besides `label_field`, that column is the
           text (SST-2's train/dev call it "sentence", its test "content").
   .spm    the lab's pre-tokenized sentencepiece pieces, space-separated; labels in the sibling .label file
@@ -17,6 +19,11 @@ Formats, chosen by the file name (a trailing .gz means gzip, any format):
 Every problem raises `DataError` naming the file and line (or row). Lines are split on "\\n" only and decoded one
 at a time, so a non-UTF-8 byte is reported with its line number and large files are streamed.
 
+Blank texts (empty or whitespace only) are one rule everywhere: a labelled reader skips them and lists where
+(`read_labeled(..., skipped=)`, which training and `export --check` report), `read_rows` keeps them (so that
+`predict` writes a row for every input row), and an unlabelled corpus has no blank documents (`iter_texts`).
+`STDIN` ("-") reads standard input in a format given by name (`stdin_lines`).
+
 Blocks of raw lines parsed in other processes (trainer/data/prepare.py's workers): trainer/data/blocks.py, on
 `_records`.
 """
@@ -29,16 +36,17 @@ import gzip
 import itertools
 import json
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from trainer.data.errors import DataError, name_it
 
 FORMATS = (".txt", ".jsonl", ".tsv", ".spm", ".csv", ".parquet")
 LABEL_SUFFIX = ".label"
-
-
+STDIN = "-"  # a file name that means standard input (predict --data -)
+SHOWN_LINES = 8  # lines listed in an error that names many
 
 
 @dataclass
@@ -116,27 +124,26 @@ def _label_path(path: Path) -> Path:
 
 
 def _records(path: Path, text_field: str, label_field: str, labeled: bool,
-             lines: Iterator[tuple[int, str]] | None = None) -> Iterator[tuple[int, str, object]]:
-    """(line, text or pieces line, raw label or None) for non-blank records of a file; `lines`: parse these
-    (numbered) lines of it instead of reading it (a block, after its header: `block_texts`)."""
+             lines: Iterator[tuple[int, str]] | None = None, fmt: str | None = None,
+             blank_lines: bool = False) -> Iterator[tuple[int, str, object]]:
+    """(line, text or pieces line, raw label or None) of every record of a file (a record's text may be blank); a
+    .txt/.spm blank line is a record only with `blank_lines`. `lines`: parse these (numbered) lines instead of
+    reading the file (a block after its header: `block_texts`; standard input), in format `fmt`."""
     from trainer.data import tables  # the table formats (.tsv/.csv/.parquet)
 
-    fmt = file_format(path)
+    fmt = fmt or file_format(path)
     if fmt == ".parquet":
         yield from tables.parquet_records(path, text_field, label_field, labeled)
         return
     lines = _lines(path) if lines is None else lines
-    if fmt == ".csv":
-        yield from tables.csv_records(path, lines, text_field, label_field, labeled)
+    if fmt in (".csv", ".tsv"):
+        yield from tables.csv_records(path, lines, text_field, label_field, labeled, fmt)
     elif fmt in (".txt", ".spm"):
         for n, line in lines:
-            if line.strip():
+            if blank_lines or line.strip():
                 yield n, line, None
-    elif fmt == ".jsonl":
+    else:  # .jsonl
         yield from _jsonl(path, lines, text_field, label_field, labeled)
-    else:  # .tsv
-        rows = ((n, line.split("\t")) for n, line in lines if line.strip())
-        yield from tables.table(path, rows, text_field, label_field, labeled, "tab-separated")
 
 
 def _jsonl(path: Path, lines: Iterator[tuple[int, str]], text_field: str, label_field: str,
@@ -192,35 +199,99 @@ def iter_texts(path: str | Path, text_field: str = "text", label_field: str = "l
         raise DataError(f"{path}: file is empty (no non-blank lines)")
 
 
-def read_labeled(
-    path: str | Path, labels: Sequence[str], text_field: str = "text", label_field: str = "label"
-) -> list[Example]:
-    """All examples of a labeled file; each label must be one of `labels` (its index becomes `Example.label`)."""
+def is_blank(ex: Example) -> bool:
+    """An example with no text: empty or whitespace only (a .spm line without pieces)."""
+    return not (ex.text.strip() if ex.text is not None else ex.pieces)
+
+
+def read_labeled(path: str | Path, labels: Sequence[str], text_field: str = "text", label_field: str = "label",
+                 skipped: list[str] | None = None, lines: Iterable[tuple[int, str]] | None = None,
+                 fmt: str | None = None) -> list[Example]:
+    """All examples of a labeled file; each label must be one of `labels` (its index becomes `Example.label`). A
+    blank text is no example: it is skipped, and its "file:line" appended to `skipped` when given. `lines`, `fmt`:
+    parse these numbered lines (standard input: `stdin_lines`) in that format instead of reading `path`."""
     path = Path(path)
-    fmt = file_format(path)
+    fmt = fmt or file_format(path)
     index = {str(lab): i for i, lab in enumerate(labels)}
     out: list[Example] = []
-    for n, text, value, where in _labelled(path, text_field, label_field):
+    blank = 0
+    for n, text, value, where in _labelled(path, text_field, label_field, lines, fmt):
+        if not text.strip():
+            blank += 1
+            if skipped is not None:
+                skipped.append(f"{path}:{n}")
+            continue
         if value not in index:
             raise DataError(f"{where}: unknown label {value!r}; the declared labels (data.labels) are {list(index)}")
         out.append(_example(path, fmt, n, text, index[value]))
+    if not out:
+        raise DataError(f"{path}: no examples: the text of each of its {blank} records is blank")
     return out
 
 
+def read_rows(path: str | Path, labels: Sequence[str] | None, text_field: str = "text", label_field: str = "label",
+              lines: Iterable[tuple[int, str]] | None = None, fmt: str | None = None) -> list[Example]:
+    """Every input row of a file, in order, blank texts included (`is_blank`; their label is None): what `predict`
+    answers row by row. A .txt/.spm line is a row, blank or not. `labels`: each other row's label must be one of
+    them (its index becomes `Example.label`); None: labels are not read."""
+    path = Path(path)
+    fmt = fmt or file_format(path)
+    if labels is None:
+        return [_example(path, fmt, n, text, None) for n, text, _ in
+                _records(path, text_field, label_field, False, None if lines is None else iter(lines), fmt, True)]
+    index = {str(lab): i for i, lab in enumerate(labels)}
+    out = []
+    for n, text, value, where in _labelled(path, text_field, label_field, lines, fmt):
+        if text.strip() and value not in index:
+            raise DataError(f"{where}: unknown label {value!r}; the model's label values are {list(index)}")
+        out.append(_example(path, fmt, n, text, index[value] if text.strip() else None))
+    return out
+
+
+@dataclass(frozen=True)
+class Occurrences:
+    """Where one label value occurs in a labelled file."""
+
+    count: int
+    where: list[str]  # "file:line" of its first SHOWN_LINES examples
+
+
+def label_occurrences(path: str | Path, text_field: str = "text",
+                      label_field: str = "label") -> dict[str, Occurrences]:
+    """Each distinct label value of a labelled file's examples (blank texts skipped), in sorted order (`sort_values`),
+    with its count and first lines."""
+    counts: dict[str, int] = {}
+    where: dict[str, list[str]] = {}
+    for _, text, value, at in _labelled(Path(path), text_field, label_field):
+        if not text.strip():
+            continue
+        counts[value] = counts.get(value, 0) + 1
+        if len(seen := where.setdefault(value, [])) < SHOWN_LINES:
+            seen.append(at)
+    return {v: Occurrences(counts[v], where[v]) for v in sort_values(counts)}
+
+
 def label_values(path: str | Path, text_field: str = "text", label_field: str = "label") -> list[str]:
-    """The distinct label values of a labeled file, sorted: numerically when all are numbers ("2" < "10")."""
-    values = {value for _, _, value, _ in _labelled(Path(path), text_field, label_field)}
+    """The distinct label values of a labeled file, sorted (`sort_values`)."""
+    return list(label_occurrences(path, text_field, label_field))
+
+
+def sort_values(values: Iterable[str]) -> list[str]:
+    """Label values sorted: numerically when all are numbers ("2" < "10"), else as strings."""
     try:
         return sorted(values, key=float)
     except ValueError:
         return sorted(values)
 
 
-def has_labels(path: str | Path, label_field: str = "label") -> bool:
+def has_labels(path: str | Path, label_field: str = "label", lines: Iterable[tuple[int, str]] | None = None,
+               fmt: str | None = None) -> bool:
     """Whether a file carries labels: a sibling .label file (.txt/.spm), else `label_field` in its first record."""
     path = Path(path)
-    fmt = file_format(path)
+    fmt = fmt or file_format(path)
     if fmt in (".txt", ".spm"):
+        if lines is not None:
+            return False  # standard input: one text a line, no sibling file
         try:
             return _label_path(path) is not None
         except DataError:
@@ -229,7 +300,7 @@ def has_labels(path: str | Path, label_field: str = "label") -> bool:
         from trainer.data.tables import parquet_file
 
         return label_field in parquet_file(path).schema_arrow.names
-    for _, line in _lines(path):
+    for _, line in _lines(path) if lines is None else lines:
         if not line.strip():
             continue
         if fmt == ".jsonl":
@@ -238,17 +309,26 @@ def has_labels(path: str | Path, label_field: str = "label") -> bool:
             except json.JSONDecodeError:
                 return True  # malformed: let the labeled reader name the line
             return not isinstance(obj, dict) or label_field in obj
-        return label_field in (next(csv.reader([line])) if fmt == ".csv" else line.split("\t"))
+        return label_field in next(csv.reader([line], delimiter="," if fmt == ".csv" else "\t"))
     return False
 
 
-def _labelled(path: Path, text_field: str, label_field: str) -> Iterator[tuple[int, str, str, str]]:
-    """(line, text or pieces line, label value stripped, "file:line" of the label) of every example."""
-    fmt = file_format(path)
-    if not path.is_file():  # before looking for a sibling .label file
+def stdin_lines(stream: BinaryIO, name: str = "<stdin>") -> list[tuple[int, str]]:
+    """Every line of a binary stream (standard input), numbered from 1 and decoded as `_lines` does a file's."""
+    return [(n, _decode_line(Path(name), n, raw)) for n, raw in enumerate(stream, 1)]
+
+
+def _labelled(path: Path, text_field: str, label_field: str, lines: Iterable[tuple[int, str]] | None = None,
+              fmt: str | None = None) -> Iterator[tuple[int, str, str, str]]:
+    """(line, text or pieces line, label value stripped, "file:line" of the label) of every record, blank texts
+    included (their callers skip or keep them)."""
+    fmt = fmt or file_format(path)
+    if lines is None and not path.is_file():  # before looking for a sibling .label file
         raise DataError(f"{path}: file not found")
     count = 0
     if fmt in (".spm", ".txt"):
+        if lines is not None:
+            raise DataError(f"{path}: one text a line carries no labels (a .label file is read beside a file only)")
         label_path = _label_path(path)
         texts, tags = _lines(path), _lines(label_path)
         for pair in itertools.zip_longest(texts, tags):
@@ -260,12 +340,11 @@ def _labelled(path: Path, text_field: str, label_field: str) -> Iterator[tuple[i
                     f"the label file is {'shorter' if n_tags < n_texts else 'longer'} than its text file"
                 )
             (n, text), (m, tag) = pair
-            if not text.strip():
-                raise DataError(f"{path}:{n}: empty document (it pairs with line {m} of {label_path})")
             count += 1
             yield n, text, tag.strip(), f"{label_path}:{m}"
     else:
-        for n, text, raw in _records(path, text_field, label_field, labeled=True):
+        for n, text, raw in _records(path, text_field, label_field, True, None if lines is None else iter(lines),
+                                     fmt):
             count += 1
             yield n, text, str(raw).strip(), f"{path}:{n}"
     if not count:

@@ -1,9 +1,11 @@
 """The table formats of trainer/data/readers.py: records of a file whose columns have names (.tsv, .csv, .parquet).
 
 `data.text_field` / `data.label_field` name the columns (the header row of a .tsv / .csv, the schema of a .parquet).
-.csv follows RFC 4180 (quoted fields may hold commas, newlines and doubled quotes); a record's number is the line it
-starts on. .parquet is read one row group at a time, in batches, never whole (pyarrow, imported for these files
-only); a record's number is its row in the file, from 1. Every problem names the file and the line or row.
+.csv and .tsv are read as Python's csv module and pandas write them (RFC 4180 quoting: quoted fields may hold the
+delimiter, newlines and doubled quotes), so the same table as .csv or .tsv gives the same records; a record's number
+is the line it starts on. .parquet is read one row group at a time, in batches, never whole (pyarrow, imported for
+these files only); a record's number is its row in the file, from 1. Every problem names the file and the line or
+row.
 """
 
 from __future__ import annotations
@@ -21,29 +23,7 @@ CSV_FIELD_CHARS = 1 << 28  # csv's default limit (131,072 characters) is shorter
 PARQUET_BATCH_ROWS = 4096  # rows decoded at a time inside a row group
 
 
-def table(path: Path, rows: Iterator[tuple[int, list[str]]], text_field: str, label_field: str, labeled: bool,
-           kind: str) -> Iterator[tuple[int, str, str | None]]:
-    """Records of a table whose first row is a header naming its columns (.tsv; any reader of rows of fields)."""
-    first = next(rows, None)
-    if first is None:
-        raise DataError(f"{path}: file is empty (expected a header row)")
-    _, columns = first
-    if text_field not in columns and label_field not in columns and any(len(c) > 40 or len(c.split()) > 3
-                                                                        for c in columns):
-        shown = [c if len(c) <= 24 else c[:21] + "..." for c in columns[:4]]
-        raise DataError(f"{path}:1: no header row: the first line reads like data ({shown}); add a first line "
-                        f"that names the columns ({label_field!r} and {text_field!r}, or set data.label_field and "
-                        "data.text_field to its names)")
-    text_col = text_column(path, columns, text_field, label_field)
-    label_col = None
-    if labeled:
-        if label_field not in columns:
-            raise DataError(f"{path}:1: no column {label_field!r} in the header {columns}; {name_it('label_field')}")
-        label_col = columns.index(label_field)
-    for n, fields in rows:
-        if len(fields) != len(columns):
-            raise DataError(f"{path}:{n}: {len(fields)} {kind} fields, the header has {len(columns)}")
-        yield n, fields[text_col], (fields[label_col] if label_col is not None else None)
+DIALECTS = {".csv": (",", "comma"), ".tsv": ("\t", "tab")}  # delimiter, and its name in messages
 
 
 def text_column(path: Path, columns: list[str], text_field: str, label_field: str) -> int:
@@ -55,10 +35,24 @@ def text_column(path: Path, columns: list[str], text_field: str, label_field: st
     raise DataError(f"{path}:1: no column {text_field!r} in the header {columns}; {name_it('text_field')}")
 
 
+def _check_header(path: Path, columns: list[str], text_field: str, label_field: str) -> None:
+    """A first row that reads like data (long or many-word cells, none of them a field name) is no header."""
+    if text_field not in columns and label_field not in columns and any(len(c) > 40 or len(c.split()) > 3
+                                                                        for c in columns):
+        shown = [c if len(c) <= 24 else c[:21] + "..." for c in columns[:4]]
+        raise DataError(f"{path}:1: no header row: the first line reads like data ({shown}); add a first line "
+                        f"that names the columns ({label_field!r} and {text_field!r}, or set data.label_field and "
+                        "data.text_field to its names)")
+
+
 def csv_records(path: Path, lines: Iterator[tuple[int, str]], text_field: str, label_field: str,
-                 labeled: bool) -> Iterator[tuple[int, str, object]]:
-    """(line a record starts on, text, raw label or None) of a .csv file's numbered lines, header first."""
+                labeled: bool, fmt: str = ".csv") -> Iterator[tuple[int, str, object]]:
+    """(line a record starts on, text, raw label or None) of a .csv or .tsv file's numbered lines, header first.
+
+    Both are read as Python's csv module (and pandas) write them: a field that starts with a quote is quoted (it
+    may hold the delimiter, newlines and doubled quotes ""), a quote inside an unquoted field is a character."""
     csv.field_size_limit(max(csv.field_size_limit(), CSV_FIELD_CHARS))
+    delimiter, kind = DIALECTS[fmt]
     pulled: list[int] = []  # numbers of the lines the reader took for the record it is reading
 
     def feed() -> Iterator[str]:
@@ -66,7 +60,8 @@ def csv_records(path: Path, lines: Iterator[tuple[int, str]], text_field: str, l
             pulled.append(n)
             yield line + "\n"  # a quoted field's newlines come back as "\n" (CRLF inside a field too)
 
-    reader = csv.reader(feed(), strict=True)  # strict: a stray quote is an error, not a silently merged field
+    # strict: a stray quote after a quoted field is an error, not a silently merged field
+    reader = csv.reader(feed(), delimiter=delimiter, strict=True)
     rows = 0
     columns: list[str] | None = None
     text_col = label_col = 0
@@ -77,26 +72,37 @@ def csv_records(path: Path, lines: Iterator[tuple[int, str]], text_field: str, l
             break
         except csv.Error as e:
             start = pulled[0] if pulled else 1
-            raise DataError(f"{path}:{start}: malformed CSV record starting on line {start}: {e}") from None
+            raise DataError(f"{path}:{start}: malformed {fmt[1:].upper()} record starting on line {start}: {e}"
+                            + (" (a field that starts with a quote must end with one; double a quote inside it)"
+                               if "expected after" in str(e) or "unexpected end" in str(e) else "")) from None
         start = pulled[0]
         pulled.clear()
         if columns is None:
+            if _blank_line(row):
+                continue
             columns = row
+            _check_header(path, columns, text_field, label_field)
             text_col = text_column(path, columns, text_field, label_field)
             if labeled:
                 if label_field not in columns:
-                    raise DataError(f"{path}:1: no column {label_field!r} in the header {columns}")
+                    raise DataError(f"{path}:1: no column {label_field!r} in the header {columns}; "
+                                    f"{name_it('label_field')}")
                 label_col = columns.index(label_field)
             continue
         rows += 1
-        if not row or row == [""]:  # a blank line
+        if _blank_line(row):
             continue
         if len(row) != len(columns):
-            raise DataError(f"{path}:{start}: row {rows} (line {start}) has {len(row)} comma-separated fields, the "
-                            f"header has {len(columns)} (a field holding a comma must be quoted)")
+            raise DataError(f"{path}:{start}: row {rows} (line {start}) has {len(row)} {kind}-separated fields, "
+                            f"the header has {len(columns)} (a field holding a {kind} must be quoted)")
         yield start, row[text_col], (row[label_col] if labeled else None)
     if columns is None:
         raise DataError(f"{path}: file is empty (expected a header row)")
+
+
+def _blank_line(row: list[str]) -> bool:
+    """A line with nothing but spaces: no record (a record whose text is blank is one: readers.py's rule)."""
+    return not row or (len(row) == 1 and not row[0].strip())
 
 
 def parquet_file(path: Path) -> Any:

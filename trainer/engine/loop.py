@@ -180,12 +180,13 @@ def train(run: LoopRun, task: Task, state: ckpt.LoopState) -> bool:
                 early = task.stop_early(state) if evaluated else None
                 state.done = state.step == cadence.total or early is not None
                 signum = signals.agreed()
-                tag = None
+                tag, t_save = None, time.perf_counter()
                 if cadence.checkpoint(state.step) or state.done or improved or signum:
                     tag = _checkpoint(run, state, loss_acc, logged)
                 if improved:
                     assert tag is not None
                     task.store_best(engine, ckpt_dir, tag, state)
+                t_log += time.perf_counter() - t_save  # saving is no training: the next row's rates leave it out
                 if signum:
                     how = "run the same command again to continue (--resume auto)" if run.auto_resume \
                         else "continue with the same command and --out plus --resume"

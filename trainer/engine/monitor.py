@@ -1,8 +1,10 @@
-"""What a training run leaves in its folder besides checkpoints: the resolved config, the environment, metrics.
+"""What a training run leaves in its folder besides checkpoints, and what it shows a person while it runs.
 
 Only rank 0 writes (every function here is a no-op elsewhere): `config.json`, `env.json` (versions, world size,
-hostname, command line), `metrics.csv` (one row per log interval) and TensorBoard event files under `tb/`, plus a
-tqdm progress bar on a terminal (one plain line per logged row otherwise).
+hostname, command line), `metrics.csv` (one row per log interval) and TensorBoard event files under `tb/`. Progress:
+a tqdm bar with its ETA when stderr is a terminal; otherwise (a log file, a cluster job) one plain line per logged
+row, with the share done, the time spent and an estimate of the time left. The interval, unless engine.log_every
+sets it, gives about 50 rows a run (`log_interval`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import csv
 import datetime as dt
 import io
 import json
+import math
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +60,25 @@ def write_run_info(run_dir: Path, cfg: RunConfig, ds: dict[str, Any] | None, ext
     write_text_atomic(run_dir / "env.json", json.dumps(env, indent=2) + "\n")
 
 
+ROWS_PER_RUN = 50  # log rows a run gets when engine.log_every is 0
+
+
+def log_interval(configured: int, total: int) -> int:
+    """Steps between log rows: `configured` (engine.log_every) when set, else a round number (1, 2 or 5 x 10^k) that
+    gives about ROWS_PER_RUN rows: 1,500 steps -> every 50, 120 -> every 2. A short run logs every step."""
+    if configured > 0:
+        return configured
+    target = max(1.0, total / ROWS_PER_RUN)
+    scale = 10 ** math.floor(math.log10(target))
+    return int(min((m * scale for m in (1, 2, 5, 10)), key=lambda v: abs(math.log(v / target))))
+
+
+def clock(seconds: float) -> str:
+    """1:02:03, 4:05: what a person reads."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
 def note(text: str) -> None:
     """A line on stderr from rank 0."""
     if eng.is_main():
@@ -87,6 +110,7 @@ class RunLog:
         # A bar redraws with \r many times a second: in a log file (cluster jobs, `make demo > log`) that is one
         # endless line, so without a terminal each logged row is printed as a plain line instead.
         self.tty = sys.stderr.isatty()
+        self.started, self.initial = time.monotonic(), initial  # this session's start: the ETA's rate
 
     def advance(self, n: int = 1) -> None:
         if not self.main or not self.tty:
@@ -110,9 +134,17 @@ class RunLog:
         if self.bar is not None:
             self.bar.set_postfix(shown, refresh=False)
         elif not self.tty:
-            args = self._bar_args
-            print(f"{args['desc']}: step {step}/{args['total']} " + " ".join(f"{k}={v}" for k, v in shown.items()),
-                  file=sys.stderr, flush=True)
+            print(f"{self.progress(step)} " + " ".join(f"{k}={v}" for k, v in shown.items()), file=sys.stderr,
+                  flush=True)
+
+    def progress(self, step: int) -> str:
+        """"finetune scratch: step 300/1,500 (20%, 0:12, about 0:48 left)": the ETA from this session's mean step
+        time (evaluations and checkpoints included, as they will be in the rest)."""
+        total, spent = self._bar_args["total"], time.monotonic() - self.started
+        done = step - self.initial
+        left = f", about {clock(spent / done * (total - step))} left" if done > 0 and step < total else ""
+        return (f"{self._bar_args['desc']}: step {step:,}/{total:,} ({100 * step / max(1, total):.0f}%, "
+                f"{clock(spent)}{left})")
 
     def print(self, text: str) -> None:
         if not self.main:

@@ -16,8 +16,8 @@ from trainer.engine import deepspeed_engine as eng
 
 def on_every_rank(stage: Callable[[], object]) -> NoReturn:
     """Run a training stage on this rank and end the process the way every rank must (engine.finish): exit 0, 2 for
-    an error in the input (one line naming the rank), 130 on SIGINT and 143 on SIGTERM (inside the training loop
-    after a checkpoint, trainer/engine/loop.py), 1 with a traceback for anything else."""
+    an error in the input (one line, naming the rank when there are several), 130 on SIGINT and 143 on SIGTERM
+    (inside the training loop after a checkpoint, trainer/engine/loop.py), 1 with a traceback for anything else."""
     def term(signum: int, frame: object) -> None:  # outside the loop SIGTERM stops like Ctrl-C, with a message
         raise KeyboardInterrupt("SIGTERM")
 
@@ -28,7 +28,8 @@ def on_every_rank(stage: Callable[[], object]) -> NoReturn:
     except INPUT_ERRORS as e:
         if os.environ.get("TS_TRACEBACK"):
             traceback.print_exc()
-        print(f"error: [rank {eng.rank()}] {e}", file=sys.stderr)
+        where = f"[rank {eng.rank()}] " if eng.world_size() > 1 else ""  # which rank, when there are several
+        print(f"error: {where}{e}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt as e:
         code = getattr(e, "code", 143 if str(e) == "SIGTERM" else 130)

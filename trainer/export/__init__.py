@@ -15,15 +15,20 @@ Stages, one module each: graph.py (dynamo export, one fused Attention node per l
 precision.py (int8, fp16, the tolerances), validate.py (onnxruntime against PyTorch on batch 1, 2, 13 x lengths 1,
 7, max and padded mixed lengths; beyond the precision's tolerance: ExportValidationError naming the batch),
 score.py (accuracy on --data), bundle.py (the folder, written into a temporary sibling and renamed into place: a
-failed export leaves nothing behind), check.py (--check), gate.py (--check's gates, exit codes, JSON and JUnit
-reports), triton.py (--triton-repo), cli.py.
+failed export leaves nothing behind), session.py (a bundle's graph opened as the server opens it), check.py
+(--check), gate.py (--check's gates, exit codes, JSON and JUnit reports), triton.py (--triton-repo), cli.py.
+Other stages (`predict`) use only what this package exports below.
 """
 
 from trainer.export.bundle import ExportOptions, export_bundle
 from trainer.export.check import check_bundle
 from trainer.export.cli import EXAMPLES, add_arguments, main
 from trainer.export.errors import ExportError, ExportValidationError
+from trainer.export.score import predict as batched_logits
+from trainer.export.session import ServedGraph, open_bundle
 from trainer.export.triton import write_triton_repo
+from trainer.export.validate import torch_logits
 
-__all__ = ["EXAMPLES", "ExportError", "ExportOptions", "ExportValidationError", "add_arguments", "check_bundle",
-           "export_bundle", "main", "write_triton_repo"]
+__all__ = ["EXAMPLES", "ExportError", "ExportOptions", "ExportValidationError", "ServedGraph", "add_arguments",
+           "batched_logits", "check_bundle", "export_bundle", "main", "open_bundle", "torch_logits",
+           "write_triton_repo"]

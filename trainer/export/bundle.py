@@ -137,8 +137,7 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
     if art.task != "classifier":
         raise ExportError(f"{art.path}: task {art.task!r}; only classifier artifacts are exported")
     mcfg = art.cfg.model
-    # artifact.json's "labels" are the raw values of the data (data.labels); the names (data.label_names) are what
-    # the server answers: manifest.json keeps those under "labels".
+    # label_values: the raw values of the data (data.labels); label_names: what the server answers (data.label_names)
     label_values, label_names = check_labels(art)
     tok = Tokenizer.load(art.tokenizer_dir)
     max_len = tok.max_len if opt.max_len is None else opt.max_len
@@ -171,6 +170,7 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
             label_names=label_names,
             label_values=label_values,
             max_len=max_len,
+            data_fields={"text_field": art.cfg.data.text_field, "label_field": art.cfg.data.label_field},
             special_ids=dict(SPECIALS),
             opset=opset_imports["ai.onnx"],
             opset_imports=opset_imports,
@@ -210,7 +210,7 @@ def check_labels(art: artifact_mod.Artifact) -> tuple[list[str], list[str]]:
             or not all(n.strip() for n in names):
         raise ExportError(f"{art.path}: labels {values} named {names} for a head of model.num_classes={classes}: "
                           "need one distinct value and one distinct non-empty name per class")
-    for key, want in (("labels", values), ("label_names", names)):
+    for key, want in (("label_values", values), ("label_names", names)):
         if key in art.meta and art.meta[key] != want:
             raise ExportError(f"{art.path / 'artifact.json'}: {key} {art.meta[key]} but config.json gives {want}: "
                               "the artifact was edited or assembled from two runs")
@@ -277,8 +277,9 @@ def _validate(model: torch.nn.Module, tmp: Path, opt: ExportOptions, tok: Tokeni
             validation = validate_graph(model, path, precision, opt.optimize, max_len, vocab_size, pad_id, tol,
                                         references)
             if data is not None:
+                per_row = Graph(precision, opt.quantization if precision == "int8" else None).per_row
                 validation["data"] = data_check(path, precision, opt.optimize, *data, pad_id, Path(opt.data_file),
-                                                tol)
+                                                tol, per_row)
         except ExportValidationError as e:
             if not auto_int8:
                 raise

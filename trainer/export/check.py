@@ -1,62 +1,94 @@
 """`export --check`: verify a bundle (contract.bundle.verify_bundle, the server's own check), open each of its graphs
-the way the server does, and score it on a labelled file against the PyTorch model it came from."""
+the way the server does, and score it on a labelled file against the PyTorch model it came from and against the
+TF-IDF + logistic regression baseline fitted on that model's own training split (trainer/baseline.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from contract.bundle import check_session, verify_bundle
-from contract.errors import BundleError, one_line
-from contract.manifest import DEVICES, TOKENIZER_DIR
-from contract.tokens import PAD, TOKENIZER_FILES
+import numpy as np
+
+from contract.bundle import verify_bundle
+from contract.errors import one_line
+from contract.manifest import DEVICES
+from contract.tokens import PAD
 from trainer import artifact as artifact_mod
-from trainer.data.tokenizer import Tokenizer
+from trainer import baseline
+from trainer.config.schema import ConfigError
+from trainer.data import labelled
+from trainer.data.readers import DataError, Example, read_labeled
 from trainer.export.errors import ExportError
-from trainer.export.graph import open_session
-from trainer.export.score import encode_file, score_data, torch_reference
+from trainer.export.score import score_data, torch_reference
+from trainer.export.session import bundle_tokenizer, open_graph
 
 
 def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | Path | None = None,
                  batch_size: int = 32, limit: int = 0, prefer_gpu: bool = True, compare_torch: bool = True,
-                 text_field: str | None = None, label_field: str | None = None) -> dict[str, Any]:
+                 text_field: str | None = None, label_field: str | None = None,
+                 tfidf: bool = True) -> dict[str, Any]:
     """Accuracy of each graph of a bundle on a labelled file, in an onnxruntime session opened the way the server
     opens it (a graph the manifest serves on CUDA runs there when a GPU is present), and its agreement with the
     PyTorch model of `artifact_dir` (default: the manifest's source, if present; compare_torch=False: none).
 
-    Returns {"bundle", "bundle_sha256", "file", "examples", "artifact", "graphs": {file: {"precision", "serves"
-    (devices), "provider", "bundle_accuracy", and with PyTorch "torch_accuracy", "accuracy_change_points",
-    "label_agreement", "max_abs_diff"}}, "labels": {value: name}}. The file's fields: `text_field` / `label_field`,
-    else the source artifact's, else "text" / "label"."""
+    Returns {"bundle", "bundle_sha256", "file", "fields", "examples", "blank_skipped", "artifact", "graphs": {file:
+    {"precision", "serves" (devices), "provider", "bundle_accuracy", and with PyTorch "torch_accuracy",
+    "accuracy_change_points", "label_agreement", "max_abs_diff"}}, "label_values", "label_names", "tfidf_baseline":
+    {method, recipe, C, "accuracy", "macro_f1", "verdicts": {graph: line}} or {"skipped": why}}. The file's fields:
+    `text_field` / `label_field`, else those the bundle was trained with (manifest data_fields). Blank texts are
+    skipped and counted. tfidf=False: no baseline (it needs the source artifact's training data)."""
     b = verify_bundle(bundle)
     m = b.manifest
     source = (artifact_dir or m.source_artifact.get("path")) if compare_torch else None
-    model, fields = None, ("text", "label")
+    model, art, trained_with = None, None, m.data_fields
     if source is not None and Path(source).is_dir():
         art = artifact_mod.load(source)
         if art.task != "classifier":
             raise ExportError(f"{art.path}: task {art.task!r}; --artifact must be a classifier artifact")
-        model, fields = art.model(), (art.cfg.data.text_field, art.cfg.data.label_field)
+        model = art.model()
+        if m.format == 2:  # its manifest has no data_fields: the source artifact knows them
+            trained_with = {"text_field": art.cfg.data.text_field, "label_field": art.cfg.data.label_field}
     elif artifact_dir is not None:
         raise ExportError(f"--artifact {artifact_dir}: not a folder")
-    tok = Tokenizer.from_files({n: b.files[f"{TOKENIZER_DIR}/{n}"] for n in TOKENIZER_FILES}, b.folder / TOKENIZER_DIR,
-                               max_len=m.max_len)
+    fields = (text_field or trained_with["text_field"], label_field or trained_with["label_field"])
     # The labelled file holds the data's raw label values; the bundle answers with names in the same order.
-    seqs, labels = encode_file(tok, Path(data_file), m.label_values, m.max_len, limit, text_field or fields[0],
-                               label_field or fields[1])
+    blank: list[str] = []
+    examples = read_labeled(Path(data_file), m.label_values, *fields, skipped=blank)[:limit or None]
+    tok = bundle_tokenizer(b)
+    seqs = [tok.encode_example(ex, m.max_len) for ex in examples]
+    labels = np.array([ex.label for ex in examples], dtype=np.int64)
     reference = torch_reference(model, seqs, PAD, batch_size) if model is not None else None
     graphs: dict[str, dict[str, Any]] = {}
     for name, graph in m.graphs.items():
         serves = [d for d in DEVICES if m.serve[d] == name]
-        try:
-            session = open_session(b.graph_bytes(name), m.runtime.graph_optimization_level,
-                                   prefer_gpu=prefer_gpu and "cuda" in serves)
-        except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/... types
-            raise BundleError(f"{b.folder / name}: onnxruntime cannot load it ({one_line(e)})") from None
-        check_session(session, b, name)
-        report = score_data(session, seqs, labels, PAD, reference, batch_size)
-        graphs[name] = {"precision": graph.precision, "serves": serves, "provider": session.get_providers()[0],
-                        **report}
+        served = open_graph(b, name, prefer_gpu=prefer_gpu and "cuda" in serves)
+        report = score_data(served.session, seqs, labels, PAD, reference, batch_size, graph.per_row)
+        graphs[name] = {"precision": graph.precision, "serves": serves, "provider": served.provider, **report}
+    base = tfidf_baseline(art, examples, graphs, str(data_file)) if tfidf else None
     return {"bundle": str(b.folder), "bundle_sha256": b.bundle_sha256, "file": str(data_file),
-            "examples": len(seqs), "artifact": str(source) if model is not None else None, "graphs": graphs,
-            "labels": dict(zip(m.label_values, m.label_names, strict=True))}
+            "fields": dict(zip(("text_field", "label_field"), fields, strict=True)), "examples": len(seqs),
+            "blank_skipped": len(blank), "artifact": str(source) if model is not None else None, "graphs": graphs,
+            "label_values": list(m.label_values), "label_names": list(m.label_names), "tfidf_baseline": base}
+
+
+def tfidf_baseline(art: artifact_mod.Artifact | None, examples: list[Example], graphs: dict[str, dict[str, Any]],
+                   file: str) -> dict[str, Any]:
+    """The baseline fitted on the source artifact's own training split (its config's files, split as in training),
+    scored on the checked examples, with a verdict per graph."""
+    if art is None:
+        return {"skipped": "no source artifact to take the training split from (the manifest's is not here: pass "
+                           "--artifact ARTIFACT)"}
+    try:
+        data = labelled.load(art.cfg)
+    except (DataError, ConfigError, OSError) as e:
+        return {"skipped": f"the training data of {art.path} cannot be read ({one_line(e)})"}
+    base = baseline.on_splits(art.cfg, data.train.examples, data.valid.examples, {"file": examples})
+    if "skipped" in base:
+        return base
+    scored = base.pop("file")
+    base.update(accuracy=scored["accuracy"], macro_f1=scored["macro_f1"], examples=scored["examples"],
+                trained_on=data.train.source)
+    base["verdicts"] = {name: baseline.verdict(f"{name} ({', '.join(g['serves']) or 'no device'})",
+                                               g["bundle_accuracy"], scored["accuracy"], where=file)
+                        for name, g in graphs.items()}
+    return base

@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--baseline", metavar="BUNDLE", help="gate: a previous bundle to compare with (with --max-drop)")
     c.add_argument("--max-drop", type=float, metavar="POINTS",
                    help="gate: accuracy at most POINTS below --baseline's, per device")
+    c.add_argument("--no-tfidf-baseline", dest="tfidf", action="store_false",
+                   help="skip the TF-IDF + logistic regression baseline (fitted on the source artifact's training "
+                        "split, scored on --data: seconds; it needs that artifact and its data)")
     c.add_argument("--json", metavar="FILE", help="write the check's report, gates included, as JSON")
     c.add_argument("--junit", metavar="FILE", help="write the check's gates as JUnit XML (CI test results)")
 
@@ -148,15 +151,16 @@ def check(args: argparse.Namespace) -> int:
         raise ExportError("--check needs --data FILE (a labelled file)")
     gates = gates_from_args(args)
     report = check_bundle(args.check, args.data, args.check_artifact or args.artifact, limit=args.limit,
-                          text_field=args.text_field, label_field=args.label_field)
+                          text_field=args.text_field, label_field=args.label_field, tfidf=args.tfidf)
     baseline = None
     if gates.baseline is not None:
         baseline = check_bundle(gates.baseline, args.data, limit=args.limit, compare_torch=False,
-                                text_field=args.text_field, label_field=args.label_field)
+                                text_field=args.text_field, label_field=args.label_field, tfidf=False)
     results = evaluate(report, gates, baseline)
     full = full_report(report, results, baseline)
+    blank = f" ({report['blank_skipped']} blank texts skipped)" if report["blank_skipped"] else ""
     print(f"{report['bundle']} (bundle_sha256 {report['bundle_sha256'][:16]}...): {report['examples']} examples of "
-          f"{report['file']}")
+          f"{report['file']}{blank}")
     for name, g in report["graphs"].items():
         line = (f"  {name} ({g['precision']}, serves {', '.join(g['serves']) or 'no device'}, {g['provider']}): "
                 f"accuracy {g['bundle_accuracy']:.2f}%")
@@ -166,8 +170,16 @@ def check(args: argparse.Namespace) -> int:
         print(line)
     if report["artifact"] is None:
         print("  no source artifact found: pass --artifact to compare with PyTorch")
+    tfidf = report["tfidf_baseline"]
+    if tfidf is not None and "skipped" in tfidf:
+        print(f"  TF-IDF + logistic regression baseline not scored: {tfidf['skipped']}")
+    elif tfidf is not None:
+        print(f"  TF-IDF + logistic regression baseline ({tfidf['recipe']} n-grams, C={tfidf['C']:g}, fitted on "
+              f"{tfidf['trained_on']}): accuracy {tfidf['accuracy']:.2f}%")
+        for line in tfidf["verdicts"].values():
+            print(f"  {line}")
     print("labels (value in the data -> name served): "
-          + ", ".join(f"{v!r} -> {n!r}" for v, n in report["labels"].items()))
+          + ", ".join(f"{v!r} -> {n!r}" for v, n in zip(report["label_values"], report["label_names"], strict=True)))
     for r in results:
         print(f"{'PASS' if r.passed else 'FAIL'} {r.gate}: {r.message}")
     if args.json:

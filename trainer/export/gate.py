@@ -13,6 +13,8 @@ Gates, on every graph the bundle serves (manifest "serve": the CPU graph and the
                          artifact: the manifest's, or --artifact)
   --baseline BUNDLE --max-drop POINTS
                          accuracy at most POINTS below BUNDLE's graph for the same device, on the same --data
+The TF-IDF + logistic regression baseline (report key "tfidf_baseline", each graph's JUnit case: its accuracy and the
+verdict) is reported, not gated: `--baseline` is the bundle in production.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def write_junit(path: Path, report: dict[str, Any]) -> None:
     props = ET.SubElement(suite, "properties")
     for key in ("bundle", "bundle_sha256", "file", "examples"):
         ET.SubElement(props, "property", name=key, value=str(report[key]))
+    tfidf = report.get("tfidf_baseline") or {}
     for name, g in report["graphs"].items():
         case = ET.SubElement(suite, "testcase", classname=f"{SUITE}.{name}", name="verify and score")
         case_props = ET.SubElement(case, "properties")
@@ -129,6 +132,11 @@ def write_junit(path: Path, report: dict[str, Any]) -> None:
             if key in g:
                 ET.SubElement(case_props, "property", name=key, value=str(g[key]))
         ET.SubElement(case_props, "property", name="serves", value=",".join(g["serves"]) or "-")
+        if "accuracy" in tfidf:  # the baseline beside each graph, with its verdict
+            ET.SubElement(case_props, "property", name="tfidf_baseline_accuracy", value=str(tfidf["accuracy"]))
+            ET.SubElement(case, "system-out").text = tfidf["verdicts"][name]
+        elif "skipped" in tfidf:
+            ET.SubElement(case, "system-out").text = f"TF-IDF baseline not scored: {tfidf['skipped']}"
     for g in gates:
         case = ET.SubElement(suite, "testcase", classname=f"{SUITE}.{g['graph']}", name=g["gate"])
         if not g["passed"]:

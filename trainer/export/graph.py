@@ -3,7 +3,8 @@
 The graph comes from the dynamo exporter (`torch.onnx.export(..., dynamo=True)`) with symbolic batch and sequence
 axes: the TorchScript exporter bakes the attention's reshape into the graph, which then fails on every other shape.
 Each layer's self-attention becomes one onnxruntime `com.microsoft.Attention` node (trainer/model/onnx_attention.py)
-unless `fuse_attention=False`.
+unless `fuse_attention=False`, and the mean pooling a running sum, so that a row's logits do not depend on its batch
+(trainer/model/onnx_pooling.py).
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def export_onnx(model: nn.Module, path: Path, max_len: int, opset: int | None = 
     fuse_attention: each layer's self-attention becomes one com.microsoft.Attention node
     (trainer/model/onnx_attention.py)."""
     from trainer.model.onnx_attention import TRANSLATION_TABLE, with_fused_attention
+    from trainer.model.onnx_pooling import with_scan_pooling
 
+    model = with_scan_pooling(model)  # a row's logits independent of its batch (trainer/model/onnx_pooling.py)
     wrapper = ExportWrapper(with_fused_attention(model) if fuse_attention else model).eval()
     batch = torch.export.Dim(BATCH_AXIS, min=1)
     sequence = torch.export.Dim(SEQUENCE_AXIS, min=1, max=max_len)

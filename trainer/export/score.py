@@ -19,14 +19,30 @@ from trainer.export.validate import ort_logits, torch_logits
 
 
 def encode_file(tok: Tokenizer, data_file: Path, label_values: list[str], max_len: int, limit: int = 0,
-                text_field: str = "text", label_field: str = "label") -> tuple[list[list[int]], np.ndarray]:
-    """Ids (cut to max_len, <eos> kept) and label indices of a labelled file, read with the project's readers."""
-    examples = read_labeled(data_file, label_values, text_field, label_field)
+                text_field: str = "text", label_field: str = "label",
+                skipped: list[str] | None = None) -> tuple[list[list[int]], np.ndarray]:
+    """Ids (cut to max_len, <eos> kept) and label indices of a labelled file, read with the project's readers
+    (blank texts skipped: their "file:line" go to `skipped`)."""
+    examples = read_labeled(data_file, label_values, text_field, label_field, skipped)
     if limit:
         examples = examples[:limit]
     seqs = [tok.encode_example(ex, max_len) for ex in examples]
     labels = np.array([ex.label for ex in examples], dtype=np.int64)
     return seqs, labels
+
+
+def graph_logits(session: ort.InferenceSession, per_row: bool) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """How a graph runs a right-padded batch ((B, T) ids, (B, T) mask -> (B, C) logits): whole, or, for a per-row
+    graph (dynamic int8: contract/manifest.py, Graph.per_row), each row alone at its own length, as the server
+    runs it."""
+    if not per_row:
+        return lambda ids, mask: ort_logits(session, ids, mask)
+
+    def each(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return np.concatenate([ort_logits(session, ids[i:i + 1, :n], mask[i:i + 1, :n])
+                               for i, n in enumerate(mask.sum(axis=1))])
+
+    return each
 
 
 def predict(run: Callable[[np.ndarray, np.ndarray], np.ndarray], seqs: list[list[int]], pad_id: int,
@@ -52,10 +68,10 @@ def predict(run: Callable[[np.ndarray, np.ndarray], np.ndarray], seqs: list[list
 
 
 def score_data(session: ort.InferenceSession, seqs: list[list[int]], labels: np.ndarray, pad_id: int,
-               reference: np.ndarray | None = None, batch_size: int = 32) -> dict[str, Any]:
-    """Accuracy of a graph and, given PyTorch's (N, C) logits on the same sequences (`reference`), PyTorch's accuracy
-    and their label agreement."""
-    got = predict(lambda i, m: ort_logits(session, i, m), seqs, pad_id, batch_size)
+               reference: np.ndarray | None = None, batch_size: int = 32, per_row: bool = False) -> dict[str, Any]:
+    """Accuracy of a graph (run as `graph_logits` says) and, given PyTorch's (N, C) logits on the same sequences
+    (`reference`), PyTorch's accuracy and their label agreement."""
+    got = predict(graph_logits(session, per_row), seqs, pad_id, batch_size)
     out: dict[str, Any] = {"examples": len(seqs), "bundle_accuracy": accuracy(got, labels)}
     if reference is not None:
         out["torch_accuracy"] = accuracy(reference, labels)
@@ -76,11 +92,13 @@ def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
 
 
 def data_check(path: Path, precision: str, level: str, seqs: list[list[int]], labels: np.ndarray,
-               reference: np.ndarray, pad_id: int, data_file: Path, tol: Tolerance | None = None) -> dict[str, Any]:
-    """Accuracy change of the graph at `path` on a labelled file, held to `tol` (default: the precision's)."""
+               reference: np.ndarray, pad_id: int, data_file: Path, tol: Tolerance | None = None,
+               per_row: bool = False) -> dict[str, Any]:
+    """Accuracy change of the graph at `path` on a labelled file, held to `tol` (default: the precision's), run as
+    it will be served (`per_row`)."""
     tol = tol or TOLERANCES[precision]
     session = open_session(path, level, prefer_gpu=False)
-    report = score_data(session, seqs, labels, pad_id, reference)
+    report = score_data(session, seqs, labels, pad_id, reference, per_row=per_row)
     report["file"] = str(data_file)
     drop = -report["accuracy_change_points"]
     if report["label_agreement"] < tol.min_data_agreement or drop > tol.max_accuracy_drop:

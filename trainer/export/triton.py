@@ -2,13 +2,14 @@
 run Triton (onnxruntime backend):
 
   DIR/NAME/config.pbtxt    platform onnxruntime_onnx; token ids in, logits out (names, dtypes and shapes from the
-                           bundle's manifest, i.e. contract/graph.py); batch dynamic up to max_batch_size
+                           bundle's manifest, i.e. contract/graph.py); batch up to max_batch_size
   DIR/NAME/labels.txt      the label names in logit order (Triton's classification extension answers with them)
   DIR/NAME/1/model.onnx    the bundle's graph for the chosen device, byte for byte (its metadata_props say what it is)
 
 The client tokenizes: ids as the bundle's tokenizer/ gives them (contract/tokens.py: <sos> pieces <eos>, right-padded
 with <pad> = 1, at most max_len), attention_mask 1 for real tokens. Triton's dynamic batcher joins requests of the same
-length only; a longer sequence than max_len is not refused by Triton (the graph reads up to its positional table).
+length only, and is left off for a dynamic int8 graph (whose answers would then depend on the other requests); a
+longer sequence than max_len is not refused by Triton (the graph reads up to its positional table).
 DIR/NAME is replaced atomically; other models in DIR stay.
 """
 
@@ -50,7 +51,7 @@ def config_pbtxt(name: str, bundle: Bundle, device: str, max_batch_size: int) ->
     m = bundle.manifest
     graph = m.graph_for(device)
     params = {"bundle_sha256": m.bundle_sha256, "bundle_graph": graph, "precision": m.graphs[graph].precision,
-              "max_len": str(m.max_len), "labels": json.dumps(m.label_names, ensure_ascii=False),
+              "max_len": str(m.max_len), "label_names": json.dumps(m.label_names, ensure_ascii=False),
               "pad_id": str(m.special_ids["pad"])}
     lines = [
         f"# Written by `python -m trainer export --triton-repo` from the bundle {bundle.folder.name} "
@@ -60,9 +61,13 @@ def config_pbtxt(name: str, bundle: Bundle, device: str, max_batch_size: int) ->
         f"max_batch_size: {max_batch_size}",
         "input [\n" + ",\n".join(_tensor(s) for s in m.inputs) + "\n]",
         "output [\n" + ",\n".join(_tensor(s, LABELS_FILE) for s in m.outputs) + "\n]",
-        "# Requests of the same sequence length are batched together, up to max_batch_size.",
-        "dynamic_batching { }",
     ]
+    if m.graphs[graph].per_row:  # dynamic int8: one activation scale per run (contract/manifest.py, Graph.per_row)
+        lines.append("# No dynamic batching: this graph quantizes activations per run, so texts batched together "
+                     "would change each other's answers; a client's own batch is run as sent.")
+    else:
+        lines += ["# Requests of the same sequence length are batched together, up to max_batch_size.",
+                  "dynamic_batching { }"]
     if device == "cpu":
         lines.append("instance_group [\n  {\n    kind: KIND_CPU\n  }\n]")
     for key, value in params.items():  # free-form: the onnxruntime backend ignores keys it does not know

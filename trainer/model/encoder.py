@@ -124,6 +124,16 @@ class LanguageModel(nn.Module):
         return self.head(self.encoder(input_ids, padding_mask, causal))
 
 
+class MeanPool(nn.Module):
+    """The mean of the real positions' outputs. No parameters: the export swaps it for the same mean summed in a
+    fixed order (trainer/model/onnx_pooling.py)."""
+
+    def forward(self, h: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T, d), (B, T) True at <pad> -> (B, d)."""
+        real = (~padding_mask).unsqueeze(-1).to(h.dtype)  # (B, T, 1)
+        return (h * real).sum(dim=1) / real.sum(dim=1).clamp(min=1.0)
+
+
 class Classifier(nn.Module):
     """Encoder + d -> C head on the last real token of each sequence (the lab read the last position), or on the
     mean of the real tokens' outputs (`pooling="mean"`)."""
@@ -132,16 +142,16 @@ class Classifier(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.encoder = Encoder(cfg)
+        # A next-token LM trains the <eos> output to predict what follows a document, the same for every review; the
+        # mean of all real positions carries what the encoder learned about the text itself.
+        self.pool = MeanPool() if cfg.pooling == "mean" else None
         self.head = _init_head(nn.Linear(cfg.d_model, cfg.num_classes))
 
     def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
         """(B, T), (B, T) -> (B, C) logits."""
         h = self.encoder(input_ids, padding_mask, self.cfg.classifier_causal)  # (B, T, d)
-        if self.cfg.pooling == "mean":
-            # A next-token LM trains the <eos> output to predict what follows a document, the same for every
-            # review; the mean of all real positions carries what the encoder learned about the text itself.
-            real = (~padding_mask).unsqueeze(-1).to(h.dtype)  # (B, T, 1)
-            pooled = (h * real).sum(dim=1) / real.sum(dim=1).clamp(min=1.0)  # (B, d)
+        if self.pool is not None:
+            pooled = self.pool(h, padding_mask)  # (B, d)
         else:
             last = (~padding_mask).sum(dim=1) - 1  # (B,) index of the last real token
             pooled = h[torch.arange(h.shape[0], device=h.device), last]  # (B, d)

@@ -7,6 +7,10 @@ then scored on the whole test set and on every data.extra_test file: those are t
 metrics.json, artifact.json, compare.md). Validation and test are the user's files, or shares of the training file
 split off (data.valid_split, data.test_split). trainer/data/labelled.py reads and splits; trainer/metrics.py scores.
 
+Beside every result, a TF-IDF + logistic regression baseline fitted on the same training split, its C chosen on the
+same validation split (trainer/baseline.py, finetune.tfidf_baseline), scored on the same sets, with a one-line
+verdict per run (the log, metrics.json, compare.*).
+
 `--compare` trains both with the same seed, the same initial head and the same data order (the lab's question 4)
 and writes compare.csv, compare.md and compare.png into the run folder (trainer/tasks/report.py).
 With `--pretrained`, the encoder's architecture and the tokenizer come from the artifact (the scratch run of a
@@ -30,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer import artifact, cli
+from trainer import artifact, baseline, cli
 from trainer.artifact import ArtifactError
 from trainer.config import schema as config_mod
 from trainer.config.choice import RESUME_AUTO, Choice, add_config_args, config_choice
@@ -192,6 +196,11 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
         monitor.note(line)
     monitor.note(f"data: {labelled.cut_share(sets.train, tok.max_len):.1f}% of the training examples reach "
                  f"tokenizer.max_len={tok.max_len} ids (longer ones are cut)")
+    tfidf = None
+    if eng.is_main():  # the bar to beat, in the log before training starts
+        tfidf = baseline.on_splits(cfg, data.train.examples, data.valid.examples,
+                                   {"test": data.test.examples, **{f: p.examples for f, p in data.extra.items()}})
+        monitor.note(baseline.summary_line(tfidf))
     if pretrained is not None and pretrained.meta.get("objective") == "mlm" and cfg.model.classifier_causal:
         monitor.note(f"note: {pretrained.path} was pretrained without a causal mask (mlm) but "
                      "model.classifier_causal=true; consider --set model.classifier_causal=false")
@@ -201,19 +210,21 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
     for name, src in runs:
         artifact_dir = run_dir / "scratch" / "artifact" if opts.compare and src is None else run_dir / "artifact"
         result = train_classifier(cfg, name, src, tok, sets, plan, ds, run_dirs[name], artifact_dir, tags[name],
-                                  opts.stop_at, info, auto_resume=opts.resume == RESUME_AUTO)
+                                  opts.stop_at, info, tfidf, auto_resume=opts.resume == RESUME_AUTO)
         if result is None:
             return None  # stop_at
         results[name] = result
     if not eng.is_main():
         return None
     if opts.compare:
-        report.write_compare(run_dir, results, cfg, pretrained)
+        report.write_compare(run_dir, results, cfg, pretrained, tfidf)
     for name, r in results.items():
         print(f"finetune {name}: kept epoch {r['kept']['epoch']} of {len(r['history'])} (best validation "
               f"{cfg.finetune.select_metric}); test {summary_line(r['final']['test'])}")
         for file, m in r["final"]["extra"].items():
             print(f"finetune {name}: {file}: {summary_line(m)}")
+        for line in report.verdicts(f"finetune {name}", r["final"], tfidf):
+            print(line)
     print(f"finetune: {time.perf_counter() - t0:.0f} s this session; classifier artifact: {run_dir / 'artifact'}")
     return run_dir / "artifact"
 
@@ -224,9 +235,9 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
 def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | None, tok: Tokenizer, sets: Sets,
                      plan: eng.BatchPlan, ds: dict[str, Any], run_dir: Path, artifact_dir: Path,
                      resume_tag: str | None, stop_at: int, info: eng.DistInfo,
-                     auto_resume: bool = False) -> dict[str, Any] | None:
+                     tfidf: dict[str, Any] | None = None, auto_resume: bool = False) -> dict[str, Any] | None:
     """Train one classifier, keep the epoch its validation score picks, score those weights; returns {history,
-    kept, final} (None when stopped by stop_at)."""
+    kept, final} (None when stopped by stop_at). `tfidf`: the baseline's scores (rank 0), reported beside."""
     fc, ckpt_dir = cfg.finetune, run_dir / "checkpoints"
     task = ClassifierTask(cfg, name, sets, plan, info, run_dir / KEPT)
     per_epoch, task.total = loop.steps_of(task, fc.epochs, fc.max_steps, f"{len(sets.train.ids)} training examples",
@@ -256,8 +267,8 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
               + (f", patience {fc.patience}" if fc.patience else "") + weights_note
               + (f", resumed at step {state.step}" if resume_tag else ""))
 
-    cadence = loop.Cadence(task.total, cfg.engine.log_every, cfg.engine.checkpoint_every, eval_epochs=True,
-                           stop_at=stop_at)
+    cadence = loop.Cadence(task.total, monitor.log_interval(cfg.engine.log_every, task.total),
+                           cfg.engine.checkpoint_every, eval_epochs=True, stop_at=stop_at)
     run = loop.LoopRun(engine, cadence, plan, info, cfg.seed, log, ckpt_dir, cfg.engine.keep_checkpoints,
                        {"stage": "finetune", "run": name}, auto_resume=auto_resume)
     if not loop.train(run, task, state):
@@ -276,7 +287,7 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
         for where, m in [("the test set", final["test"]), *final["extra"].items()]:
             if (text := warning(m, where)) is not None:
                 log.print(f"finetune {name}: {text}")
-        summary = report.run_metrics(cfg, name, result)
+        summary = report.run_metrics(cfg, name, result, tfidf)
         report.write_metrics(run_dir, summary)
         artifact.save(artifact_dir, clf.cpu(), cfg, "classifier", tok, extra={
             "objective": None, "run": name, "steps": state.step, "epochs": len(state.history),
@@ -284,7 +295,7 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
             "test_accuracy": final["test"]["accuracy"], "test_macro_f1": final["test"]["macro_f1"],
             "valid_accuracy": final["valid"]["accuracy"],
             "extra_accuracy": {f: m["accuracy"] for f, m in final["extra"].items()},
-            "metrics": final, "history": state.history,
+            "metrics": final, "history": state.history, "tfidf_baseline": summary["tfidf_baseline"],
             "pretrained_from": None if pretrained is None else {
                 "path": str(pretrained.path), "weights_sha256": pretrained.meta.get("weights_sha256"),
                 "objective": pretrained.meta.get("objective")},

@@ -293,7 +293,8 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
               + (f", resumed at step {state.step}" if resume_tag else ""))
 
     t0 = time.perf_counter()
-    cadence = loop.Cadence(total, cfg.engine.log_every, cfg.engine.checkpoint_every, eval_every=pc.eval_every,
+    cadence = loop.Cadence(total, monitor.log_interval(cfg.engine.log_every, total), cfg.engine.checkpoint_every,
+                           eval_every=pc.eval_every,
                            stop_at=opts.stop_at)
     run = loop.LoopRun(engine, cadence, plan, info, cfg.seed, log, ckpt_dir, cfg.engine.keep_checkpoints,
                        {"stage": "pretrain", "objective": pc.objective}, auto_resume=opts.resume == RESUME_AUTO)
