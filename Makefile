@@ -6,7 +6,6 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # DeepSpeed JIT-compiles its shared-memory comm op on first use; keep the cache in the project.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
-export DS_ACCELERATOR ?= cpu
 
 .PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-carry deploy-venv \
 	container-deps image

@@ -69,6 +69,7 @@ from trainer.data.tokenizer import build_tokenizer
 from trainer.data.windows import EpochOrder, Windows
 from trainer.engine import deepspeed_engine as eng
 from trainer.engine import loop
+from trainer.engine.distributed import host_collectives
 from trainer.engine.stage import on_every_rank
 from trainer.model.encoder import forward_flops_per_token
 from trainer.tasks.finetune import ClassifierObjective, load_split
@@ -254,8 +255,9 @@ def sync(info: eng.DistInfo) -> None:
 
 
 def reduce(values: list[float], op: dist.ReduceOp, info: eng.DistInfo) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=info.device if info.backend == "nccl" else "cpu")
+    t = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
+        t = t if host_collectives() else t.to(info.device)
         dist.all_reduce(t, op=op)
     return [float(v) for v in t.cpu()]
 

@@ -4,15 +4,17 @@
   Adam/AdamW, clipping); a user's own JSON overrides it key by key, and is checked before DeepSpeed sees it
   (unknown keys and batch sizes that do not divide are errors naming the file and the key).
 - `init_distributed()` starts torch.distributed with the same code under the DeepSpeed launcher, torchrun, Slurm
-  (`SLURM_PROCID`... mapped to `RANK`...) or plain `python` (one process, loopback defaults): NCCL on GPU, gloo on CPU.
-  `local_env()` is the part of it that needs no process group (what a rank learns from its environment).
+  (`SLURM_PROCID`... mapped to `RANK`...) or plain `python` (one process, loopback defaults): NCCL (with gloo for CPU
+  tensors) on GPU, gloo on CPU. `local_env()` is the part of it that needs no process group (what a rank learns from
+  its environment), and stops a rank whose DeepSpeed accelerator is not the device it trains on.
 - `initialize()` wraps a model into a DeepSpeed engine with our learning-rate schedule.
 - `finish()` is how every rank's entry point ends: gloo ranks intermittently abort at interpreter exit
   ("terminate called without an active exception"), so we tear down and leave with `os._exit`.
 Ranks, nodes and collectives without DeepSpeed are trainer/engine/distributed.py's (re-exported below: callers say
 `eng.rank()`), which precision `auto` means is trainer/engine/precision.py's, the learning-rate schedule is
 trainer/engine/schedule.py's.
-Importing this module sets only DS_ACCELERATOR (below); `init_distributed()` sets the rest of a rank's environment.
+Importing this module sets only DS_ACCELERATOR (below, where unset); `init_distributed()` sets the rest of a rank's
+environment.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ import torch.distributed as dist
 from trainer.config.schema import OptimConfig, RunConfig, read_json
 from trainer.engine import precision
 from trainer.engine.distributed import (  # noqa: F401  (re-exported: the stages call them as eng.*)
+    BACKENDS,
     DistInfo,
     EngineConfigError,
     agree,
     all_reduce_sum,
     barrier,
+    device_type,
     dist_info,
     free_port,
     is_main,
@@ -50,12 +54,19 @@ from trainer.engine.schedule import lr_factor
 
 Stage = Literal["pretrain", "finetune"]
 
-if not torch.cuda.is_available():
-    # DeepSpeed picks its accelerator while it is imported; without a GPU it would pick the CPU anyway, after a
-    # warning. The one environment default set at import, because it must precede `import deepspeed`.
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-import deepspeed  # noqa: E402  (after DS_ACCELERATOR above)
+# DeepSpeed picks its accelerator (where it keeps the module, which device its collectives use) while it is imported,
+# from DS_ACCELERATOR. It must be the device the process group serves (distributed.device_type): a CPU accelerator
+# on a GPU node keeps the module on the CPU and broadcasts CPU tensors over NCCL. The one environment default set at
+# import, because it must precede `import deepspeed`; a user's own value that names another device stops the rank
+# in `local_env` (one line naming both).
+ACCELERATOR_ENV = "DS_ACCELERATOR"
+os.environ.setdefault(ACCELERATOR_ENV, device_type())
+try:
+    import deepspeed  # after DS_ACCELERATOR above
+except ValueError as e:  # DeepSpeed's own refusal of a DS_ACCELERATOR value (unknown, or its package missing)
+    raise EngineConfigError(f"{ACCELERATOR_ENV}={os.environ[ACCELERATOR_ENV]}: {str(e).rstrip('.')}; unset it: the "
+                            f"trainer sets it to the device it trains on ({device_type()} here)") from None
+from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # noqa: E402
 from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
@@ -71,15 +82,34 @@ _FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 
 def local_env() -> DistInfo:
     """What this process is, from its environment alone (`process_defaults`, `prepare_env`): usable before the
-    process group exists, e.g. to prepare a corpus with no collective waiting on it."""
+    process group exists, e.g. to prepare a corpus with no collective waiting on it. Checks that DeepSpeed's
+    accelerator is this rank's device (`check_accelerator`)."""
     process_defaults(os.environ)
     prepare_env(os.environ)
-    return dist_info()
+    info = dist_info()
+    check_accelerator(info)
+    return info
+
+
+def check_accelerator(info: DistInfo) -> None:
+    """DeepSpeed's accelerator must be the device this rank's process group serves; else one line naming both
+    (an EngineConfigError: exit 2), before any data is read or any collective started."""
+    accel = get_accelerator().device_name()
+    if accel == info.device.type:
+        return
+    if info.device.type == "cuda":
+        why = ("CUDA is usable here: unset DS_ACCELERATOR (the trainer sets it to cuda); to train on this node's CPU, "
+               "hide its GPUs with CUDA_VISIBLE_DEVICES=")
+    else:
+        why = "no CUDA device is usable here: unset DS_ACCELERATOR (the trainer sets it to cpu)"
+    raise EngineConfigError(f"DeepSpeed's accelerator is {accel} ({ACCELERATOR_ENV}="
+                            f"{os.environ.get(ACCELERATOR_ENV, '')}) but this rank's process group is "
+                            f"{info.backend} on {info.device}: {why}")
 
 
 def init_distributed(timeout_s: int = 1800) -> DistInfo:
-    """Make this process a rank: `local_env()`, then start (or join) the process group: NCCL on GPU, gloo on CPU.
-    Safe to call twice."""
+    """Make this process a rank: `local_env()`, then start (or join) the process group: NCCL for CUDA tensors and
+    gloo for CPU ones on a GPU, gloo on a CPU (distributed.BACKENDS). Safe to call twice."""
     info = local_env()
     if info.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Unbound ranks on one CPU each default to a thread per core, so every core runs several ranks' threads that
