@@ -40,7 +40,7 @@ def test_derived_config_follows_run_config() -> None:
     assert ds["train_micro_batch_size_per_gpu"] == 13 and ds["gradient_accumulation_steps"] == 3
     assert "train_batch_size" not in ds  # DeepSpeed infers it
     assert plan == eng.BatchPlan(13, 3, 2) and plan.global_batch == 78
-    assert ds["zero_optimization"] == {"stage": 2} and ds["bf16"] == {"enabled": True}
+    assert ds["zero_optimization"] == {"stage": 2} and ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
     params = ds["optimizer"]["params"]
     # DeepSpeed's "Adam" silently means AdamW unless adam_w_mode is false; torch_adam avoids FusedAdam's JIT on CPU.
     assert ds["optimizer"]["type"] == "Adam" and params["adam_w_mode"] is False and params["torch_adam"] is True

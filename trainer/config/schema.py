@@ -166,6 +166,9 @@ class EngineConfig:
     checkpoint_every: Count = 0  # steps between resumable checkpoints (0 = only at the end)
     keep_checkpoints: Size = 2  # older engine checkpoints are deleted; 0 would delete the one --resume needs
     log_every: Size = 10  # steps between log lines (the only host-device syncs in the loop)
+    # torch.compile of the model inside the engine (DeepSpeed's engine.compile(): inductor, in place, the same
+    # parameter names): on, off, or auto: on with CUDA, off on a CPU, where it did not pay (docs/BENCHMARKS.md)
+    compile: Literal["off", "on", "auto"] = "auto"
 
 
 @section("pretrain")

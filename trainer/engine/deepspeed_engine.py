@@ -197,7 +197,11 @@ def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = 
         "gradient_accumulation_steps": cfg.engine.grad_accum,
         "gradient_clipping": optim.grad_clip,
         "zero_optimization": {"stage": cfg.engine.zero_stage},
-        "bf16": {"enabled": precision.resolve(cfg.engine.precision, cuda) == "bf16"},
+        # bf16 has fp32's exponent range: no loss scale, so no step to skip. DeepSpeed's per-step overflow check
+        # (ZeRO 1/2: an all-reduce and a host-device sync every step) would skip a step with a non-finite gradient
+        # and carry on; without it the loop's own checks stop the run instead (loop.refuse_diverged: the loss at
+        # every log row, the weights before every checkpoint), and `latest` keeps the last finite weights.
+        "bf16": {"enabled": precision.resolve(cfg.engine.precision, cuda) == "bf16", "check_grad_overflow": False},
         "optimizer": {
             # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false: say which one we mean.
             "type": "AdamW" if optim.name == "adamw" else "Adam",
@@ -318,8 +322,20 @@ def _batch_plan(merged: dict[str, Any], user: dict[str, Any], world: int, source
 # ---------------------------------------------------------------------------------------------- engine
 
 
-def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, total_steps: int) -> Any:
-    """A DeepSpeed engine around `model`. Our schedule drives the lr unless the user's JSON names a "scheduler"."""
+def compiles(setting: str, device: torch.device) -> bool:
+    """engine.compile -> whether the engine compiles its module: on, off, or auto: on with CUDA, off on a CPU (where
+    a compiled step measured no faster than eager: docs/BENCHMARKS.md, torch.compile)."""
+    if setting not in ("off", "on", "auto"):
+        raise ValueError(f"engine.compile must be off, on or auto, got {setting!r}")
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, total_steps: int,
+               compile_setting: str = "off") -> Any:
+    """A DeepSpeed engine around `model`. Our schedule drives the lr unless the user's JSON names a "scheduler".
+    With `compile_setting` (engine.compile) resolving to on, the engine's module is compiled in place
+    (engine.compile(): torch.compile with inductor; parameter names, checkpoints and artifacts unchanged); the first
+    steps of each new input shape then pay for compiling."""
     scheduler = None
     if "scheduler" not in ds:
         def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
@@ -331,6 +347,8 @@ def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, t
         # copy it back after each backward: ~15% of a lab-size LM step on 2 CPU cores (bench/train_throughput.py).
         # DeepSpeed's own switch; ZeRO 1/2 need that pass to fill their gradient partitions, so they keep it.
         engine.enable_backward_allreduce = False
+    if compiles(compile_setting, torch.device(get_accelerator().device_name())):
+        engine.compile()
     return engine
 
 
