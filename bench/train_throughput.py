@@ -10,7 +10,8 @@ One run, one process or several (`deepspeed --num_gpus 2 bench/train_throughput.
       (trainer/engine/loop.py's optimizer_step).
   --compile adds plain-compiled and deepspeed-compiled: (a) with the module compiled in place (Module.compile(),
   inductor) and (b) with engine.compile=on (DeepSpeed's engine.compile(), which does the same to its module); their
-  compile time falls in the warm-up windows. `--loops` picks any of the four.
+  compile time falls in the warm-up windows. deepspeed-autocast (bf16 only): (b) with DeepSpeed's torch_autocast
+  (fp32 weights, bf16 autocast: the plain loop's arithmetic) instead of its bf16 mode. `--loops` picks any of these.
 Both start from the same weights (same seed) and see the same global batches in the same order: window k of (a) and
 window k of (b) train on identical batches. Windows of --steps optimizer steps alternate between (a) and (b) in the
 same process (a-b, then b-a, ...) so that load from other processes hits both alike; the first --warmup windows of
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import datetime as dt
 import io
 import json
@@ -85,8 +87,12 @@ from trainer.model.encoder import forward_flops_per_token
 from trainer.tasks.finetune import ClassifierObjective, load_split
 from trainer.tasks.pretrain import LMObjective, WindowBatcher
 
-LOOPS = ("plain", "deepspeed")  # the default; --compile adds COMPILED, --loops picks any
+LOOPS = ("plain", "deepspeed")  # the default; --compile adds COMPILED, --loops picks any of ALL
 COMPILED = ("plain-compiled", "deepspeed-compiled")
+# bf16 only: DeepSpeed with torch.autocast over fp32 weights ("torch_autocast" in its JSON) instead of its bf16 mode
+# (bf16 weights, fp32 masters in an optimizer wrapper): the plain loop's arithmetic inside the engine.
+AUTOCAST = "deepspeed-autocast"
+ALL = (*LOOPS, *COMPILED, AUTOCAST)
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -192,8 +198,11 @@ class Loop:
         torch.manual_seed(cfg.seed)  # both loops start from the same weights (as pretrain.py / finetune.py seed)
         model = task.new_model()
         compiled = kind.endswith("-compiled")
+        if kind == AUTOCAST:
+            ds = {**ds, "bf16": {"enabled": False}, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
         if kind.startswith("deepspeed"):
-            self.engine = eng.initialize(model, ds, task.optim, total_steps, "on" if compiled else "off")
+            self.engine = eng.initialize(model, ds, task.optim, total_steps,
+                                         dataclasses.replace(cfg.engine, compile="on" if compiled else "off"))
             return
         model.to(info.device).train()
         self.module = model
@@ -322,7 +331,7 @@ def measure(task: Task, variants: dict[str, tuple[RunConfig, dict[str, Any]]], p
     """Alternate windows of every loop in every precision (`variants`: precision -> its config and DeepSpeed JSON);
     returns every window (warm-up first) per (loop, precision), and with --profile each loop's profiled step."""
     n_windows = args.warmup + args.windows
-    keys = [(k, p) for k in kinds_of(args) for p in variants]
+    keys = [(k, p) for k in kinds_of(args) for p in variants if not (k == AUTOCAST and p != "bf16")]
     loops = {(k, p): Loop(k, task, variants[p][0], variants[p][1], plan, info, n_windows * args.steps + 1)
              for k, p in keys}
     out: dict[tuple[str, str], list[Window]] = {key: [] for key in keys}
@@ -577,7 +586,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "on a GPU, fp32 on a CPU; engine.precision=auto resolves to what the hardware has)")
     p.add_argument("--json", metavar="PATH", help="also write the rows (and run details) as JSON")
     p.add_argument("--loops", default=",".join(LOOPS), metavar="LIST",
-                   help=f"which loops, in order: any of {', '.join(LOOPS + COMPILED)} (default: {','.join(LOOPS)})")
+                   help=f"which loops, in order: any of {', '.join(ALL)} (default: {','.join(LOOPS)})")
     p.add_argument("--compile", action="store_true",
                    help="also time both loops compiled (plain-compiled, deepspeed-compiled: inductor; the compile time "
                         "is in the warm-up)")
@@ -591,8 +600,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(x not in ("fp32", "bf16") for x in args.precisions.split(",") if args.precisions):
         p.error(f"--precisions takes fp32, bf16 or fp32,bf16, got {args.precisions!r}")
     loops = [x for x in args.loops.split(",") if x]
-    if not loops or any(x not in LOOPS + COMPILED for x in loops) or len(set(loops)) != len(loops):
-        p.error(f"--loops takes distinct names among {', '.join(LOOPS + COMPILED)}, got {args.loops!r}")
+    if not loops or any(x not in ALL for x in loops) or len(set(loops)) != len(loops):
+        p.error(f"--loops takes distinct names among {', '.join(ALL)}, got {args.loops!r}")
     args.loops = loops + [x for x in COMPILED if args.compile and x not in loops]
     for name in ("micro_batch", "seq_len", "steps", "warmup", "windows"):
         if getattr(args, name) < (0 if name == "warmup" else 1):

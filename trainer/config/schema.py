@@ -169,6 +169,10 @@ class EngineConfig:
     # torch.compile of the model inside the engine (DeepSpeed's engine.compile(): inductor, in place, the same
     # parameter names): on, off, or auto: on with CUDA, off on a CPU, where it did not pay (docs/BENCHMARKS.md)
     compile: Literal["off", "on", "auto"] = "auto"
+    # Deterministic kernels (torch.use_deterministic_algorithms, cuDNN's deterministic mode, a fixed cuBLAS
+    # workspace): two runs of one config, or a resumed run and an uninterrupted one, then agree bit for bit on a GPU,
+    # and with engine.compile on a CPU too (eager CPU runs do without it); slower
+    deterministic: bool = False
 
 
 @section("pretrain")

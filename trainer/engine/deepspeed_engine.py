@@ -32,7 +32,7 @@ from typing import Any, Literal, NoReturn
 import torch
 import torch.distributed as dist
 
-from trainer.config.schema import OptimConfig, RunConfig, read_json
+from trainer.config.schema import EngineConfig, OptimConfig, RunConfig, read_json
 from trainer.engine import precision
 from trainer.engine.distributed import (  # noqa: F401  (re-exported: the stages call them as eng.*)
     BACKENDS,
@@ -331,11 +331,14 @@ def compiles(setting: str, device: torch.device) -> bool:
 
 
 def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, total_steps: int,
-               compile_setting: str = "off") -> Any:
+               engine_cfg: EngineConfig | None = None) -> Any:
     """A DeepSpeed engine around `model`. Our schedule drives the lr unless the user's JSON names a "scheduler".
-    With `compile_setting` (engine.compile) resolving to on, the engine's module is compiled in place
-    (engine.compile(): torch.compile with inductor; parameter names, checkpoints and artifacts unchanged); the first
-    steps of each new input shape then pay for compiling."""
+    `engine_cfg` (the run's engine section; None: neither of these): engine.compile resolving to on compiles the
+    engine's module in place (engine.compile(): torch.compile with inductor; parameter names, checkpoints and
+    artifacts unchanged; the first steps of each new input shape pay for compiling); engine.deterministic picks
+    deterministic kernels (`deterministic`)."""
+    if engine_cfg is not None and engine_cfg.deterministic:
+        deterministic()
     scheduler = None
     if "scheduler" not in ds:
         def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
@@ -347,9 +350,18 @@ def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, t
         # copy it back after each backward: ~15% of a lab-size LM step on 2 CPU cores (bench/train_throughput.py).
         # DeepSpeed's own switch; ZeRO 1/2 need that pass to fill their gradient partitions, so they keep it.
         engine.enable_backward_allreduce = False
-    if compiles(compile_setting, torch.device(get_accelerator().device_name())):
+    if engine_cfg is not None and compiles(engine_cfg.compile, torch.device(get_accelerator().device_name())):
         engine.compile()
     return engine
+
+
+def deterministic() -> None:
+    """Deterministic kernels from here on (torchtitan's debug.deterministic): PyTorch's deterministic algorithms
+    (a kernel without one warns instead of stopping the run), cuDNN without autotuning, and the fixed cuBLAS workspace
+    that deterministic cuBLAS needs (read when its first handle is made: before the first forward)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
 def weights_finite(engine: Any) -> bool:
