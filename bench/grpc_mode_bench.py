@@ -78,8 +78,8 @@ def measure(port: int, calls: int, c: int) -> tuple[float, float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--calls", type=int, default=2000, help="health Check calls per row")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64], help="callers at once, one row each")
     ap.add_argument("--serve", choices=["threaded", "aio"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve == "threaded":

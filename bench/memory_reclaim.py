@@ -80,11 +80,11 @@ def burst(port: int, texts: list[str], n: int, concurrency: int, k: int) -> floa
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--bundle", type=Path, required=True)
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--bundle", type=Path, required=True, help="bundle folder to serve")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder holding cls-books-fr/")
+    p.add_argument("--rounds", type=int, default=10, help="bursts, each followed by --gap idle seconds")
     p.add_argument("--burst", type=int, default=2000, help="calls per burst")
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=32, help="callers at once during a burst")
     p.add_argument("--texts", type=int, default=8, help="texts per call")
     p.add_argument("--gap", type=float, default=6.0, help="idle seconds after each burst (> the 5 s to reclaim)")
     args = p.parse_args(argv)

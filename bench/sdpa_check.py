@@ -35,8 +35,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the results here too")
     p.add_argument("--preset", default="lab", choices=sorted(PRESETS), help="whose model (default: lab)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8, help="sequences per batch")
+    p.add_argument("--seq", type=int, default=512, help="sequence length in ids")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("sdpa_check: no CUDA GPU", file=sys.stderr)

@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=5_000_000, help="stop after this many measured requests")
     ap.add_argument("--concurrency", type=int, default=128, help="closed-loop client threads")
     ap.add_argument("--channels", type=int, default=4, help="gRPC connections the callers share")
-    ap.add_argument("--texts-per-request", type=int, default=1)
+    ap.add_argument("--texts-per-request", type=int, default=1, help="texts in each request")
     ap.add_argument("--texts", type=int, default=256, help="distinct reviews drawn (seed 0) from the test split")
     ap.add_argument("--timeout", type=float, default=60.0, help="deadline of each request, seconds")
     ap.add_argument("--window", type=float, default=60.0, help="seconds per row of the latency table")

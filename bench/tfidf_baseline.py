@@ -48,7 +48,8 @@ def run(name: str, data: DataConfig) -> list[tuple[str, str, float, float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
+    p.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS),
+                   help="data sets to score (default: all)")
     args = p.parse_args()
     data = DataConfig()
     print(f"machine: {platform.machine()} {platform.processor() or ''}, python {platform.python_version()}")

@@ -573,7 +573,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="lab", help="config preset whose model and optimizers are measured (lab)")
-    p.add_argument("--task", choices=["lm", "classifier", "both"], default="both")
+    p.add_argument("--task", choices=["lm", "classifier", "both"], default="both", help="which model to train (both)")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per process per micro-step (8)")
     p.add_argument("--seq-len", type=int, default=128, help="LM window / classifier cut, in ids (128)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per window (3)")

@@ -4,6 +4,9 @@ request costs the server's processes outside onnxruntime.
     python bench/soak.py --make-bundle /tmp/tiny-bundle --size tiny     # once: the tests' tiny model
     python bench/workers_bench.py --bundle /tmp/tiny-bundle [--workers 1 2] [--seconds 5] [--json out.json]
     python bench/workers_bench.py --bundle /tmp/tiny-bundle --workers 1 --profile /tmp/request-path.txt
+    # many cores: the server on 0-13, h2load on 14-15 (its own cores), the floor at every count
+    python bench/workers_bench.py --bundle /tmp/lab-bundle --workers 1 2 4 8 --floor \
+        --server-cpus 0-13 --client-cpus 14-15 --client-threads 2 --connections 64
 
 --profile FILE samples the (first) worker with py-spy (a dev dependency) during the measured seconds, writes the
 stacks to FILE (py-spy's raw format: one collapsed stack and its count a line) and prints where the thread
@@ -15,6 +18,11 @@ nghttp2-client), a C HTTP/2 client that sends one ready-made gRPC request (one r
 connections, `--streams` calls at a time on each: it costs the cores far less than a Python client would, and its
 own CPU share is printed. Calls are counted by the server (sentiment_requests_total{code="OK"}), not by h2load,
 which does not read gRPC status trailers.
+
+--floor measures the bare grpcio server (bench/grpc_floor.py) at every worker count too: N such processes share the
+port as the workers do (grpcio sets SO_REUSEPORT), so serving/ is compared with what gRPC alone serves on as many
+processes. --server-cpus and --client-cpus pin the servers and h2load to disjoint cores (taskset), so that the load
+generator takes no core the server scales onto.
 
 Per request, from /proc/PID/stat of the server's processes (the workers, or the one server) over the measured
 seconds: CPU ms (user + system, every thread: gRPC's, the handlers', the batcher's and onnxruntime's) and the
@@ -55,18 +63,22 @@ def grpc_body(text: str) -> bytes:
     return struct.pack(">BI", 0, len(message)) + message
 
 
-def ok_calls(server: Server) -> float:
-    page = server.scrape()
-    m = re.search(r'^sentiment_requests_total\{code="OK",method="sentiment.v1.SentimentService/Classify"\} (\S+)$',
-                  page, re.M)
-    return float(m.group(1)) if m else 0.0
+def ok_calls(servers: list[Server]) -> float:
+    total = 0.0
+    for server in servers:
+        m = re.search(r'^sentiment_requests_total\{code="OK",method="sentiment.v1.SentimentService/Classify"\} '
+                      r'(\S+)$', server.scrape(), re.M)
+        total += float(m.group(1)) if m else 0.0
+    return total
 
 
-def h2load(port: int, body: Path, seconds: float, connections: int, streams: int) -> tuple[str, float]:
-    """h2load's report and the CPU seconds it used."""
+def h2load(port: int, body: Path, seconds: float, args: argparse.Namespace) -> tuple[str, float]:
+    """h2load's report and the CPU seconds it used; on --client-cpus when given."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run(["h2load", "-D", f"{max(1, round(seconds))}s", "-c", str(connections), "-m", str(streams),
-                          "-t", "1", "-d", str(body), "-H", "content-type: application/grpc", "-H", "te: trailers",
+    pin = ["taskset", "-c", args.client_cpus] if args.client_cpus else []
+    out = subprocess.run([*pin, "h2load", "-D", f"{max(1, round(seconds))}s", "-c", str(args.connections), "-m",
+                          str(args.streams), "-t", str(args.client_threads), "-d", str(body), "-H",
+                          "content-type: application/grpc", "-H", "te: trailers",
                           f"http://127.0.0.1:{port}{CLASSIFY}"], capture_output=True, text=True, check=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return out.stdout, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
@@ -109,32 +121,72 @@ def profile_summary(raw: Path, top: int = 15) -> str:
     return "\n".join(out)
 
 
-def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace, floor: bool = False) -> dict:
-    server = Server(bundle, "--workers", str(workers), "--intra-op-threads", "1", *args.server_args.split(),
-                    floor=floor)
+def start(bundle: Path, workers: int, args: argparse.Namespace, floor: bool) -> list[Server]:
+    """The server with `workers` processes, or that many bare grpcio floors on one port (the first picks it)."""
+    if not floor:
+        return [Server(bundle, "--workers", str(workers), "--intra-op-threads", "1", *args.server_args.split(),
+                       cpus=args.server_cpus)]
+    servers: list[Server] = []
     try:
-        h2load(server.port, body, min(2.0, args.seconds / 2), args.connections, args.streams)  # warm-up
-        calls0, runs0 = ok_calls(server), server.metric("sentiment_inference_seconds_sum")
-        cpu0, t0 = cpu_seconds(server.pids), time.perf_counter()
+        for _ in range(workers):
+            port = str(servers[0].port) if servers else "0"
+            servers.append(Server(bundle, "--intra-op-threads", "1", "--port", port, floor=True,
+                                  cpus=args.server_cpus))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace, floor: bool = False) -> dict:
+    servers = start(bundle, workers, args, floor)
+    server, pids = servers[0], [pid for s in servers for pid in s.pids]
+    try:
+        h2load(server.port, body, min(2.0, args.seconds / 2), args)  # warm-up
+        calls0 = ok_calls(servers)
+        runs0 = sum(s.metric("sentiment_inference_seconds_sum") for s in servers)
+        cpu0, t0 = cpu_seconds(pids), time.perf_counter()
         spy = None
         if args.profile:
             spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(server.pids[0]),
                                     "-d", str(max(1, int(args.seconds) - 1)), "-r", "200", "-f", "raw", "-o",
                                     str(args.profile), "--nonblocking", "--gil"], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
-        report, client_cpu = h2load(server.port, body, args.seconds, args.connections, args.streams)
+        report, client_cpu = h2load(server.port, body, args.seconds, args)
         if spy is not None:
             spy.wait(60)
-        elapsed, cpu1 = time.perf_counter() - t0, cpu_seconds(server.pids)
-        calls1, runs1 = ok_calls(server), server.metric("sentiment_inference_seconds_sum")
+        elapsed, cpu1 = time.perf_counter() - t0, cpu_seconds(pids)
+        calls1 = ok_calls(servers)
+        runs1 = sum(s.metric("sentiment_inference_seconds_sum") for s in servers)
         sent = re.search(r"requests: (\d+) total", report)
     finally:
-        server.stop()
+        for s in servers:
+            s.stop()
     calls, cores = calls1 - calls0, os.cpu_count() or 1
-    return {"workers": "floor" if floor else workers, "requests_per_s": calls / elapsed, "calls": calls,
+    return {"workers": workers, "floor": floor, "requests_per_s": calls / elapsed, "calls": calls,
             "h2load_requests": int(sent.group(1)) if sent else None,
             "server_cpu_ms": 1e3 * (cpu1 - cpu0) / calls, "ort_wall_ms": 1e3 * (runs1 - runs0) / calls,
             "server_cpu_share": (cpu1 - cpu0) / (elapsed * cores), "client_cpu_share": client_cpu / (elapsed * cores)}
+
+
+def cores(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out += range(int(a), int(b or a) + 1)
+    return out
+
+
+def cpu_list(text: str) -> str:
+    """A taskset core list (0-13, 0,2,4): checked here, so that a typo fails before any server starts."""
+    if not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a core list such as 0-13 or 0,2,4")
+    allowed = os.sched_getaffinity(0)
+    if not set(cores(text)) <= allowed:
+        raise argparse.ArgumentTypeError(f"{text}: cores {sorted(set(cores(text)) - allowed)} are not this "
+                                         f"process's (it may run on {sorted(allowed)})")
+    return text
 
 
 def main() -> int:
@@ -144,45 +196,54 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per count (after a warm-up)")
     ap.add_argument("--connections", type=int, default=32, help="h2load connections (spread over the workers)")
     ap.add_argument("--streams", type=int, default=4, help="calls at once on each connection")
+    ap.add_argument("--client-threads", type=int, default=1, help="h2load threads (-t)")
+    ap.add_argument("--server-cpus", type=cpu_list, help="cores the servers run on (taskset list, e.g. 0-13)")
+    ap.add_argument("--client-cpus", type=cpu_list, help="cores h2load runs on (e.g. 14-15), not the servers'")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder holding cls-books-fr/")
     ap.add_argument("--server-args", default="", help="extra server options")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--profile", type=Path, help="py-spy the first worker during the measure; stacks to this file")
     ap.add_argument("--floor", action="store_true",
-                    help="also measure the bare grpcio server (bench/grpc_floor.py, one process) under the same load")
+                    help="also measure, at each count, as many bare grpcio servers (bench/grpc_floor.py) on one port")
     args = ap.parse_args()
     if shutil.which("h2load") is None:
         ap.error("h2load not found: install it (Debian/Ubuntu: apt-get install nghttp2-client)")
+    if min(args.workers) < 1 or args.client_threads < 1 or args.connections < args.client_threads:
+        ap.error("--workers and --client-threads take counts >= 1, --connections at least one per client thread")
+    if args.server_cpus and args.client_cpus and set(cores(args.server_cpus)) & set(cores(args.client_cpus)):
+        ap.error(f"--server-cpus {args.server_cpus} and --client-cpus {args.client_cpus} share cores")
     lines = (args.data / "cls-books-fr" / "test.review.txt").read_text(encoding="utf-8").split("\n")
     reviews = sorted((t for t in lines if t.strip()), key=len)
     text = reviews[len(reviews) // 2]  # the median length
     with tempfile.TemporaryDirectory() as tmp:
         body = Path(tmp) / "classify.grpc"
         body.write_bytes(grpc_body(text))
-        rows = [measure(args.bundle, n, body, args) for n in args.workers]
-        floor = measure(args.bundle, 1, body, args, floor=True) if args.floor else None
+        rows, floors = [], {}
+        for n in args.workers:
+            rows.append(measure(args.bundle, n, body, args))
+            if args.floor:
+                floors[n] = measure(args.bundle, n, body, args, floor=True)
     print("| workers | requests/s | server CPU ms per request | of which onnxruntime runs (wall) ms | outside "
-          "onnxruntime ms | CPU share: server / h2load |\n|---|---|---|---|---|---|")
+          "onnxruntime ms | CPU share: server / h2load | bare grpcio floor, as many processes: requests/s | "
+          "serving/ / floor |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
+        f = floors.get(r["workers"])
+        floor = f"{f['requests_per_s']:.0f} | {100 * r['requests_per_s'] / f['requests_per_s']:.0f}%" if f else " | "
         print(f"| {r['workers']} | {r['requests_per_s']:.0f} | {r['server_cpu_ms']:.3f} | {r['ort_wall_ms']:.3f} | "
               f"{r['server_cpu_ms'] - r['ort_wall_ms']:.3f} | {100 * r['server_cpu_share']:.0f}% / "
-              f"{100 * r['client_cpu_share']:.0f}% |")
-    if floor is not None:
-        # Its runs' wall time is not a cost: 128 handler threads run them, waiting for the interpreter lock.
-        print(f"| bare grpcio server (floor) | {floor['requests_per_s']:.0f} | {floor['server_cpu_ms']:.3f} | "
-              f"not comparable (runs in the handler threads) | | {100 * floor['server_cpu_share']:.0f}% / "
-              f"{100 * floor['client_cpu_share']:.0f}% |")
-        rows.append(floor)
+              f"{100 * r['client_cpu_share']:.0f}% | {floor} |")
     base = rows[0]["requests_per_s"]
     for r in rows[1:]:
-        print(f"{r['workers']} workers / {rows[0]['workers']}: {r['requests_per_s'] / base:.2f}x"
-              if r is not floor else f"1 worker / floor: {base / r['requests_per_s']:.2f}x")
+        print(f"{r['workers']} workers / {rows[0]['workers']}: {r['requests_per_s'] / base:.2f}x")
+    pinned = f"; server on cores {args.server_cpus}" if args.server_cpus else ""
+    pinned += f", h2load on cores {args.client_cpus} ({args.client_threads} threads)" if args.client_cpus else ""
     print(f"one review of {len(text)} characters (the median) per call; {args.connections} connections x "
-          f"{args.streams} streams; machine: {platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}")
+          f"{args.streams} streams{pinned}; machine: {platform.machine()}, {os.cpu_count()} cores; "
+          f"{time.strftime('%Y-%m-%d')}")
     if args.profile:
         print("\n" + profile_summary(args.profile))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "args": sys.argv[1:]}, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "floor": list(floors.values()), "args": sys.argv[1:]}, indent=2))
     return 0
 
 

@@ -42,7 +42,7 @@ def _status_kib(pid: int, field: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("bundle", type=Path)
+    p.add_argument("bundle", type=Path, help="bundle folder to serve")
     p.add_argument("--seconds", type=float, default=30.0, help="length of the load phase")
     p.add_argument("--callers", type=int, default=8, help="concurrent callers during the load phase")
     p.add_argument("server_flags", nargs="*", help="after `--`: extra flags for serving.server")

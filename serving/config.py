@@ -12,7 +12,9 @@ from serving.errors import ServerConfigError
 
 @dataclass
 class ServerConfig:
-    """Options of `serving.server`; the CLI flags have the same names (`--max-texts`, ...)."""
+    """Options of `serving.server`; the CLI flags have the same names (`--max-texts`, ...). Each field's comment is
+    its --help (contract/comments.py says where a comment belongs). The bounds against hostile clients are enforced
+    in serving/gate.py (docs/RELIABILITY.md, "Attacks")."""
 
     # Network
     host: str = "127.0.0.1"  # bind address; loopback unless asked otherwise
@@ -22,7 +24,7 @@ class ServerConfig:
     metrics_host: str | None = None  # bind address of the metrics exporter (None = `host`)
     health_port: int | None = None  # a second, plain-text listener serving only grpc.health.v1, by an asyncio
     # server whose half-open calls hold no thread (serving/health_port.py; 0 = any free port, None = off): what
-    # Kubernetes' gRPC probes (which speak no TLS) should target. grpc.health.v1 stays on `port` too
+    # Kubernetes' gRPC probes (which speak no TLS) should target. grpc.health.v1 stays on `port` too.
     # Processes
     workers: int = 1  # server processes sharing `port` (SO_REUSEPORT; serving/workers.py), each with its own
     # predictor, batcher and handler threads: the request path's Python then runs on several cores. Every limit
@@ -59,7 +61,7 @@ class ServerConfig:
     max_response_bytes_in_flight: int = 64 * 1024 * 1024  # bytes of answers built and not yet taken by their
     # clients (a client that does not read keeps its answer in the server); past it, calls are refused with
     # RESOURCE_EXHAUSTED (before computing when the budget is already spent)
-    # Hostile clients: per-call and per-connection bounds (serving/gate.py, docs/RELIABILITY.md "Attacks")
+    # Hostile clients
     body_timeout_s: float = 10.0  # a request message must arrive within this long after its call's headers (or
     # after the previous message of a stream), else the call is cancelled and its thread and slot freed
     memory_reclaim_idle_s: float = 5.0  # once no model call has been in progress (nor an answer held) for this
@@ -78,13 +80,16 @@ class ServerConfig:
     max_connection_age_s: float = 1800.0  # every connection is closed after about this long (GOAWAY, +-10%
     # jitter by gRPC): long-held connections cannot pin resources, and clients spread again over replicas
     max_connection_age_grace_s: float = 30.0  # calls still open on an aged-out connection get this long
-    min_client_ping_interval_s: float = 60.0  # a client may ping (keepalive) at most this often without calls...
-    max_ping_strikes: int = 2  # ...and is disconnected (GOAWAY too_many_pings) after this many faster pings
+    min_client_ping_interval_s: float = 60.0  # a client may ping (keepalive) at most this often without calls
+    # (max_ping_strikes says what a faster one gets)
+    max_ping_strikes: int = 2  # a client that pings more often than min_client_ping_interval_s is disconnected
+    # (GOAWAY too_many_pings) after this many such pings
     keepalive_without_calls: bool = False  # accept keepalive pings on a connection with no call in progress
     # Lifecycle
     drain_delay_s: float = 0.0  # after SIGTERM: health says NOT_SERVING but requests are still served this
-    # long, so that load balancers watching health stop routing here first (Kubernetes-style); then:
-    grace_s: float = 10.0  # new requests are refused and in-flight ones get this long to finish
+    # long, so that load balancers watching health stop routing here first (Kubernetes-style); then grace_s begins
+    grace_s: float = 10.0  # after SIGTERM and drain_delay_s: new requests are refused and in-flight ones get this
+    # long to finish
     # Security
     tls_cert: str | None = None  # PEM server certificate (chain); with tls_key turns TLS on
     tls_key: str | None = None  # PEM private key of tls_cert

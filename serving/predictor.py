@@ -93,11 +93,13 @@ class Predictor:
         # The provider actually in use: get_available_providers() and a silent CPU fallback both lie.
         self.provider: str = self.session.get_providers()[0]
         if device == "cuda" and self.provider != CUDA:
-            raise ServerConfigError(f"device='cuda' but onnxruntime runs on {self.provider}: CUDA cannot load here "
-                              "(see the onnxruntime log above)")
+            raise ServerConfigError(f"device='cuda' but onnxruntime runs on {self.provider}: "
+                                    f"{runtime.cuda_unavailable_reason()}")
         cpu_graph = graph or b.manifest.graph_for("cpu")
-        if self.provider != CUDA and self.graph != cpu_graph:  # 'auto' chose CUDA, onnxruntime fell back to CPU
-            log.warning("CUDA did not load: running %s, the bundle's CPU graph, instead of %s", cpu_graph, self.graph)
+        if self.provider != CUDA and providers[0] == CUDA:  # 'auto' asked for CUDA, onnxruntime fell back to CPU
+            log.warning("CUDA did not load (%s): running %s, the bundle's CPU graph", runtime.cuda_unavailable_reason(),
+                        cpu_graph)
+        if self.provider != CUDA and self.graph != cpu_graph:
             self.graph, self.session = cpu_graph, self._open(b, cpu_graph, options, [runtime.CPU])
             self.provider = self.session.get_providers()[0]
         self.precision: str = b.manifest.graphs[self.graph].precision

@@ -4,13 +4,13 @@ protocols (sentiment.v1 and KServe v2), health, reflection, metrics.
     python -m serving.server BUNDLE [--port 50051] [--metrics-port 8002] [--health-port 50052] [--max-texts 64] ...
     (the same as the console script `sentiment-server`; `--help` lists every option of ServerConfig)
 
-A threaded grpc server: handlers block on the batcher's futures while onnxruntime runs in the batcher's threads
-(it releases the GIL). bench/grpc_mode_bench.py measured the threaded server faster than grpc.aio on this
-machine (health Check p50 0.40 vs 0.46 ms alone, 2,100 vs 1,300 calls/s at 64 callers; docs/
-BENCHMARKS.md, Serving), and blocking code stays simple. What a thread-per-call server owes to hostile clients
-(a token checked before the body is read, a bound on the time to send it, slots, answers held for slow readers,
-per-connection limits) is in serving/gate.py and the transport options below. The health port alone is served by
-grpc.aio (serving/health_port.py): probes need answers while half-open calls wait there, not throughput.
+A threaded grpc server: handlers block on the batcher's futures while onnxruntime runs in the batcher's threads (it
+releases the GIL). bench/grpc_mode_bench.py measured the threaded server faster than grpc.aio, alone and at 64
+callers (docs/BENCHMARKS.md, "Threaded or asyncio gRPC server"), and blocking code stays simple. What a
+thread-per-call server owes to hostile clients (a token checked before the body is read, a bound on the time to send
+it, slots, answers held for slow readers, per-connection limits) is in serving/gate.py and the transport options
+below. The health port alone is served by grpc.aio (serving/health_port.py): probes need answers while half-open
+calls wait there, not throughput.
 
 Lifecycle: the bundle is loaded and verified, and every port (gRPC, health, metrics) is checked free, before
 anything listens (a bad bundle or a taken port exits 2 with one line). SIGTERM or SIGINT: health goes NOT_SERVING
@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="require 'authorization: Bearer <token>' with the token in this file (also: the "
                         "SENTIMENT_AUTH_TOKEN variable); never on the command line, where `ps` shows it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="(default: INFO)")
+                   help="lowest level of the log lines written to stderr (default: INFO)")
     return p
 
 

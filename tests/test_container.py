@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -98,32 +99,42 @@ def base_image() -> str:
     return name
 
 
-@pytest.fixture(scope="module")
-def wheelhouse() -> Path:
-    """The server's wheels for the base's Python and this machine, downloaded by the host's pip."""
-    requirements = serve_requirements(REPO_ROOT / "pyproject.toml", "onnxruntime")
+def _wheelhouse(ort_package: str) -> Path:
+    """The server's wheels for the base's Python and this machine, downloaded by the host's pip. The GPU image's
+    (onnxruntime-gpu with the CUDA and cuDNN wheels) is about 2 GB."""
+    requirements = serve_requirements(REPO_ROOT / "pyproject.toml", ort_package)
     lock = (REPO_ROOT / "requirements.lock").read_text(encoding="utf-8")
     machine = platform.machine()
     folder = _cache() / f"wheels-{_key(requirements, lock, BASE_PYTHON, machine)}"
     if not folder.is_dir():
         partial = folder.with_name(folder.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        platforms = [a for tag in ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
-                     for a in ("--platform", f"{tag}_{machine}")]
+        # pip matches manylinux_2_N exactly: every N the base's glibc (2.36 in bookworm) runs, and the old aliases.
+        tags = [f"manylinux_2_{n}" for n in range(36, 4, -1)] + ["manylinux2014", "manylinux2010", "manylinux1"]
+        platforms = [a for tag in tags for a in ("--platform", f"{tag}_{machine}")]
         _ok([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(partial), "--only-binary=:all:",
              *platforms, "--python-version", BASE_PYTHON, "--implementation", "cp",
-             "--constraint", str(REPO_ROOT / "requirements.lock"), *requirements], timeout=600)
+             "--constraint", str(REPO_ROOT / "requirements.lock"), *requirements], timeout=1200)
         partial.rename(folder)
     return folder
 
 
 @pytest.fixture(scope="module")
-def build(base_image: str, wheelhouse: Path) -> list[str]:
+def wheelhouse() -> Path:
+    return _wheelhouse("onnxruntime")
+
+
+def _build_command(base_image: str, wheelhouse: Path) -> list[str]:
     """`buildah bud` with this test's base, offline from the wheelhouse (mounted at /wheels during the build)."""
     return ["buildah", "bud", "--isolation", "chroot", "--layers", "--force-rm", "--format", "docker", "--quiet",
             "--build-arg", f"BASE_IMAGE={base_image}", "--build-arg", "PIP_NO_INDEX=1",
             "--build-arg", "PIP_FIND_LINKS=/wheels", "--volume", f"{wheelhouse}:/wheels:ro",
             "-f", str(REPO_ROOT / "Containerfile")]
+
+
+@pytest.fixture(scope="module")
+def build(base_image: str, wheelhouse: Path) -> list[str]:
+    return _build_command(base_image, wheelhouse)
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +280,73 @@ def test_bundled_target_bakes_the_bundle_in(build: list[str], tiny_bundle: Path)
     finally:
         run(["buildah", "rm", ctr], timeout=120)
         run(["buildah", "rmi", name], timeout=120)
+
+
+# ------------------------------------------------------------------------------------------------ the GPU image
+
+GPU_IMAGE = "localhost/transfer-sentiment:test-gpu"
+SITE = f"/opt/venv/lib/python{BASE_PYTHON}/site-packages"
+PROVIDER = f"{SITE}/onnxruntime/capi/libonnxruntime_providers_cuda.so"
+# Inside the image: what onnxruntime offers, the CUDA version it is built for, and the CUDA and cuDNN libraries the
+# nvidia-* wheels installed (their sonames carry the major: libcudart.so.13, libcudnn.so.9).
+GPU_FACTS = """
+import glob, json, os, onnxruntime as o
+from contract import runtime
+libs = sorted(os.path.basename(p) for p in glob.glob("/opt/venv/lib/python*/site-packages/nvidia/*/lib/lib*.so.*"))
+print(json.dumps({"providers": o.get_available_providers(), "cuda_version": o.cuda_version, "libraries": libs,
+                  "problem": runtime.cuda_library_problem()}))
+"""
+
+
+def _soname_major(libraries: list[str], stem: str) -> int:
+    (major,) = {int(name.split(".so.")[1].split(".")[0]) for name in libraries if name.startswith(stem + ".so.")}
+    return major
+
+
+@pytest.mark.slow
+def test_gpu_image_holds_the_cuda_libraries_its_onnxruntime_is_built_for(
+        base_image: str, tiny_bundle: Path, tmp_path: Path) -> None:
+    """`--build-arg ORT_PACKAGE=onnxruntime-gpu`, on the same Debian base, the CUDA 13 and cuDNN 9 libraries from
+    PyPI's nvidia-* wheels (no CUDA base image): non-root; onnxruntime offers CUDA; every library of its CUDA provider
+    resolves except the driver's libcuda.so.1, which the node's NVIDIA container runtime mounts (there is no GPU
+    here); the CUDA major of the image's libraries is onnxruntime's; the server asked for CUDA names that library.
+    Slow: a 1.4 GB wheelhouse and a 2.5 GB image: 7 minutes on 2 cores (buildah caches the layers afterwards)."""
+    build = _build_command(base_image, _wheelhouse("onnxruntime-gpu"))
+    _ok([*build, "--build-arg", "ORT_PACKAGE=onnxruntime-gpu", "-t", GPU_IMAGE, str(REPO_ROOT)], timeout=3600)
+    config = _config(GPU_IMAGE)
+    assert config["User"] == f"{APP_UID}:{APP_UID}"
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in config["Env"]
+    ctr = _ok(["buildah", "from", "--pull-never", GPU_IMAGE], timeout=120).stdout.strip()
+    try:
+        def inside(*cmd: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+            return run(["buildah", "run", "--isolation", "chroot", "--volume", f"{tiny_bundle}:/mnt/models:ro", ctr,
+                        "--", *cmd], timeout=timeout)
+
+        assert inside("id", "-u").stdout.strip() == str(APP_UID)
+        facts = json.loads(_ok(["buildah", "run", "--isolation", "chroot", ctr, "--", "python", "-c", GPU_FACTS],
+                               timeout=300).stdout)
+        assert "CUDAExecutionProvider" in facts["providers"], facts["providers"]
+        major = int(facts["cuda_version"].split(".")[0])
+        libraries = facts["libraries"]
+        for stem in ("libcudart", "libcublas", "libcublasLt"):
+            assert _soname_major(libraries, stem) == major, (stem, facts["cuda_version"], libraries)
+        assert _soname_major(libraries, "libcudnn") == 9
+        # Everything but the driver loads: the contract's own check says only libcuda.so.1 is missing.
+        assert facts["problem"] is not None and "libcuda.so.1 is missing, the NVIDIA driver's library" in \
+            facts["problem"], facts["problem"]
+
+        ldd = inside("ldd", PROVIDER)
+        assert ldd.returncode == 0, ldd.stderr
+        unresolved = re.findall(r"^\s*(\S+) => not found", ldd.stdout, re.M)
+        assert unresolved == ["libcuda.so.1"], ldd.stdout
+        resolved = dict(re.findall(r"^\s*(\S+) => (\S+)", ldd.stdout, re.M))
+        for soname in (f"libcudart.so.{major}", f"libcublas.so.{major}", f"libcublasLt.so.{major}"):
+            assert "/site-packages/nvidia/" in resolved[soname], (soname, resolved.get(soname))
+
+        refused = inside("python", "-m", "serving.server", "/mnt/models", "--device", "cuda", "--port", "0",
+                         "--no-metrics")
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        (line,) = [x for x in refused.stderr.splitlines() if x.startswith("sentiment-server: error:")]
+        assert "libcuda.so.1" in line and "NVIDIA driver" in line, line
+    finally:
+        run(["buildah", "rm", ctr], timeout=120)

@@ -67,16 +67,24 @@ def _kustomize(folder: Path, out: Path) -> Path:
     return out
 
 
+def _overlay(out: Path, name: str, components: list[str]) -> Path:
+    """A user's overlay: the base with some of deploy/'s Components, rendered."""
+    overlay = out / f"{name}-overlay"
+    overlay.mkdir()
+    listed = ", ".join(os.path.relpath(DEPLOY / c, overlay) for c in components)
+    (overlay / "kustomization.yaml").write_text(  # kustomize takes relative paths only
+        f"resources: [{os.path.relpath(DEPLOY, overlay)}]\ncomponents: [{listed}]\n")
+    return _kustomize(overlay, out / f"{name}.yaml")
+
+
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """What `kubectl apply -k` would send: the base, the KServe folder, and an overlay of the base with deploy/tls."""
+    """What `kubectl apply -k` would send: the base, the KServe folder, and overlays of the base with deploy/tls,
+    deploy/gpu, and both."""
     out = tmp_path_factory.mktemp("rendered")
-    overlay = out / "tls-overlay"
-    overlay.mkdir()
-    (overlay / "kustomization.yaml").write_text(  # kustomize takes relative paths only
-        f"resources: [{os.path.relpath(DEPLOY, overlay)}]\ncomponents: [{os.path.relpath(DEPLOY / 'tls', overlay)}]\n")
     return {"base": _kustomize(DEPLOY, out / "base.yaml"), "kserve": _kustomize(DEPLOY / "kserve", out / "kserve.yaml"),
-            "tls": _kustomize(overlay, out / "tls.yaml")}
+            "tls": _overlay(out, "tls", ["tls"]), "gpu": _overlay(out, "gpu", ["gpu"]),
+            "gpu-tls": _overlay(out, "gpu-tls", ["gpu", "tls"])}
 
 
 def _one(docs: list[dict], kind: str) -> dict:
@@ -128,19 +136,19 @@ def test_containerfile_passes_hadolint() -> None:
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_manifests_are_valid_kubernetes_objects(version: str, rendered: dict[str, Path], tmp_path: Path) -> None:
-    files = [rendered["base"], rendered["tls"], _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.json"),
-             *EXAMPLES]
+    files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"],
+             _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.json"), *EXAMPLES]
     out = _run([_tool("kubernetes-validate"), "--strict", "--kubernetes-version", version, *files])
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Couldn't find schema" not in out.stdout + out.stderr, "an object was not validated"
-    assert out.stdout.count(" passed ") >= 9
+    assert out.stdout.count(" passed ") >= 25
 
 
 def test_checkov_passes_or_each_skip_is_justified(rendered: dict[str, Path], tmp_path: Path) -> None:
     dockerfile = tmp_path / "Dockerfile"  # checkov recognises container files by this name only
     shutil.copy(REPO_ROOT / "Containerfile", dockerfile)
-    files = [rendered["base"], rendered["tls"], _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.yaml"),
-             *EXAMPLES, dockerfile]
+    files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"],
+             _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.yaml"), *EXAMPLES, dockerfile]
     # --skip-download: no call home to the vendor's API (unreachable here, and not needed for the checks)
     out = _run([_tool("checkov"), "--skip-download", "--output", "json",
                 "--framework", "kubernetes", "secrets", "dockerfile", *[a for f in files for a in ("-f", f)]],
@@ -200,6 +208,13 @@ def test_deployment_flags_ports_probes_and_security(rendered: dict[str, Path], t
     assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
 
 
+def test_the_image_is_named_by_digest(rendered: dict[str, Path]) -> None:
+    """Both kustomizations name the image by digest (README.md, Deploy): a tag can be moved to another image."""
+    images = [c["image"] for c in _one(_docs(rendered["base"]), "Deployment")["spec"]["template"]["spec"]["containers"]]
+    images += [c["image"] for c in _one(_docs(rendered["kserve"]), "ServingRuntime")["spec"]["containers"]]
+    assert len(images) == 2 and all(re.search(r"@sha256:[0-9a-f]{64}$", i) for i in images), images
+
+
 def test_containerfile_defaults_are_server_flags(tmp_path: Path) -> None:
     text = (REPO_ROOT / "Containerfile").read_text(encoding="utf-8")
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
@@ -244,6 +259,36 @@ def test_tls_component_serves_tls_and_probes_plaintext(rendered: dict[str, Path]
     health = int(_flag(container["args"], "--health-port"))
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"] == {"port": health}
+
+
+def _deployment(path: Path) -> dict:
+    return _one(_docs(path), "Deployment")
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "gpu-tls"])
+def test_gpu_component_asks_for_a_gpu_and_cuda_and_changes_nothing_else(overlay: str, rendered: dict[str, Path],
+                                                                        tmp_path: Path) -> None:
+    base, gpu = _deployment(rendered["base"] if overlay == "gpu" else rendered["tls"]), _deployment(rendered[overlay])
+    pod, (container,) = gpu["spec"]["template"]["spec"], gpu["spec"]["template"]["spec"]["containers"]
+    cfg = _server_config(container["args"], tmp_path)
+    assert cfg.device == "cuda"  # refuses to start without CUDA, naming the missing library
+    assert cfg.max_batch_tokens >= cfg.max_batch_size * 512  # a full batch of lab-size texts
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["resources"]["limits"]["memory"] == container["resources"]["requests"]["memory"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    (base_container,) = base["spec"]["template"]["spec"]["containers"]
+    name, digest = container["image"].split("@")
+    assert name == base_container["image"].split("@")[0] + "-gpu"  # the GPU build: an image of its own
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", digest) and digest != base_container["image"].split("@")[1]
+    # Everything else is the base's: probes, ports, security, volumes, the other flags.
+    changed = {"args", "image", "resources"}
+    assert {k: v for k, v in container.items() if k not in changed} == \
+        {k: v for k, v in base_container.items() if k not in changed}
+    assert {k: v for k, v in pod.items() if k not in ("containers", "tolerations")} == \
+        {k: v for k, v in base["spec"]["template"]["spec"].items() if k != "containers"}
+    assert cfg.max_padding >= 100  # any padding: on a GPU the batch is what counts
+    others = [a for a in container["args"] if not a.startswith(("--device=", "--max-batch-tokens=", "--max-padding="))]
+    assert others == [a for a in base_container["args"] if not a.startswith("--device=")]
 
 
 def test_kustomizations_list_every_manifest() -> None:

@@ -6,6 +6,7 @@ a stock machine: here, that configuration supplies torch's CPU build from local 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.version import Version
 from serving_fixtures import REPO_ROOT
 
 ORT = ("onnxruntime", "onnxruntime-gpu")
@@ -127,8 +129,91 @@ def test_image_requirements_name_the_chosen_onnxruntime_once(ort: str) -> None:
 
     reqs = [Requirement(r) for r in serve_requirements(REPO_ROOT / "pyproject.toml", ort)]
     (spec,) = {str(r.specifier) for r in map(Requirement, _extras()["serve"]) if r.name in ORT}
-    assert [str(r) for r in reqs if r.name in ORT] == [f"{ort}{spec}"]
+    (chosen,) = [r for r in reqs if r.name in ORT]
+    assert (chosen.name, str(chosen.specifier)) == (ort, spec)
+    # The GPU image gets the CUDA and cuDNN libraries onnxruntime-gpu is built for, as the `gpu` extra asks.
+    assert chosen.extras == ({"cuda", "cudnn"} if ort == "onnxruntime-gpu" else set())
     assert all(r.marker is None for r in reqs)
     names = {r.name for r in reqs}
     assert {Requirement(r).name for r in _extras()["serve"]} - set(ORT) <= names
     assert "torch" not in names
+
+
+# ------------------------------------------------------------------------------ the GPU install's CUDA major
+
+def _lock_version(name: str) -> Version:
+    return Version(_pin(name).split("==")[1])
+
+
+def _onnxruntime_gpu_build() -> tuple[int, list[Requirement]]:
+    """The CUDA major the installed onnxruntime-gpu is built for and its `cuda` + `cudnn` extras' requirements; the
+    installed one is the lock's (make setup installs through it)."""
+    import onnxruntime
+
+    if importlib.metadata.version("onnxruntime-gpu") != str(_lock_version("onnxruntime-gpu")):
+        pytest.skip("the installed onnxruntime-gpu is not the lock's")
+    cuda = getattr(onnxruntime, "cuda_version", "")
+    assert cuda, "onnxruntime-gpu without a CUDA version"
+    requires = [Requirement(r) for r in importlib.metadata.requires("onnxruntime-gpu") or []]
+    extras = [r for r in requires if r.marker is not None and any(
+        r.marker.evaluate({**default_environment(), "extra": e}) for e in ("cuda", "cudnn"))]
+    return int(cuda.split(".")[0]), extras
+
+
+def test_gpu_pins_are_the_cuda_major_onnxruntime_gpu_is_built_for() -> None:
+    """The nvidia-* pins of requirements.lock (what `make setup` on a GPU node and the GPU image install) satisfy
+    onnxruntime-gpu's own `cuda` and `cudnn` extras, and are of the CUDA major its CUDA provider was built for:
+    a CUDA 12 runtime beside a CUDA 13 onnxruntime is the provider that never loads."""
+    major, extras = _onnxruntime_gpu_build()
+    names = {r.name for r in extras}
+    assert {"nvidia-cuda-runtime", "nvidia-cudnn-cu13" if major == 13 else f"nvidia-cudnn-cu{major}"} <= names
+    for r in extras:
+        assert r.specifier.contains(_lock_version(r.name)), f"requirements.lock's {_pin(r.name)} against {r}"
+    for library in ("nvidia-cuda-runtime", "nvidia-cublas", "nvidia-cuda-nvrtc"):
+        assert _lock_version(library).major == major, f"{_pin(library)}: onnxruntime-gpu is built for CUDA {major}"
+    assert any(r.name == f"nvidia-cudnn-cu{major}" for r in extras), f"no cuDNN for CUDA {major} in the extras"
+    assert _lock_version(f"nvidia-cudnn-cu{major}").major == 9  # the provider loads libcudnn.so.9
+
+
+def _metadata_requires(pins: list[str], tmp_path: Path) -> dict[str, list[Requirement]]:
+    """PyPI packages' Requires-Dist for Linux x86_64 and Python 3.12, read from their metadata (no download)."""
+    report = tmp_path / "report.json"
+    out = _stock_pip("install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet", "--report", str(report),
+                     "--target", str(tmp_path / "t"), "--only-binary=:all:", "--python-version", "3.12",
+                     "--platform", "manylinux_2_28_x86_64", *pins)
+    assert out.returncode == 0, out.stderr
+    return {i["metadata"]["name"]: [Requirement(r) for r in i["metadata"].get("requires_dist", [])]
+            for i in json.loads(report.read_text())["install"]}
+
+
+def test_torch_cuda_build_pins_the_same_libraries(tmp_path: Path) -> None:
+    """PyPI's torch (the build `make setup TORCH_INDEX=` takes on Linux x86_64) pins its CUDA libraries exactly, via
+    cuda-toolkit's extras: requirements.lock's GPU pins must be those versions, so that one set of nvidia-* wheels
+    serves torch and onnxruntime (two versions of one package cannot be installed), and of onnxruntime's CUDA."""
+    major, ort_extras = _onnxruntime_gpu_build()
+    linux = {**default_environment(), "sys_platform": "linux", "platform_system": "Linux",
+             "platform_machine": "x86_64", "python_version": "3.12"}
+    requires = _metadata_requires([_pin("torch"), _pin("cuda-toolkit")], tmp_path)
+    torch_requires = [r for r in requires["torch"] if r.marker is None or r.marker.evaluate({**linux, "extra": ""})]
+    (toolkit,) = [r for r in torch_requires if r.name == "cuda-toolkit"]
+    assert toolkit.specifier.contains(_lock_version("cuda-toolkit"))
+    assert _lock_version("cuda-toolkit").major == major, f"torch {_pin('torch')} is a CUDA {toolkit} build"
+    pinned_by_torch = [r for r in torch_requires if r.name.startswith("nvidia-")]
+    pinned_by_torch += [r for r in requires["cuda-toolkit"] if r.marker is not None and any(
+        r.marker.evaluate({**linux, "extra": e}) for e in toolkit.extras)]
+    for r in pinned_by_torch:
+        assert r.specifier.contains(_lock_version(r.name)), f"requirements.lock's {_pin(r.name)} against torch's {r}"
+    assert {r.name for r in ort_extras} <= {r.name for r in pinned_by_torch}, "onnxruntime needs a library torch lacks"
+
+
+@pytest.mark.parametrize(("torch_index", "gpu"), [("https://download.pytorch.org/whl/cpu", False),
+                                                  ("https://download.pytorch.org/whl/cpu/", False),
+                                                  ("https://download.pytorch.org/whl/cu130", True), ("", True)])
+def test_make_setup_adds_the_gpu_extra_with_a_cuda_torch(torch_index: str, gpu: bool) -> None:
+    out = subprocess.run(["make", "-s", "--no-print-directory", "--eval", "print-extras: ; @echo $(EXTRAS)",
+                          "print-extras", f"TORCH_INDEX={torch_index}"], capture_output=True, text=True, timeout=60,
+                         cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    extras = out.stdout.strip().split(",")
+    assert set(extras) - {"gpu"} == {"train", "serve", "dev"} and ("gpu" in extras) == gpu
+    assert set(extras) <= set(_extras())

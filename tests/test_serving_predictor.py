@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from bundles import edit_manifest
 from procs import REPO
 from serving_fixtures import reviews
 
-from contract.runtime import CPU, CUDA, cuda_driver_present
+from contract.runtime import CPU, CUDA, CUDA_PROVIDER_LIBRARY, DRIVER_LIBRARY, cuda_driver_present
 from serving.errors import BundleError, ServerConfigError
 from serving.predictor import Predictor, softmax
 
@@ -93,6 +95,77 @@ def test_cuda_asked_where_it_cannot_run_is_an_error_not_a_silent_cpu(tiny_bundle
         pytest.skip("CUDA runs here")
     with pytest.raises(ServerConfigError, match="device='cuda' but onnxruntime runs on CPUExecutionProvider"):
         Predictor(tiny_bundle, device="cuda")
+
+
+def _unresolved_cuda_libraries(env: dict[str, str] | None = None) -> list[str]:
+    """The CUDA provider library's dependencies that the loader cannot find here, by `ldd` (in its order: the one
+    the loader stops at first is first)."""
+    if shutil.which("ldd") is None:
+        pytest.skip("no ldd")
+    provider = Path(ort.__file__).parent / "capi" / CUDA_PROVIDER_LIBRARY
+    if not provider.is_file():
+        pytest.skip(f"{ort.__version__} is a CPU build: no {CUDA_PROVIDER_LIBRARY}")
+    out = subprocess.run(["ldd", str(provider)], capture_output=True, text=True, timeout=60, env=env)
+    return re.findall(r"^\s*(\S+) => not found", out.stdout, re.M)
+
+
+def _named_library(message: str) -> str:
+    found = re.findall(r"(lib[\w+-]+\.so\.\d+): cannot open shared object file", message)
+    assert found, f"no library named in: {message}"
+    return found[0]
+
+
+def test_cuda_refusal_names_the_library_that_is_missing(tiny_bundle: Path) -> None:
+    """`--device cuda` on a machine without the CUDA libraries: the one-line error says which one the loader lacks
+    (here, without a GPU: libcublasLt.so.13 or whichever ldd also cannot find), not just "see the log"."""
+    missing = _unresolved_cuda_libraries()
+    if not missing:
+        pytest.skip("every library of the CUDA provider resolves here")
+    with pytest.raises(ServerConfigError) as error:
+        Predictor(tiny_bundle, device="cuda")
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("device='cuda' but onnxruntime runs on CPUExecutionProvider: ")
+    if missing == [DRIVER_LIBRARY]:
+        assert "NVIDIA driver" in message
+    else:
+        assert _named_library(message) in missing
+        assert "onnxruntime-gpu[cuda,cudnn]" in message  # the fix, with the version that has this CUDA major
+
+
+def test_server_refusing_cuda_exits_2_with_the_missing_library(tiny_bundle: Path) -> None:
+    missing = _unresolved_cuda_libraries()
+    if not missing or missing == [DRIVER_LIBRARY]:
+        pytest.skip("the CUDA libraries resolve here")
+    run = subprocess.run([sys.executable, "-m", "serving.server", str(tiny_bundle), "--device", "cuda", "--port", "0",
+                          "--no-metrics"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 2, run.stderr[-2000:]
+    (line,) = [x for x in run.stderr.splitlines() if x.startswith("sentiment-server: error:")]
+    assert _named_library(line) in missing, line
+
+
+def test_auto_on_a_driver_without_the_cuda_libraries_warns_naming_the_missing_one(tiny_bundle: Path,
+                                                                                tmp_path: Path) -> None:
+    """'auto' asks for CUDA where the driver library loads. Given one (a stand-in libcuda.so.1: this machine has no
+    GPU) but not the CUDA libraries, onnxruntime falls back to the CPU: the server serves the CPU graph and its
+    warning names the library that is missing."""
+    if Path("/dev/nvidiactl").exists():
+        pytest.skip("a real NVIDIA driver here")
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler for the stand-in driver library")
+    (tmp_path / "empty.c").write_text("int ts_stand_in_driver;\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / DRIVER_LIBRARY), str(tmp_path / "empty.c"),
+                    f"-Wl,-soname,{DRIVER_LIBRARY}"], check=True, timeout=60)
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    missing = _unresolved_cuda_libraries(env)
+    if not missing:
+        pytest.skip("every library of the CUDA provider resolves here")
+    run = subprocess.run([sys.executable, "-c", AUTO, str(tiny_bundle)], capture_output=True, text=True,
+                         timeout=120, cwd=REPO, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == [CPU]
+    (warning,) = [x for x in run.stderr.splitlines() if "CUDA did not load" in x]
+    assert _named_library(warning) in missing, warning
 
 
 @pytest.mark.gpu

@@ -30,7 +30,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, tokenizer_help: str) -> N
     g.add_argument("--out", required=True, metavar="RUN_DIR",
                    help="run folder: config.json, env.json, metrics.csv, tb/, checkpoints/, artifact/")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
-                   help="continue from RUN_DIR/checkpoints: the latest complete checkpoint, or TAG (e.g. step00000500)")
+                   help="continue from RUN_DIR/checkpoints: the latest complete checkpoint, or TAG (e.g. "
+                        "step00000500); 'auto': continue the run RUN_DIR holds, or start it when it holds none (one "
+                        "command for the first start and every restart: preempted pods, requeued jobs)")
     g.add_argument("--deepspeed-config", metavar="FILE", default=None,
                    help="DeepSpeed JSON whose keys override the derived ones (default: engine.deepspeed_config)")
     g.add_argument("--stop-at", type=int, default=0, metavar="STEP",

@@ -58,7 +58,10 @@ class Choice:
 
         A user who names a data file gets a data section of their own: none of the preset's files, caps or labels
         (a preset's test file scored against their training file would be a silent wrong result). Label names
-        come from the user's labels unless given with them. data.root ends up absolute."""
+        come from the user's labels unless given with them. data.root ends up absolute.
+
+        Every setting is applied at once (one `override`, one validation): keys that go together, such as
+        model.num_classes and data.labels, are checked together whichever source set them."""
         settings = self.settings()
         own = self.run is None and any(k in settings for k in OWN_DATA)
         cfg = load(self.run) if self.run else preset(self.preset)
@@ -66,20 +69,16 @@ class Choice:
             tc = cfg.tokenizer
             cfg = dataclasses.replace(cfg, data=DataConfig(), tokenizer=tc if tc.kind == "lab" else
                                       dataclasses.replace(tc, model="", vocab=""))
-        if fixed:
-            cfg = override(cfg, fixed)
-        if self.file:
-            cfg = override(cfg, flatten(read_json(self.file)))
-        if self.assignments:
-            cfg = override(cfg, list(self.assignments))
+        changes: dict[str, Any] = {**(fixed or {}), **settings}
         if "data.labels" in settings and "data.label_names" not in settings:
-            cfg = override(cfg, {"data.label_names": []})
+            changes["data.label_names"] = []
+        changes["data.root"] = os.path.abspath(os.path.expanduser(str(changes.get("data.root", cfg.data.root))))
+        cfg = override(cfg, changes)
         if own and cfg.tokenizer.kind == "lab" and "tokenizer.kind" not in (fixed or {}) \
                 and "tokenizer.model" not in settings:
             raise ConfigError(f"preset {cfg.preset!r} loads the lab's French tokenizer (tokenizer.kind=lab) from its "
                               "data sets; with your own data set tokenizer.kind=train, or name the files "
                               "(tokenizer.model, tokenizer.vocab)")
-        cfg = override(cfg, {"data.root": os.path.abspath(os.path.expanduser(cfg.data.root))})
         flat = flatten(cfg.to_dict())
         for key in settings:
             if fixed and key in fixed and flat[key] != fixed[key]:
@@ -100,13 +99,20 @@ def add_config_args(parser: argparse.ArgumentParser, default_preset: str = "demo
     parser.set_defaults(default_preset=default_preset)
 
 
+# `--resume auto`: continue the run the folder holds, or start it (trainer/engine/loop.py, resume_tags).
+RESUME_AUTO = "auto"
+
+
 def config_choice(args: argparse.Namespace) -> Choice:
     """The preset, --config and --set of the command line; `--resume` with neither a preset nor a config file
-    continues from the run's own config.json (plus any --set, which must then change nothing)."""
+    continues from the run's own config.json (plus any --set, which must then change nothing). `--resume auto` in a
+    folder that holds no run yet starts one from the preset."""
     run = None
     if getattr(args, "resume", None) and args.preset is None and args.config is None:
         run = Path(args.out) / "config.json"
         if not run.is_file():
-            raise ConfigError(f"nothing to resume: {run} not found")
+            if args.resume != RESUME_AUTO:
+                raise ConfigError(f"nothing to resume: {run} not found")
+            run = None
     return Choice(args.preset or args.default_preset, args.config, tuple(args.overrides),
                   str(run) if run else None)

@@ -73,7 +73,7 @@ class TokenizerConfig:
     vocab_size: Annotated[int, Field(ge=8)] = 8000  # kind=train: pieces learned (ids add the 4 specials)
     train_lines: Size = 200_000  # kind=train: at most this many corpus lines are sampled for learning
     # A sequence is <sos> + pieces + <eos>, cut to this many ids (>= 3: <sos>, one piece, <eos>). The one setting
-    # of the cut: the run's tokenizer folder (meta.json) is checked to hold the same value.
+    # of the cut: the run's tokenizer folder (tokenizer/meta.json) is checked to hold the same value.
     max_len: Annotated[int, Field(ge=3)] = 512
 
 

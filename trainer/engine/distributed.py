@@ -89,6 +89,8 @@ def prepare_env(env: MutableMapping[str, str]) -> list[str]:
 
     Under the DeepSpeed launcher or torchrun they are already set. Under Slurm (`srun`, or `deepspeed --launcher
     slurm`, which sets no RANK) they come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and the job's first node.
+    Under Kubeflow Trainer's TrainJob (torch runtime) with one process per pod, the pod is the rank: PET_NODE_RANK /
+    PET_NNODES / PET_MASTER_ADDR / PET_MASTER_PORT, the variables it sets for torchrun (deploy/train/README.md).
     Under plain `python` this is one process on loopback with a free port. Returns the names it set.
     """
     set_: list[str] = []
@@ -107,6 +109,19 @@ def prepare_env(env: MutableMapping[str, str]) -> list[str]:
         default("MASTER_ADDR", _slurm_first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", ""))))
         # Every rank must pick the same port without talking: derive it from the job id.
         default("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    if "RANK" not in env and "PET_NODE_RANK" in env and "PET_NNODES" in env:
+        if env.get("PET_NPROC_PER_NODE", "1") != "1":
+            raise EngineConfigError(
+                f"PET_NPROC_PER_NODE={env['PET_NPROC_PER_NODE']}: a pod of several ranks needs a launcher; run "
+                "`torchrun --module trainer ...` (it reads PET_*), or give the TrainJob numProcPerNode: 1"
+            )
+        default("RANK", env["PET_NODE_RANK"])
+        default("WORLD_SIZE", env["PET_NNODES"])
+        default("LOCAL_RANK", "0")
+        default("LOCAL_SIZE", "1")
+        default("MASTER_ADDR", env.get("PET_MASTER_ADDR", "127.0.0.1"))
+        if "PET_MASTER_PORT" in env:
+            default("MASTER_PORT", env["PET_MASTER_PORT"])
     default("RANK", "0")
     default("WORLD_SIZE", "1")
     default("LOCAL_RANK", "0")

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer.config.choice import RESUME_AUTO
 from trainer.config.schema import ConfigError, RunConfig
 from trainer.engine import checkpoint as ckpt
 from trainer.engine import deepspeed_engine as eng
@@ -41,7 +42,8 @@ class RunOptions:
     """How a training run starts and where it writes (the command line's run options, typed)."""
 
     out: Path  # run folder: config.json, env.json, metrics.csv, tb/, checkpoints/, tokenizer/, artifact/
-    resume: str | None = None  # "latest" or a checkpoint tag: continue RUN/checkpoints; None: a fresh run
+    resume: str | None = None  # "latest" or a checkpoint tag: continue RUN/checkpoints; "auto": continue the run RUN
+    #                            holds, else start it; None: a fresh run
     deepspeed_config: str | None = None  # a DeepSpeed JSON overriding the derived keys (else engine.deepspeed_config)
     stop_at: int = 0  # stop after this optimizer step with a checkpoint, as if interrupted (0: never)
     tokenizer: Path | None = None  # an existing tokenizer folder instead of building one
@@ -137,6 +139,7 @@ class LoopRun:
     ckpt_dir: Path  # RUN/checkpoints
     keep_last: int  # engine.keep_checkpoints: complete checkpoints kept, older ones pruned
     meta: dict[str, Any]  # written into every checkpoint's marker (stage, objective or run name)
+    auto_resume: bool = False  # started with --resume auto: the same command continues after an interruption
 
 
 def train(run: LoopRun, task: Task, state: ckpt.LoopState) -> bool:
@@ -184,8 +187,10 @@ def train(run: LoopRun, task: Task, state: ckpt.LoopState) -> bool:
                     assert tag is not None
                     task.store_best(engine, ckpt_dir, tag, state)
                 if signum:
+                    how = "run the same command again to continue (--resume auto)" if run.auto_resume \
+                        else "continue with the same command and --out plus --resume"
                     log.print(f"interrupted by {SIGNALS.get(signum, signum)} after step {state.step}: checkpoint "
-                              f"{ckpt_dir / str(tag)}; continue with the same command and --out plus --resume")
+                              f"{ckpt_dir / str(tag)}; {how}")
                     raise Interrupted(signum)
                 if early is not None and state.step < cadence.total:
                     log.print(f"early stop after step {state.step}: {early}")
@@ -316,7 +321,26 @@ def resume_tags(run_dir: Path, cfg: RunConfig, ckpt_dirs: list[Path], resume: st
     """The checkpoint each of `ckpt_dirs` resumes from (None: starts fresh), checked before anything is written.
 
     With --resume the run folder must hold the same config and at least one folder a checkpoint that verifies;
-    without it no folder may hold checkpoints (a fresh run would mix its tags with another run's)."""
+    without it no folder may hold checkpoints (a fresh run would mix its tags with another run's).
+
+    --resume auto (a scheduler reruns the same command after a preemption): a folder without config.json starts the
+    run, as without --resume; a folder with it is this run, continued from each folder's latest complete checkpoint.
+    The config must be the same, a latest checkpoint that does not verify is an error (never a silent start
+    over), and a run stopped before its first checkpoint starts again at step 0, which the log says.
+
+    Every rank decides before the process group starts and rank 0 writes config.json only after it, so all ranks
+    see the same folder."""
+    if resume == RESUME_AUTO:
+        if not (run_dir / "config.json").is_file():
+            monitor.note(f"--resume auto: {run_dir} holds no run yet: starting one")
+            resume = None
+        else:
+            monitor.check_resume_config(run_dir, cfg)
+            tags = [ckpt.find(d) if ckpt.complete_tags(d) or ckpt.read_latest(d) else None for d in ckpt_dirs]
+            if all(t is None for t in tags):
+                monitor.note(f"--resume auto: {run_dir} holds this run but no complete checkpoint (it stopped before "
+                             "its first one): training again from step 0")
+            return tags
     if resume is None:
         if (run_dir / "config.json").is_file():
             raise ckpt.CheckpointError(f"{run_dir} holds a run ({run_dir / 'config.json'}): continue it with --resume "

@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--triton-repo", metavar="DIR",
                    help="also write DIR/NAME/{config.pbtxt, labels.txt, 1/model.onnx} for Triton's onnxruntime "
                         "backend, from the bundle just exported (or --from-bundle)")
-    t.add_argument("--from-bundle", metavar="BUNDLE", help="--triton-repo from this existing bundle, no export")
+    t.add_argument("--from-bundle", metavar="BUNDLE",
+                   help="with --triton-repo: write it from this existing bundle, without exporting")
     t.add_argument("--triton-name", default="sentiment", metavar="NAME", help="model name (default: sentiment)")
     t.add_argument("--triton-device", choices=list(DEVICES), default="cuda",
                    help="whose graph: cuda (default; fp32/fp16, runs on a CPU-only Triton too) or cpu (int8 where "

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from trainer import artifact, cli
 from trainer.artifact import ArtifactError
 from trainer.config import schema as config_mod
-from trainer.config.choice import Choice, add_config_args, config_choice
+from trainer.config.choice import RESUME_AUTO, Choice, add_config_args, config_choice
 from trainer.config.schema import ConfigError, ModelConfig, RunConfig
 from trainer.data import labelled
 from trainer.data.labelled import Split, encode, load_split, sample_split  # noqa: F401 (load_split: tests, bench)
@@ -201,7 +201,7 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
     for name, src in runs:
         artifact_dir = run_dir / "scratch" / "artifact" if opts.compare and src is None else run_dir / "artifact"
         result = train_classifier(cfg, name, src, tok, sets, plan, ds, run_dirs[name], artifact_dir, tags[name],
-                                  opts.stop_at, info)
+                                  opts.stop_at, info, auto_resume=opts.resume == RESUME_AUTO)
         if result is None:
             return None  # stop_at
         results[name] = result
@@ -223,7 +223,8 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
 
 def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | None, tok: Tokenizer, sets: Sets,
                      plan: eng.BatchPlan, ds: dict[str, Any], run_dir: Path, artifact_dir: Path,
-                     resume_tag: str | None, stop_at: int, info: eng.DistInfo) -> dict[str, Any] | None:
+                     resume_tag: str | None, stop_at: int, info: eng.DistInfo,
+                     auto_resume: bool = False) -> dict[str, Any] | None:
     """Train one classifier, keep the epoch its validation score picks, score those weights; returns {history,
     kept, final} (None when stopped by stop_at)."""
     fc, ckpt_dir = cfg.finetune, run_dir / "checkpoints"
@@ -258,7 +259,7 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
     cadence = loop.Cadence(task.total, cfg.engine.log_every, cfg.engine.checkpoint_every, eval_epochs=True,
                            stop_at=stop_at)
     run = loop.LoopRun(engine, cadence, plan, info, cfg.seed, log, ckpt_dir, cfg.engine.keep_checkpoints,
-                       {"stage": "finetune", "run": name})
+                       {"stage": "finetune", "run": name}, auto_resume=auto_resume)
     if not loop.train(run, task, state):
         return None
 

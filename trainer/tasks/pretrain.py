@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer import artifact, cli
-from trainer.config.choice import add_config_args, config_choice
+from trainer.config.choice import RESUME_AUTO, add_config_args, config_choice
 from trainer.config.schema import ConfigError, ModelConfig, RunConfig
 from trainer.data.corpus import TOKENIZER_DIR, PreparedCorpus, PreparedError, digest, files_of, read_manifest, verify
 from trainer.data.prepare import prepare
@@ -296,7 +296,7 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     cadence = loop.Cadence(total, cfg.engine.log_every, cfg.engine.checkpoint_every, eval_every=pc.eval_every,
                            stop_at=opts.stop_at)
     run = loop.LoopRun(engine, cadence, plan, info, cfg.seed, log, ckpt_dir, cfg.engine.keep_checkpoints,
-                       {"stage": "pretrain", "objective": pc.objective})
+                       {"stage": "pretrain", "objective": pc.objective}, auto_resume=opts.resume == RESUME_AUTO)
     if not loop.train(run, task, state):
         return None
     lm = loop.final_model(engine, ckpt_dir, state, lambda: LanguageModel(cfg.model))
