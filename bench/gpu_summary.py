@@ -33,9 +33,11 @@ def tests_line(out: Path) -> str:
         lines = [ln.strip() for ln in (out / "tests.txt").read_text(encoding="utf-8").splitlines() if ln.strip()]
     except OSError:
         return "no output"
-    tail = [ln for ln in lines if " in " in ln and ("passed" in ln or "failed" in ln or "skipped" in ln)]
+    # pytest's closing line of each call, e.g. "4 passed, 3 skipped, 75 deselected in 96.01s"
+    tail = [ln.strip("= ") for ln in lines if " in " in ln and any(w in ln for w in ("passed", "failed", "skipped"))
+            and not ln.startswith(("FAILED", "SKIPPED", "ERROR"))]
     failed = [ln.split(" - ")[0] for ln in lines if ln.startswith("FAILED ")]
-    return (tail[-1].strip("= ") if tail else lines[-1][:120]) + (f"; {', '.join(failed)}" if failed else "")
+    return ("; ".join(tail) if tail else lines[-1][:120]) + (f"; {', '.join(failed)}" if failed else "")
 
 
 def bench_rows(out: Path, name: str) -> list[dict[str, Any]]:
