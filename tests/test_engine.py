@@ -160,8 +160,8 @@ def test_a_ds_accelerator_naming_another_device_stops_with_one_line(tmp_path: Pa
     other, ours = ("cpu", "cuda") if cuda else ("cuda", "cpu")
     out = tmp_path / "run"
     env = {**os.environ, "DS_ACCELERATOR": other}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "TS_TRACEBACK"):
+        env.pop(k, None)  # one process on loopback; TS_TRACEBACK would add the traceback behind the line
     p = subprocess.run([sys.executable, "-m", "trainer", stage, "--preset", "tiny", "--out", str(out)], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "[WARNING]" not in ln]
@@ -172,7 +172,7 @@ def test_a_ds_accelerator_naming_another_device_stops_with_one_line(tmp_path: Pa
 
 
 def test_a_ds_accelerator_deepspeed_refuses_is_one_line(tmp_path: Path) -> None:
-    env = {**os.environ, "DS_ACCELERATOR": "tpu"}
+    env = {k: v for k, v in os.environ.items() if k != "TS_TRACEBACK"} | {"DS_ACCELERATOR": "tpu"}
     p = subprocess.run([sys.executable, "-m", "trainer", "pretrain", "--preset", "tiny", "--out", str(tmp_path / "r")],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
