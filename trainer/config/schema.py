@@ -167,7 +167,8 @@ class EngineConfig:
     keep_checkpoints: Size = 2  # older engine checkpoints are deleted; 0 would delete the one --resume needs
     log_every: Size = 10  # steps between log lines (the only host-device syncs in the loop)
     # torch.compile of the model inside the engine (DeepSpeed's engine.compile(): inductor, in place, the same
-    # parameter names): on, off, or auto: on with CUDA, off on a CPU, where it did not pay (docs/BENCHMARKS.md)
+    # parameter names): on, off, or auto: on with CUDA, off on a CPU (it pays there on long LM runs only:
+    # docs/BENCHMARKS.md)
     compile: Literal["off", "on", "auto"] = "auto"
     # Deterministic kernels (torch.use_deterministic_algorithms, cuDNN's deterministic mode, a fixed cuBLAS
     # workspace): two runs of one config, or a resumed run and an uninterrupted one, then agree bit for bit on a GPU,

@@ -324,7 +324,8 @@ def _batch_plan(merged: dict[str, Any], user: dict[str, Any], world: int, source
 
 def compiles(setting: str, device: torch.device) -> bool:
     """engine.compile -> whether the engine compiles its module: on, off, or auto: on with CUDA, off on a CPU (where
-    a compiled step measured no faster than eager: docs/BENCHMARKS.md, torch.compile)."""
+    compiling costs minutes before the first step, and the compiled step measured faster on the LM, slower on the
+    classifier: docs/BENCHMARKS.md, torch.compile)."""
     if setting not in ("off", "on", "auto"):
         raise ValueError(f"engine.compile must be off, on or auto, got {setting!r}")
     return setting == "on" or (setting == "auto" and device.type == "cuda")
