@@ -6,7 +6,6 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # DeepSpeed JIT-compiles its shared-memory comm op on first use; keep the cache in the project.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
-export DS_ACCELERATOR ?= cpu
 
 .PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-carry deploy-venv \
 	container-deps image gpu-serve-carry image-train image-train-cuda
@@ -129,8 +128,11 @@ proto: setup
 	$(BIN)/python -m serving.gen_proto
 
 # For a bare GPU image that has python3.12 and a CUDA torch but not our other packages (the device tool's
-# machines): the wheels it lacks in .whl/ and the data bench/gpu_check.sh reads in .data/; carry both there.
+# machines): the wheels it lacks in .whl/ and what bench/gpu_check.sh reads in .data/: cls-books-fr, the lab's
+# pretraining corpus prepared with the lab's tokenizer, and the gpu preset's tokenizer trained on its corpus (both
+# made here, a few minutes on 2 cores, so that the GPU's minutes go to measuring); carry both folders there.
 GPU_PY ?= 3.12
+GPU_DATA ?= $(or $(TS_DATA),../shared/data)
 gpu-carry: setup
 	rm -rf .whl .data && mkdir -p .whl .data
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w .whl -c requirements.lock deepspeed
@@ -138,7 +140,9 @@ gpu-carry: setup
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl -c requirements.lock \
 	  hjson pydantic pydantic-core annotated-types typing-inspection grpcio grpcio-health-checking grpcio-reflection \
 	  protobuf cryptography cffi pycparser
-	cp -r ../shared/data/cls-books-fr ../shared/data/eltec-fr .data/
+	cp -r $(GPU_DATA)/cls-books-fr .data/
+	TS_DATA=$(abspath $(GPU_DATA)) $(BIN)/python -m trainer prepare --preset lab --out .data/lab-prepared
+	TS_DATA=$(abspath $(GPU_DATA)) $(BIN)/python -m trainer tokenizer --preset gpu --out .data/gpu-tokenizer
 	du -sh .whl .data
 
 # For bench/gpu_serve_check.sh on a bare GPU machine (python3.12, a CUDA 13 torch, numpy, sentencepiece, onnx): what it

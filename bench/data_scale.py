@@ -39,11 +39,10 @@ SOURCES = ("eltec-fr/eltec_fra.txt.gz", "imdb/unsup.txt.gz")
 
 
 def environment() -> dict[str, str]:
-    """The venv's bin first on PATH (the DeepSpeed launcher), no inherited ranks, CPU DeepSpeed without GPUs."""
+    """The venv's bin first on PATH (the DeepSpeed launcher), no inherited ranks (the trainer sets DeepSpeed's
+    accelerator to the device it trains on)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    if shutil.which("nvidia-smi") is None:
-        env.setdefault("DS_ACCELERATOR", "cpu")
     return env
 
 

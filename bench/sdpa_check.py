@@ -1,7 +1,7 @@
 """Which scaled-dot-product-attention kernels the encoder reaches on a CUDA GPU, and whether its outputs match.
 
-For the lab-size model in bf16, training mode (as DeepSpeed runs it; dropout 0 so runs compare), three attention
-paths of trainer/model/encoder.py's Encoder:
+For a preset's model (--preset: lab by default; gpu, whose head dimension is 64) in bf16, training mode (as
+DeepSpeed runs it; dropout 0 so runs compare), three attention paths of trainer/model/encoder.py's Encoder:
   - causal, no padding mask (next-token pretraining and the causal classifier: `is_causal` reaches SDPA),
   - bidirectional, no padding mask (packed masked-LM windows),
   - bidirectional with a bool padding mask (padded batches),
@@ -10,7 +10,7 @@ that cannot take the path raises "No available kernel"; the table says which ran
 the math kernel's (bf16: about 1e-2). Also the same model in fp32 on CPU against the GPU's math kernel, so the
 check covers the device too.
 
-    python bench/sdpa_check.py [--json FILE]     # needs a CUDA GPU; prints a Markdown table
+    python bench/sdpa_check.py [--preset gpu] [--json FILE]     # needs a CUDA GPU; prints a Markdown table
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.config.presets import lab
+from trainer.config.presets import PRESETS
 from trainer.model.encoder import LanguageModel
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -34,6 +34,7 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIE
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the results here too")
+    p.add_argument("--preset", default="lab", choices=sorted(PRESETS), help="whose model (default: lab)")
     p.add_argument("--batch", type=int, default=8, help="sequences per batch")
     p.add_argument("--seq", type=int, default=512, help="sequence length in ids")
     args = p.parse_args()
@@ -41,7 +42,7 @@ def main() -> int:
         print("sdpa_check: no CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    cfg = lab().model
+    cfg = PRESETS[args.preset]().model
     cpu_model = LanguageModel(cfg).train()
     model = LanguageModel(cfg).cuda().to(torch.bfloat16).train()
     model.load_state_dict({k: v.to(torch.bfloat16) for k, v in cpu_model.state_dict().items()})
@@ -75,7 +76,8 @@ def main() -> int:
             cpu_diff = (out.cpu() - ref_cpu)[real].abs().max().item()
             rows.append({"path": path, "backend": name, "ran": True, "max_abs_diff_vs_math": diff,
                          "max_abs_diff_vs_cpu_fp32": cpu_diff})
-    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, lab model bf16, batch {B} x {T}")
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.preset} model bf16 (head dimension "
+          f"{cfg.d_model // cfg.n_heads}), batch {B} x {T}")
     print("| path | backend | ran | max abs diff vs math (bf16) | vs CPU fp32 |")
     print("|---|---|---|---:|---:|")
     for r in rows:

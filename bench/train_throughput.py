@@ -8,6 +8,10 @@ One run, one process or several (`deepspeed --num_gpus 2 bench/train_throughput.
   (b) deepspeed: the same module wrapped by trainer.engine.deepspeed_engine.initialize with the JSON that
       deepspeed_engine.ds_config derives, exactly as pretrain.py / finetune.py build it, stepped by their own step
       (trainer/engine/loop.py's optimizer_step).
+  --compile adds plain-compiled and deepspeed-compiled: (a) with the module compiled in place (Module.compile(),
+  inductor) and (b) with engine.compile=on (DeepSpeed's engine.compile(), which does the same to its module); their
+  compile time falls in the warm-up windows. deepspeed-autocast (bf16 only): (b) with DeepSpeed's torch_autocast
+  (fp32 weights, bf16 autocast: the plain loop's arithmetic) instead of its bf16 mode. `--loops` picks any of these.
 Both start from the same weights (same seed) and see the same global batches in the same order: window k of (a) and
 window k of (b) train on identical batches. Windows of --steps optimizer steps alternate between (a) and (b) in the
 same process (a-b, then b-a, ...) so that load from other processes hits both alike; the first --warmup windows of
@@ -31,6 +35,12 @@ embedding lookups, biases, layer norms, softmax, the classifier's head (once per
 
   .venv/bin/python bench/train_throughput.py --task both --json runs/bench-train/p1.json
   deepspeed --num_gpus 2 bench/train_throughput.py --task both --baseline runs/bench-train/p1.json
+  .venv/bin/python bench/train_throughput.py --task lm --profile   # + one step of each loop under torch.profiler
+--profile runs one more step of each loop under torch.profiler after the measured windows and reports, per loop:
+operators launched on the host (aten ops), device kernels, host-device syncs (`.item()`/`float()` on a device tensor
+= aten::_local_scalar_dense, cuda*Synchronize), collectives (c10d ops), tensor copies (aten::copy_, aten::cat: the
+flat-buffer copies), and the host time of forward, backward and the optimizer step; then the operators the engine
+runs more often than the plain loop.
 Only rank 0 prints and writes; every rank ends through trainer.engine.deepspeed_engine.finish (gloo ranks can abort at a
 normal interpreter exit; engine.finish says why).
 """
@@ -40,6 +50,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import datetime as dt
 import io
 import json
@@ -59,22 +70,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from contract.tokens import TOKENIZER_FILES, TOKENIZER_META, meta_path
 from trainer.artifact import write_text_atomic
 from trainer.config.presets import preset
-from trainer.config.schema import ModelConfig, OptimConfig, RunConfig, override
+from trainer.config.schema import ModelConfig, OptimConfig, RunConfig, check_tokenizer, override
 from trainer.data.batching import bucket_batches
 from trainer.data.corpus import PreparedCorpus
 from trainer.data.prepare import prepare
-from trainer.data.tokenizer import build_tokenizer
+from trainer.data.tokenizer import Tokenizer, build_tokenizer
 from trainer.data.windows import EpochOrder, Windows
 from trainer.engine import deepspeed_engine as eng
 from trainer.engine import loop
+from trainer.engine.distributed import host_collectives
 from trainer.engine.stage import on_every_rank
 from trainer.model.encoder import forward_flops_per_token
 from trainer.tasks.finetune import ClassifierObjective, load_split
 from trainer.tasks.pretrain import LMObjective, WindowBatcher
 
-LOOPS = ("plain", "deepspeed")
+LOOPS = ("plain", "deepspeed")  # the default; --compile adds COMPILED, --loops picks any of ALL
+COMPILED = ("plain-compiled", "deepspeed-compiled")
+# bf16 only: DeepSpeed with torch.autocast over fp32 weights ("torch_autocast" in its JSON) instead of its bf16 mode
+# (bf16 weights, fp32 masters in an optimizer wrapper): the plain loop's arithmetic inside the engine.
+AUTOCAST = "deepspeed-autocast"
+ALL = (*LOOPS, *COMPILED, AUTOCAST)
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -112,10 +130,24 @@ def global_batches(lengths: np.ndarray, plan: eng.BatchPlan, seed: int, need: in
     return out[:need]
 
 
-def lm_task(cfg: RunConfig, plan: eng.BatchPlan, need: int) -> Task:
+def tokenizer(cfg: RunConfig, folder: str | None) -> Tokenizer:
+    """The config's tokenizer (built: a trained one learns data.pretrain), or the one saved in `folder`
+    (--tokenizer), cut at tokenizer.max_len (= --seq-len) and checked against the model's ids."""
+    if folder is None:
+        return build_tokenizer(cfg)
+    saved = Tokenizer.load(folder)
+    files = {n: (Path(folder) / n).read_bytes() for n in TOKENIZER_FILES[:-1]}
+    files[TOKENIZER_META] = meta_path(Path(folder)).read_bytes()
+    tok = Tokenizer.from_files(files, Path(folder), cfg.tokenizer.max_len)
+    check_tokenizer(tok.vocab_size, tok.max_len, cfg, f"--tokenizer {folder}")
+    assert tok.fingerprint == saved.fingerprint
+    return tok
+
+
+def lm_task(cfg: RunConfig, plan: eng.BatchPlan, need: int, tok_folder: str | None = None) -> Task:
     """Next-token windows as pretrain.py reads them: the reviews prepared (trainer/data/prepare.py, one worker) into a
     temporary folder, packed windows of seq_len + 1 ids (trainer/data/windows.py) in the order of its epochs."""
-    tok = build_tokenizer(cfg)
+    tok = tokenizer(cfg, tok_folder)
     folder = Path(tempfile.mkdtemp(prefix="train-throughput-prepared-"))
     atexit.register(shutil.rmtree, folder, True)
     prepare([cfg.data.path(cfg.data.train)], tok, folder, workers=1, log=io.StringIO())
@@ -135,8 +167,8 @@ def lm_task(cfg: RunConfig, plan: eng.BatchPlan, need: int) -> Task:
                 flops_per_token=model_flops_per_token(cfg.model, "lm", cfg.pretrain.seq_len))
 
 
-def classifier_task(cfg: RunConfig, plan: eng.BatchPlan, need: int) -> Task:
-    tok = build_tokenizer(cfg)  # max_len = --seq-len: reviews are cut there
+def classifier_task(cfg: RunConfig, plan: eng.BatchPlan, need: int, tok_folder: str | None = None) -> Task:
+    tok = tokenizer(cfg, tok_folder)  # max_len = --seq-len: reviews are cut there
     split = load_split(cfg, cfg.data.train, tok, 0)
     return Task("classifier", "finetune", global_batches(split.lengths, plan, cfg.seed, need),
                 make=split.batch, denominator=len, new_model=lambda: ClassifierObjective(cfg.model),
@@ -165,13 +197,17 @@ class Loop:
         self.step = 0
         torch.manual_seed(cfg.seed)  # both loops start from the same weights (as pretrain.py / finetune.py seed)
         model = task.new_model()
-        if kind == "deepspeed":
-            self.engine = eng.initialize(model, ds, task.optim, total_steps)
+        compiled = kind.endswith("-compiled")
+        if kind == AUTOCAST:
+            ds = {**ds, "bf16": {"enabled": False}, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+        if kind.startswith("deepspeed"):
+            self.engine = eng.initialize(model, ds, task.optim, total_steps,
+                                         dataclasses.replace(cfg.engine, compile="on" if compiled else "off"))
             return
         model.to(info.device).train()
         self.module = model
-        if kind == "compiled":  # `--compile`: the plain loop with torch.compile (inductor), shapes dynamic
-            self.module = model = torch.compile(model, dynamic=True)  # type: ignore[assignment]
+        if compiled:  # in place, as DeepSpeed's engine.compile() does to its module: the same graphs, names kept
+            model.compile()
         if info.world_size > 1:
             # The positions buffer is a pure function of the config: broadcasting it every forward is wasted work.
             self.module = torch.nn.parallel.DistributedDataParallel(
@@ -189,40 +225,47 @@ class Loop:
             else contextlib.nullcontext
 
     def window(self, batches: list[list[int]]) -> Window:
-        info, plan, task = self.info, self.plan, self.task
-        timed = Timed(task)
+        info = self.info
+        timed = Timed(self.task)
         sync(info)
         t0 = time.perf_counter()
         denom = 0
         loss_acc = torch.zeros((), device=info.device)  # stays on the device: no sync inside the window
         for batch in batches:
-            if self.kind == "deepspeed":  # pretrain.py / finetune.py's own step
-                n, _, _ = loop.optimizer_step(self.engine, timed, batch, 0, self.step, plan, info, self.cfg.seed,
-                                              loss_acc)
-            else:
-                n = timed.denominator(batch)  # the whole global batch's count: every rank knows it
-                parts = loop.micro_batches(batch, plan)[info.rank::plan.world_size]
-                for micro, part in enumerate(parts):
-                    inputs = loop.to_device(timed.inputs(part, 0), info.device)  # as the trainers do
-                    last = micro == len(parts) - 1
-                    no_sync = self.module.no_sync if info.world_size > 1 and not last else contextlib.nullcontext
-                    with no_sync():
-                        with self.autocast():
-                            loss = self.module(*inputs)
-                        (loss * (plan.world_size / max(1, n))).backward()  # gradient of (global sum / n)
-                    loss_acc += loss.detach()
-                torch.nn.utils.clip_grad_norm_(self.module.parameters(), task.optim.grad_clip)
-                self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
-                self.sched.step()
-            denom += n
-            self.step += 1
+            denom += self.one_step(batch, timed, loss_acc)
         sync(info)
         seconds = time.perf_counter() - t0
         # Outside the timed region: one sync per window, then a few numbers across ranks.
         t_max, frac_max = reduce([seconds, timed.seconds / seconds], dist.ReduceOp.MAX, info)
         tok_sum, pos_sum, loss_sum = reduce([timed.tokens, timed.positions, float(loss_acc)], dist.ReduceOp.SUM, info)
         return Window(t_max, int(tok_sum), int(pos_sum), frac_max, loss_sum / max(1, denom))
+
+    def one_step(self, batch: list[int], timed: Timed, loss_acc: torch.Tensor) -> int:
+        """One optimizer step on `batch`; adds its summed loss to `loss_acc`; returns the loss denominator."""
+        info, plan, task = self.info, self.plan, self.task
+        if self.kind.startswith("deepspeed"):  # pretrain.py / finetune.py's own step
+            n, _, _ = loop.optimizer_step(self.engine, timed, batch, 0, self.step, plan, info, self.cfg.seed,
+                                          loss_acc)
+        else:
+            n = timed.denominator(batch)  # the whole global batch's count: every rank knows it
+            parts = loop.micro_batches(batch, plan)[info.rank::plan.world_size]
+            for micro, part in enumerate(parts):
+                inputs = loop.to_device(timed.inputs(part, 0), info.device)  # as the trainers do
+                last = micro == len(parts) - 1
+                no_sync = self.module.no_sync if info.world_size > 1 and not last else contextlib.nullcontext
+                with no_sync():
+                    with torch.profiler.record_function("step.forward"), self.autocast():
+                        loss = self.module(*inputs)
+                    with torch.profiler.record_function("step.backward"):
+                        (loss * (plan.world_size / max(1, n))).backward()  # gradient of (global sum / n)
+                loss_acc += loss.detach()
+            with torch.profiler.record_function("step.optimizer"):
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), task.optim.grad_clip)
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+                self.sched.step()
+        self.step += 1
+        return n
 
 
 class Timed:
@@ -254,8 +297,9 @@ def sync(info: eng.DistInfo) -> None:
 
 
 def reduce(values: list[float], op: dist.ReduceOp, info: eng.DistInfo) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=info.device if info.backend == "nccl" else "cpu")
+    t = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
+        t = t if host_collectives() else t.to(info.device)
         dist.all_reduce(t, op=op)
     return [float(v) for v in t.cpu()]
 
@@ -282,27 +326,104 @@ def matmul_peak(info: eng.DistInfo) -> tuple[float, str]:
 
 
 def measure(task: Task, variants: dict[str, tuple[RunConfig, dict[str, Any]]], plan: eng.BatchPlan,
-            info: eng.DistInfo, args: argparse.Namespace) -> dict[tuple[str, str], list[Window]]:
+            info: eng.DistInfo, args: argparse.Namespace
+            ) -> tuple[dict[tuple[str, str], list[Window]], dict[tuple[str, str], dict[str, Any]]]:
     """Alternate windows of every loop in every precision (`variants`: precision -> its config and DeepSpeed JSON);
-    returns every window (warm-up first) per (loop, precision)."""
+    returns every window (warm-up first) per (loop, precision), and with --profile each loop's profiled step."""
     n_windows = args.warmup + args.windows
-    keys = [(k, p) for k in kinds_of(args) for p in variants]
-    loops = {(k, p): Loop(k, task, variants[p][0], variants[p][1], plan, info, n_windows * args.steps)
+    keys = [(k, p) for k in kinds_of(args) for p in variants if not (k == AUTOCAST and p != "bf16")]
+    loops = {(k, p): Loop(k, task, variants[p][0], variants[p][1], plan, info, n_windows * args.steps + 1)
              for k, p in keys}
     out: dict[tuple[str, str], list[Window]] = {key: [] for key in keys}
     for w in range(n_windows):
         batches = task.batches[w * args.steps:(w + 1) * args.steps]  # the same batches for every loop
         for key in keys if w % 2 == 0 else keys[::-1]:
             out[key].append(loops[key].window(batches))
-    return out
+    profiles = {key: profile_step(loops[key], task.batches[n_windows * args.steps], info)
+                for key in keys} if args.profile else {}
+    return out, profiles
 
 
 def kinds_of(args: argparse.Namespace) -> tuple[str, ...]:
-    return (*LOOPS, "compiled") if args.compile else LOOPS
+    return tuple(args.loops)
+
+
+def baseline_of(kind: str, kinds: dict[tuple[str, str], Any], prec: str) -> str | None:
+    """The plain loop a loop is compared with: the compiled plain loop for the compiled engine (where it ran), else
+    the eager plain loop."""
+    if kind == "deepspeed-compiled" and ("plain-compiled", prec) in kinds:
+        return "plain-compiled"
+    return "plain" if kind != "plain" and ("plain", prec) in kinds else None
+
+
+# ---------------------------------------------------------------------------------------------- profile
+
+PHASES = ("step.forward", "step.backward", "step.optimizer")
+ITEM = "aten::_local_scalar_dense"  # what .item(), float(t), int(t), bool(t) run: a sync when t is on a device
+DEVICE_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPIES = ("aten::copy_", "aten::cat", "aten::_foreach_copy_")  # flat buffers are built by cat and filled by copy_
+
+
+def annotate(engine: Any) -> None:
+    """Name the engine's forward, backward and step in the profile as the plain loop names its own (instance
+    attributes: nn.Module.__call__ and our loop look them up on the engine)."""
+    for name, label in zip(("forward", "backward", "step"), PHASES, strict=True):
+        fn = getattr(engine, name)
+
+        def wrapped(*a: Any, _fn: Callable[..., Any] = fn, _label: str = label, **k: Any) -> Any:
+            with torch.profiler.record_function(_label):
+                return _fn(*a, **k)
+
+        setattr(engine, name, wrapped)
+
+
+def profile_step(lp: Loop, batch: list[int], info: eng.DistInfo) -> dict[str, Any]:
+    """One more optimizer step of a warmed-up loop under torch.profiler: counts and host times (module docstring)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if lp.kind.startswith("deepspeed"):
+        annotate(lp.engine)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
+    loss_acc = torch.zeros((), device=info.device)
+    sync(info)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        lp.one_step(batch, Timed(lp.task), loss_acc)
+        sync(info)
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    count: dict[str, int] = {}
+    self_ms: dict[str, float] = {}
+    for e in host:
+        name = "compiled graph" if e.name.startswith("## Call CompiledFxGraph") else e.name  # drop the graph's hash
+        count[name] = count.get(name, 0) + 1
+        self_ms[name] = self_ms.get(name, 0.0) + e.self_cpu_time_total / 1000
+    return {
+        "wall_ms": 1000 * wall,
+        "aten_ops": sum(c for n, c in count.items() if n.startswith("aten::")),
+        "kernels": sum(1 for e in events if e.device_type == DeviceType.CUDA),
+        "item_calls": count.get(ITEM, 0),
+        "device_syncs": sum(count.get(n, 0) for n in DEVICE_SYNCS),
+        "collectives": {n: c for n, c in count.items() if n.startswith("c10d::")},
+        "copies": {n: count.get(n, 0) for n in COPIES},
+        "phases_ms": {ph: sum(e.cpu_time_total for e in host if e.name == ph) / 1000 for ph in PHASES},
+        "ops": {n: [c, round(self_ms[n], 3)] for n, c in count.items()},
+    }
+
+
+def extra_ops(loop_: dict[str, Any], base: dict[str, Any], top: int = 12) -> list[tuple[str, int, float, float]]:
+    """Operators a loop's step runs more often than its baseline's: (name, extra calls, self ms of all its calls in
+    the loop, in the baseline), most extra calls first."""
+    rows = [(n, c - base["ops"].get(n, [0, 0.0])[0], ms, base["ops"].get(n, [0, 0.0])[1])
+            for n, (c, ms) in loop_["ops"].items() if n not in PHASES and c > base["ops"].get(n, [0, 0.0])[0]]
+    return sorted(rows, key=lambda r: (-r[1], -r[2]))[:top]
 
 
 def rows_for(task: Task, windows: dict[tuple[str, str], list[Window]], cfg: RunConfig, plan: eng.BatchPlan,
-             info: eng.DistInfo, peak: float, args: argparse.Namespace) -> list[dict[str, Any]]:
+             info: eng.DistInfo, peak: float, args: argparse.Namespace,
+             profiles: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     rate = {key: [w.tokens / w.seconds for w in ws[args.warmup:]] for key, ws in windows.items()}
     med = {key: statistics.median(r) for key, r in rate.items()}
@@ -326,10 +447,21 @@ def rows_for(task: Task, windows: dict[tuple[str, str], list[Window]], cfg: RunC
             "tokens_per_window": [w.tokens for w in ws],  # warm-up included: the same list for every loop
             "loss_windows": [w.loss for w in ws],
         }
-        if k != "plain":
-            row["ratio_vs_plain"] = med[(k, prec)] / med[("plain", prec)]
+        base = baseline_of(k, windows, prec)
+        if base is not None:
+            row["baseline"] = base
+            row["ratio_vs_plain"] = med[(k, prec)] / med[(base, prec)]
             row["ratio_paired_median"] = statistics.median(d / p for d, p in zip(rate[(k, prec)],
-                                                                                   rate[("plain", prec)], strict=True))
+                                                                                   rate[(base, prec)], strict=True))
+        eager = k.removesuffix("-compiled")
+        if eager != k and (eager, prec) in windows:  # compiled against the same loop eager, same run
+            row["ratio_vs_eager"] = med[(k, prec)] / med[(eager, prec)]
+            row["ratio_vs_eager_paired_median"] = statistics.median(
+                a / b for a, b in zip(rate[(k, prec)], rate[(eager, prec)], strict=True))
+        if (k, prec) in profiles:
+            row["profile"] = profiles[(k, prec)]
+            if base is not None and (base, prec) in profiles:
+                row["profile_extra_ops"] = extra_ops(profiles[(k, prec)], profiles[(base, prec)])
         if prec != "fp32" and (k, "fp32") in windows:  # the same loop in fp32, timed in the same run
             ref = windows[(k, "fp32")]
             row["ratio_vs_fp32"] = med[(k, prec)] / med[(k, "fp32")]
@@ -368,20 +500,24 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              f"{meta['windows']} windows of {meta['steps']} steps after {meta['warmup']} warm-up windows, "
              f"median per loop.", "",
              "| task | loop | precision | processes x threads | global batch x seq | step ms | tokens/s | tokens/s per "
-             "process | vs plain | vs fp32 (loss gap) | data wait % | pad % | MFLOP/token | GFLOP/s | of peak % | "
-             "loss, last window |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "process | vs plain | vs eager | vs fp32 (loss gap) | data wait % | pad % | MFLOP/token | GFLOP/s | "
+             "of peak % | loss, last window |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        ratio = f"{r['ratio_vs_plain']:.3f} (paired {r['ratio_paired_median']:.3f})" if "ratio_vs_plain" in r else ""
+        ratio = (f"{r['ratio_vs_plain']:.3f} (paired {r['ratio_paired_median']:.3f}"
+                 f"{'' if r['baseline'] == 'plain' else ', vs ' + r['baseline']})") if "ratio_vs_plain" in r else ""
+        eager = (f"{r['ratio_vs_eager']:.3f} (paired {r['ratio_vs_eager_paired_median']:.3f})"
+                 if "ratio_vs_eager" in r else "")
         vs32 = (f"{r['ratio_vs_fp32']:.3f} (paired {r['ratio_vs_fp32_paired_median']:.3f}; "
                 f"{100 * r['loss_vs_fp32']:.2f}%)" if "ratio_vs_fp32" in r else "")
         util = f"{100 * r['utilisation']:.1f}" if r["utilisation"] is not None else "-"
         lines.append(
             f"| {r['task']} | {r['loop']} | {r['precision']} | {r['processes']} x {r['threads_per_process']} | "
             f"{r['global_batch']} x {r['seq_len']} | {r['step_ms']:.0f} | {r['tokens_per_s']:.0f} | "
-            f"{r['tokens_per_s_per_process']:.0f} | {ratio} | {vs32} | {100 * r['data_wait_fraction']:.2f} | "
+            f"{r['tokens_per_s_per_process']:.0f} | {ratio} | {eager} | {vs32} | {100 * r['data_wait_fraction']:.2f} | "
             f"{100 * r['pad_fraction']:.1f} | {r['flops_per_token'] / 1e6:.3f} | {r['achieved_flops'] / 1e9:.2f} | "
             f"{util} | {r['loss_windows'][-1]:.4f} |")
+    lines += profile_tables(rows)
     scaled = [r for r in rows if "scaling_vs_baseline" in r]
     if scaled:
         lines += ["", f"Scaling against {meta['baseline']} (same task, loop, micro-batch and sequence length):", "",
@@ -392,6 +528,34 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             lines.append(f"| {r['task']} | {r['loop']} | {r['processes']} | {b['processes']} | "
                          f"{b['tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | {b['factor']:.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def profile_tables(rows: list[dict[str, Any]]) -> list[str]:
+    """--profile: one step of each loop side by side, per task and precision; then what the engine adds."""
+    out: list[str] = []
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if "profile" in r:
+            groups.setdefault((r["task"], r["precision"]), []).append(r)
+    for (task, prec), rs in groups.items():
+        out += ["", f"One profiled step, {task}, {prec} (torch.profiler; host times include the profiler's own cost):",
+                "", "| | " + " | ".join(r["loop"] for r in rs) + " |", "|---|" + "---:|" * len(rs)]
+        metric = [("wall ms", lambda p: f"{p['wall_ms']:.1f}"),
+                  *[(f"{ph.split('.')[1]} host ms", lambda p, ph=ph: f"{p['phases_ms'][ph]:.1f}") for ph in PHASES],
+                  ("aten ops", lambda p: str(p["aten_ops"])), ("device kernels", lambda p: str(p["kernels"])),
+                  (".item()/float() (_local_scalar_dense)", lambda p: str(p["item_calls"])),
+                  ("device syncs (cuda*Synchronize)", lambda p: str(p["device_syncs"])),
+                  ("collectives", lambda p: ", ".join(f"{n.split('::')[1]} {c}" for n, c in p["collectives"].items())
+                   or "0"),
+                  ("copy_ / cat / _foreach_copy_", lambda p: " / ".join(str(c) for c in p["copies"].values()))]
+        out += [f"| {name} | " + " | ".join(fmt(r["profile"]) for r in rs) + " |" for name, fmt in metric]
+        for r in rs:
+            if r.get("profile_extra_ops"):
+                out += ["", f"{r['loop']} runs more often than {r['baseline']} ({task}, {prec}; calls more, self "
+                        f"ms of all calls there / in {r['baseline']}): "
+                        + "; ".join(f"{n} +{c} ({ms:.2f} / {base_ms:.2f})"
+                                    for n, c, ms, base_ms in r["profile_extra_ops"])]
+    return out
 
 
 def add_scaling(rows: list[dict[str, Any]], path: str) -> None:
@@ -425,13 +589,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fp32, bf16, or fp32,bf16: each loop in each, windows interleaved in one run (default: bf16 "
                         "on a GPU, fp32 on a CPU; engine.precision=auto resolves to what the hardware has)")
     p.add_argument("--json", metavar="PATH", help="also write the rows (and run details) as JSON")
+    p.add_argument("--loops", default=",".join(LOOPS), metavar="LIST",
+                   help=f"which loops, in order: any of {', '.join(ALL)} (default: {','.join(LOOPS)})")
     p.add_argument("--compile", action="store_true",
-                   help="also time the plain loop under torch.compile (inductor; its compile time is in the warm-up)")
+                   help="also time both loops compiled (plain-compiled, deepspeed-compiled: inductor; the compile time "
+                        "is in the warm-up)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one step of each loop with torch.profiler (module docstring)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="a saved tokenizer folder instead of building the preset's (e.g. python -m trainer tokenizer)")
     p.add_argument("--baseline", metavar="JSON", help="a --json of another run (e.g. 1 process): report scaling")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # from the DeepSpeed launcher
     args = p.parse_args(argv)
     if any(x not in ("fp32", "bf16") for x in args.precisions.split(",") if args.precisions):
         p.error(f"--precisions takes fp32, bf16 or fp32,bf16, got {args.precisions!r}")
+    loops = [x for x in args.loops.split(",") if x]
+    if not loops or any(x not in ALL for x in loops) or len(set(loops)) != len(loops):
+        p.error(f"--loops takes distinct names among {', '.join(ALL)}, got {args.loops!r}")
+    args.loops = loops + [x for x in COMPILED if args.compile and x not in loops]
     for name in ("micro_batch", "seq_len", "steps", "warmup", "windows"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}, got {getattr(args, name)}")
@@ -457,7 +632,7 @@ def run(args: argparse.Namespace) -> None:
     main = eng.is_main()
     load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
     peak, peak_what = matmul_peak(info)
-    need = (args.warmup + args.windows) * args.steps
+    need = (args.warmup + args.windows) * args.steps + 1  # + the profiled step
     rows: list[dict[str, Any]] = []
     for name in (["lm", "classifier"] if args.task == "both" else [args.task]):
         section = "pretrain" if name == "lm" else "finetune"
@@ -466,8 +641,9 @@ def run(args: argparse.Namespace) -> None:
             c = override(cfg, {"engine.precision": prec})
             ds, plan = eng.ds_config(c, section, info.world_size, c.engine.deepspeed_config or None)
             variants[prec] = (c, ds)
-        task = (lm_task if name == "lm" else classifier_task)(cfg, plan, need)
-        rows += rows_for(task, measure(task, variants, plan, info, args), cfg, plan, info, peak, args)
+        task = (lm_task if name == "lm" else classifier_task)(cfg, plan, need, args.tokenizer)
+        windows, profiles = measure(task, variants, plan, info, args)
+        rows += rows_for(task, windows, cfg, plan, info, peak, args, profiles)
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "processes": info.world_size,
             "loadavg_start": load0, "loadavg_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),

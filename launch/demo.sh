@@ -10,7 +10,7 @@ PY="${PY:-$ROOT/.venv/bin/python}"
 PRESET="${PRESET:-demo}"
 RUN="${RUN:-runs/$PRESET-$(date +%Y%m%d-%H%M%S)}"
 DATA="${TS_DATA:-$(cd "$ROOT/.." && pwd)/shared/data}"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}"
 [ -e "$RUN" ] && { echo "error: $RUN exists; set RUN to a new folder" >&2; exit 2; }
 step() { printf '\n=== %s  [%s]\n' "$1" "$(date +%T)"; }
 # A free port for each launcher's rendezvous and for the server: DeepSpeed's default (29500) is taken while another

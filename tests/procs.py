@@ -20,13 +20,13 @@ BIN = Path(sys.executable).parent  # the virtualenv's bin: python, deepspeed
 
 
 def env() -> dict[str, str]:
-    """The environment of a DeepSpeed launch from a test: our venv first on PATH, CPU accelerator, and no rank
-    variables inherited from whatever runs pytest (they would make a launcher's child think it is one rank)."""
+    """The environment of a DeepSpeed launch from a test: our venv first on PATH, and no rank variables or
+    DS_ACCELERATOR inherited from whatever runs pytest (rank variables would make a launcher's child think it is one
+    rank; the trainer sets DeepSpeed's accelerator to the device it trains on)."""
     e = dict(os.environ)
     e.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
-    e["DS_ACCELERATOR"] = "cpu"
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DS_ACCELERATOR"):
         e.pop(k, None)
     return e
 

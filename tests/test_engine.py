@@ -40,7 +40,7 @@ def test_derived_config_follows_run_config() -> None:
     assert ds["train_micro_batch_size_per_gpu"] == 13 and ds["gradient_accumulation_steps"] == 3
     assert "train_batch_size" not in ds  # DeepSpeed infers it
     assert plan == eng.BatchPlan(13, 3, 2) and plan.global_batch == 78
-    assert ds["zero_optimization"] == {"stage": 2} and ds["bf16"] == {"enabled": True}
+    assert ds["zero_optimization"] == {"stage": 2} and ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
     params = ds["optimizer"]["params"]
     # DeepSpeed's "Adam" silently means AdamW unless adam_w_mode is false; torch_adam avoids FusedAdam's JIT on CPU.
     assert ds["optimizer"]["type"] == "Adam" and params["adam_w_mode"] is False and params["torch_adam"] is True
@@ -130,22 +130,62 @@ def test_launcher_variables_are_kept() -> None:
 
 
 def test_importing_the_engine_leaves_the_environment_alone(tmp_path: Path) -> None:
-    """Only DS_ACCELERATOR (read by DeepSpeed's own import) is set at import; PATH and the JIT cache folder are set
-    by init_distributed, through process_defaults."""
+    """Only DS_ACCELERATOR (read by DeepSpeed's own import) is set at import, to the device the process group will
+    serve; PATH and the JIT cache folder are set by init_distributed, through process_defaults."""
     code = ("import os, json; before = dict(os.environ); import trainer.engine.deepspeed_engine as e; "
             "after = dict(os.environ); "
             "changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)); "
-            "env = {'PATH': '/usr/bin:/bin'}; print(json.dumps([changed, e.process_defaults(env), env]))")
+            "accel = [after['DS_ACCELERATOR'], e.get_accelerator().device_name(), e.dist_info().device.type]; "
+            "env = {'PATH': '/usr/bin:/bin'}; print(json.dumps([changed, accel, e.process_defaults(env), env]))")
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR")}
     env["PATH"] = "/usr/bin:/bin"  # the venv's bin (with ninja) is not first
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    changed, set_, env_after = json.loads(p.stdout.strip().splitlines()[-1])
-    assert changed == (["DS_ACCELERATOR"] if not torch.cuda.is_available() else [])
+    changed, accel, set_, env_after = json.loads(p.stdout.strip().splitlines()[-1])
+    assert changed == ["DS_ACCELERATOR"]
+    assert accel == ["cuda" if torch.cuda.is_available() else "cpu"] * 3  # DeepSpeed and our group: one device
     here = Path(sys.executable).parent
     path = {"PATH": f"{here}:/usr/bin:/bin"} if (here / "ninja").exists() else {}  # pip's ninja, in the venv
     assert set_ == {"TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"), **path}
     assert env_after["PATH"] == path.get("PATH", "/usr/bin:/bin")
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_a_ds_accelerator_naming_another_device_stops_with_one_line(tmp_path: Path, stage: str) -> None:
+    """DS_ACCELERATOR=cuda without a usable GPU (cpu on a GPU machine) would put DeepSpeed and the process group on
+    different devices: one line naming both, exit 2, before anything is written. Before, the Makefile, the tests and
+    launch/demo.sh set cpu for every run, GPU nodes included, and deepspeed.initialize broadcast CPU tensors over
+    NCCL ("No backend type associated with device type cpu")."""
+    cuda = torch.cuda.is_available()
+    other, ours = ("cpu", "cuda") if cuda else ("cuda", "cpu")
+    out = tmp_path / "run"
+    env = {**os.environ, "DS_ACCELERATOR": other}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "TS_TRACEBACK"):
+        env.pop(k, None)  # one process on loopback; TS_TRACEBACK would add the traceback behind the line
+    p = subprocess.run([sys.executable, "-m", "trainer", stage, "--preset", "tiny", "--out", str(out)], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "[WARNING]" not in ln]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith(f"error: [rank 0] DeepSpeed's accelerator is {other} (DS_ACCELERATOR={other}) but "
+                               f"this rank's process group is {eng.BACKENDS[ours]} on {ours}"), lines[0]
+    assert not out.exists()
+
+
+def test_a_ds_accelerator_deepspeed_refuses_is_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TS_TRACEBACK"} | {"DS_ACCELERATOR": "tpu"}
+    p = subprocess.run([sys.executable, "-m", "trainer", "pretrain", "--preset", "tiny", "--out", str(tmp_path / "r")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1].startswith("error: DS_ACCELERATOR=tpu: DS_ACCELERATOR must be one of")
+
+
+def test_one_device_decision() -> None:
+    """The process group follows the device: gloo on a CPU; on CUDA, NCCL for CUDA tensors and gloo for CPU ones
+    (an NCCL-only group refuses CPU tensors since PyTorch 2.7)."""
+    info = eng.dist_info()
+    assert info.device.type == eng.device_type() == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert info.backend == eng.BACKENDS[info.device.type]
+    assert eng.BACKENDS == {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
 
 
 def test_plain_python_is_one_process_on_loopback() -> None:

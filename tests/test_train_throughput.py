@@ -26,7 +26,7 @@ def test_plain_and_deepspeed_loops_train_the_same_batches(tmp_path: Path, data_d
     out = tmp_path / "tt.json"
     cmd = [sys.executable, str(REPO / "bench" / "train_throughput.py"), "--preset", "tiny", "--task", "both",
            "--micro-batch", "13", "--seq-len", "40", "--warmup", "1", "--windows", "2", "--steps", "2",
-           "--json", str(out)]
+           "--profile", "--json", str(out)]
     env = {**os.environ, "TS_DATA": str(data_dir)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # one process on loopback, whatever the test session holds
@@ -62,6 +62,15 @@ def test_plain_and_deepspeed_loops_train_the_same_batches(tmp_path: Path, data_d
             assert math.isfinite(a) and math.isclose(a, b, rel_tol=1e-4), (task, plain["loss_windows"],
                                                                            ds["loss_windows"])
         assert "ratio_vs_plain" in ds and ds["ratio_vs_plain"] > 0
+    # --profile: one more step of each loop under torch.profiler, its phases named in both loops alike.
+    assert "One profiled step, lm, fp32" in p.stdout and "deepspeed runs more often than plain" in p.stdout
+    for r in rows:
+        prof = r["profile"]
+        assert all(prof["phases_ms"][ph] > 0 for ph in ("step.forward", "step.backward", "step.optimizer")), prof
+        assert prof["aten_ops"] > 100 and prof["kernels"] == 0 and prof["device_syncs"] == 0  # a CPU: no device
+        assert prof["wall_ms"] >= prof["phases_ms"]["step.forward"]
+        assert "c10d::allreduce_" not in prof["collectives"] or r["loop"] == "deepspeed"
+    assert by[("lm", "deepspeed")]["profile_extra_ops"] and by[("lm", "deepspeed")]["baseline"] == "plain"
     # Closed form (vocab 99, d 32, d_ff 48, 2 layers, T 40): 6 x (2 x (4 x 32^2 + 2 x 32 x 48) + 32 x 99)
     # + 12 x 2 x 32 x 40 for the LM; the classifier has no per-token head.
     assert by[("lm", "plain")]["flops_per_token"] == 135744

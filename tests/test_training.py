@@ -409,18 +409,37 @@ def test_mlm_pretraining_and_generation(runs: dict[str, Path], base: list[str], 
     assert p.stdout.startswith("Ce livre \u2192 ")
 
 
+# On a GPU: bf16, ZeRO 1 and 2, deterministic kernels (else atomics in the backward make two runs differ), eager (the
+# compiled path is bench/gpu_check.sh's), 12 steps with accumulation, a checkpoint every 4.
+GPU = ["--set", "engine.precision=bf16", "--set", "engine.deterministic=true", "--set", "engine.compile=off",
+       "--set", "engine.grad_accum=2", "--set", "pretrain.micro_batch=7", "--set", "pretrain.max_steps=12",
+       "--set", "engine.checkpoint_every=4", "--set", "engine.log_every=1"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bf16_two_ranks_nccl(base: list[str], tmp_path: Path) -> None:
-    """On a GPU machine: NCCL, bf16, FusedAdam (no torch_adam), the same artifact contract."""
+@pytest.mark.parametrize("zero", [1, 2])
+def test_gpu_bf16_two_ranks_nccl(base: list[str], tmp_path: Path, zero: int) -> None:
+    """On a GPU machine (2 ranks where it has 2 GPUs): NCCL for CUDA tensors beside gloo for CPU ones, DeepSpeed's
+    accelerator on CUDA, bf16 with FusedAdam (no torch_adam), ZeRO 1 and 2; a run stopped at step 4 and resumed
+    equals the uninterrupted one, and both write the artifact contract (fp32 weights)."""
     ranks = min(2, torch.cuda.device_count())
-    out = tmp_path / "gpu"
-    deepspeed([*base, "--set", "engine.precision=bf16", "--set", "engine.zero_stage=2", "--out", str(out)], ranks=ranks)
-    info = json.loads((out / "env.json").read_text())
-    assert info["backend"] == "nccl" and info["device"].startswith("cuda")
-    ds = json.loads((out / "deepspeed_config.json").read_text())
+    args = [*base, *GPU, "--set", f"engine.zero_stage={zero}"]
+    full, halves = tmp_path / "full", tmp_path / "halves"
+    deepspeed([*args, "--out", str(full)], ranks=ranks)
+    info = json.loads((full / "env.json").read_text())
+    assert info["backend"] == "cpu:gloo,cuda:nccl" and info["device"].startswith("cuda"), info
+    ds = json.loads((full / "deepspeed_config.json").read_text())
     assert "torch_adam" not in ds["optimizer"]["params"] and ds["bf16"]["enabled"]
-    assert all(v.dtype == torch.float32 for v in weights(out).values())
+    assert ds["zero_optimization"]["stage"] == zero
+    assert all(v.dtype == torch.float32 for v in weights(full).values())
+    deepspeed([*args, "--out", str(halves), "--stop-at", "4"], ranks=ranks)
+    assert (halves / "checkpoints" / "latest").read_text().strip() == "step00000004"
+    p = deepspeed([*args, "--out", str(halves), "--resume"], ranks=ranks)
+    assert "resumed at step 4" in p.stderr
+    assert len(losses(full)) == 12 and np.allclose(losses(halves), losses(full), rtol=0, atol=1e-6), \
+        (losses(halves), losses(full))
+    assert max_diff(weights(halves), weights(full)) < 1e-6
 
 
 def test_a_test_sample_taken_from_an_encoded_extra_set_equals_the_one_loaded_alone(tiny_tokenizer, data_dir) -> None:

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from trainer.cli import one_line_errors
+from trainer.cli import INPUT_ERRORS, one_line_errors
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         _parser().parse_args(argv[:1] or ["--help"])
     name, rest = argv[0], argv[1:]
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+    try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+    except INPUT_ERRORS as e:  # a setting read while importing (DS_ACCELERATOR, by DeepSpeed)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     sub = argparse.ArgumentParser(
         prog=f"python -m trainer {name}",
         description=(module.__doc__ or "").strip(),

@@ -1,4 +1,4 @@
-"""Named presets: functions that build a RunConfig (`--preset tiny|demo|english|lab`).
+"""Named presets: functions that build a RunConfig (`--preset tiny|demo|english|lab|gpu`).
 
 Every preset reads the project's data sets (../shared/data/README.md says what each is) from `data_sets()`: the
 folder `TS_DATA` names, else `../shared/data` from the working directory (beside a checkout, run from its root).
@@ -125,6 +125,32 @@ def english() -> RunConfig:
     )
 
 
+def gpu() -> RunConfig:
+    """The encoder sized for one H100 or H200 in bf16: 110.2 M parameters with the LM head, 97.6 M as a classifier
+    (`python -m trainer params --preset gpu`). d 768, 12 layers of 12 heads: head dimension 64, a multiple of 8, so
+    PyTorch's flash, memory-efficient and cuDNN attention kernels all take it (the lab's 100 lets only flash run).
+    A 16,384-id tokenizer (16,380 pieces + 4 specials: a multiple of 64, so the LM head's matmul tiles evenly)
+    trained on the pretraining text: eltec-fr, then the cls-books train reviews, the valid reviews last (held out
+    for the eval loss, as in the demo). Windows of 1,024 ids, 32 per rank per micro-step; bf16 weights and
+    activations with fp32 masters; compiled on CUDA (engine.compile=auto). The recipe of GPT-2-small-sized models
+    (nanoGPT): AdamW with betas 0.9/0.95, weight decay 0.1, warm-up then cosine, clipping at 1.0, no dropout while
+    pretraining; fine-tuning as in the demo (mean pooling, dropout 0.1)."""
+    return RunConfig(
+        preset="gpu",
+        model=ModelConfig(vocab_size=16_384, d_model=768, n_layers=12, n_heads=12, d_ff=3072, max_positions=1024,
+                          pooling="mean"),
+        tokenizer=TokenizerConfig(kind="train", vocab_size=16_380, max_len=512, train_lines=200_000),
+        data=cls_books(pretrain=["eltec-fr/eltec_fra.txt.gz", "cls-books-fr/train.review.txt",
+                                 "cls-books-fr/valid.review.txt"], pretrain_eval_lines=400),
+        pretrain=PretrainConfig(micro_batch=32, seq_len=1024, epochs=2, optim=OptimConfig(
+            name="adamw", lr=3e-4, betas=[0.9, 0.95], weight_decay=0.1, grad_clip=1.0, warmup_steps=100,
+            schedule="cosine")),
+        finetune=FinetuneConfig(micro_batch=32, epochs=4, dropout=0.1, optim=OptimConfig(
+            name="adamw", lr=5e-5, weight_decay=0.01, grad_clip=1.0, warmup_steps=10, schedule="linear")),
+        engine=EngineConfig(precision="bf16", compile="auto", checkpoint_every=500, log_every=25),
+    )
+
+
 def tiny() -> RunConfig:
     """Seconds, for tests: odd sizes so that shape bugs show (vocab 99 after training 95 pieces)."""
     return RunConfig(
@@ -143,7 +169,8 @@ def tiny() -> RunConfig:
     )
 
 
-PRESETS: dict[str, typing.Callable[[], RunConfig]] = {"tiny": tiny, "demo": demo, "english": english, "lab": lab}
+PRESETS: dict[str, typing.Callable[[], RunConfig]] = {"tiny": tiny, "demo": demo, "english": english, "lab": lab,
+                                                      "gpu": gpu}
 
 
 def preset(name: str) -> RunConfig:

@@ -168,6 +168,14 @@ class EngineConfig:
     # Steps between log rows (metrics.csv, TensorBoard, a line when stderr is no terminal; each is the loop's one
     # host-device sync); 0: about 50 rows per run, a round number (trainer/engine/monitor.py, log_interval)
     log_every: Count = 0
+    # torch.compile of the model inside the engine (DeepSpeed's engine.compile(): inductor, in place, the same
+    # parameter names): on, off, or auto: on with CUDA, off on a CPU (it pays there on long LM runs only:
+    # docs/BENCHMARKS.md)
+    compile: Literal["off", "on", "auto"] = "auto"
+    # Deterministic kernels (torch.use_deterministic_algorithms, cuDNN's deterministic mode, a fixed cuBLAS
+    # workspace): two runs of one config, or a resumed run and an uninterrupted one, then agree bit for bit on a GPU,
+    # and with engine.compile on a CPU too (eager CPU runs do without it); slower
+    deterministic: bool = False
 
 
 @section("pretrain")

@@ -4,15 +4,17 @@
   Adam/AdamW, clipping); a user's own JSON overrides it key by key, and is checked before DeepSpeed sees it
   (unknown keys and batch sizes that do not divide are errors naming the file and the key).
 - `init_distributed()` starts torch.distributed with the same code under the DeepSpeed launcher, torchrun, Slurm
-  (`SLURM_PROCID`... mapped to `RANK`...) or plain `python` (one process, loopback defaults): NCCL on GPU, gloo on CPU.
-  `local_env()` is the part of it that needs no process group (what a rank learns from its environment).
+  (`SLURM_PROCID`... mapped to `RANK`...) or plain `python` (one process, loopback defaults): NCCL (with gloo for CPU
+  tensors) on GPU, gloo on CPU. `local_env()` is the part of it that needs no process group (what a rank learns from
+  its environment), and stops a rank whose DeepSpeed accelerator is not the device it trains on.
 - `initialize()` wraps a model into a DeepSpeed engine with our learning-rate schedule.
 - `finish()` is how every rank's entry point ends: gloo ranks intermittently abort at interpreter exit
   ("terminate called without an active exception"), so we tear down and leave with `os._exit`.
 Ranks, nodes and collectives without DeepSpeed are trainer/engine/distributed.py's (re-exported below: callers say
 `eng.rank()`), which precision `auto` means is trainer/engine/precision.py's, the learning-rate schedule is
 trainer/engine/schedule.py's.
-Importing this module sets only DS_ACCELERATOR (below); `init_distributed()` sets the rest of a rank's environment.
+Importing this module sets only DS_ACCELERATOR (below, where unset); `init_distributed()` sets the rest of a rank's
+environment.
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ from typing import Any, Literal, NoReturn
 import torch
 import torch.distributed as dist
 
-from trainer.config.schema import OptimConfig, RunConfig, read_json
+from trainer.config.schema import EngineConfig, OptimConfig, RunConfig, read_json
 from trainer.engine import precision
 from trainer.engine.distributed import (  # noqa: F401  (re-exported: the stages call them as eng.*)
+    BACKENDS,
     DistInfo,
     EngineConfigError,
     agree,
     all_reduce_sum,
     barrier,
+    device_type,
     dist_info,
     free_port,
     is_main,
@@ -50,12 +54,19 @@ from trainer.engine.schedule import lr_factor
 
 Stage = Literal["pretrain", "finetune"]
 
-if not torch.cuda.is_available():
-    # DeepSpeed picks its accelerator while it is imported; without a GPU it would pick the CPU anyway, after a
-    # warning. The one environment default set at import, because it must precede `import deepspeed`.
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-import deepspeed  # noqa: E402  (after DS_ACCELERATOR above)
+# DeepSpeed picks its accelerator (where it keeps the module, which device its collectives use) while it is imported,
+# from DS_ACCELERATOR. It must be the device the process group serves (distributed.device_type): a CPU accelerator
+# on a GPU node keeps the module on the CPU and broadcasts CPU tensors over NCCL. The one environment default set at
+# import, because it must precede `import deepspeed`; a user's own value that names another device stops the rank
+# in `local_env` (one line naming both).
+ACCELERATOR_ENV = "DS_ACCELERATOR"
+os.environ.setdefault(ACCELERATOR_ENV, device_type())
+try:
+    import deepspeed  # after DS_ACCELERATOR above
+except ValueError as e:  # DeepSpeed's own refusal of a DS_ACCELERATOR value (unknown, or its package missing)
+    raise EngineConfigError(f"{ACCELERATOR_ENV}={os.environ[ACCELERATOR_ENV]}: {str(e).rstrip('.')}; unset it: the "
+                            f"trainer sets it to the device it trains on ({device_type()} here)") from None
+from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # noqa: E402
 from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
@@ -71,15 +82,34 @@ _FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 
 def local_env() -> DistInfo:
     """What this process is, from its environment alone (`process_defaults`, `prepare_env`): usable before the
-    process group exists, e.g. to prepare a corpus with no collective waiting on it."""
+    process group exists, e.g. to prepare a corpus with no collective waiting on it. Checks that DeepSpeed's
+    accelerator is this rank's device (`check_accelerator`)."""
     process_defaults(os.environ)
     prepare_env(os.environ)
-    return dist_info()
+    info = dist_info()
+    check_accelerator(info)
+    return info
+
+
+def check_accelerator(info: DistInfo) -> None:
+    """DeepSpeed's accelerator must be the device this rank's process group serves; else one line naming both
+    (an EngineConfigError: exit 2), before any data is read or any collective started."""
+    accel = get_accelerator().device_name()
+    if accel == info.device.type:
+        return
+    if info.device.type == "cuda":
+        why = ("CUDA is usable here: unset DS_ACCELERATOR (the trainer sets it to cuda); to train on this node's CPU, "
+               "hide its GPUs with CUDA_VISIBLE_DEVICES=")
+    else:
+        why = "no CUDA device is usable here: unset DS_ACCELERATOR (the trainer sets it to cpu)"
+    raise EngineConfigError(f"DeepSpeed's accelerator is {accel} ({ACCELERATOR_ENV}="
+                            f"{os.environ.get(ACCELERATOR_ENV, '')}) but this rank's process group is "
+                            f"{info.backend} on {info.device}: {why}")
 
 
 def init_distributed(timeout_s: int = 1800) -> DistInfo:
-    """Make this process a rank: `local_env()`, then start (or join) the process group: NCCL on GPU, gloo on CPU.
-    Safe to call twice."""
+    """Make this process a rank: `local_env()`, then start (or join) the process group: NCCL for CUDA tensors and
+    gloo for CPU ones on a GPU, gloo on a CPU (distributed.BACKENDS). Safe to call twice."""
     info = local_env()
     if info.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Unbound ranks on one CPU each default to a thread per core, so every core runs several ranks' threads that
@@ -167,7 +197,11 @@ def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = 
         "gradient_accumulation_steps": cfg.engine.grad_accum,
         "gradient_clipping": optim.grad_clip,
         "zero_optimization": {"stage": cfg.engine.zero_stage},
-        "bf16": {"enabled": precision.resolve(cfg.engine.precision, cuda) == "bf16"},
+        # bf16 has fp32's exponent range: no loss scale, so no step to skip. DeepSpeed's per-step overflow check
+        # (ZeRO 1/2: an all-reduce and a host-device sync every step) would skip a step with a non-finite gradient
+        # and carry on; without it the loop's own checks stop the run instead (loop.refuse_diverged: the loss at
+        # every log row, the weights before every checkpoint), and `latest` keeps the last finite weights.
+        "bf16": {"enabled": precision.resolve(cfg.engine.precision, cuda) == "bf16", "check_grad_overflow": False},
         "optimizer": {
             # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false: say which one we mean.
             "type": "AdamW" if optim.name == "adamw" else "Adam",
@@ -288,8 +322,24 @@ def _batch_plan(merged: dict[str, Any], user: dict[str, Any], world: int, source
 # ---------------------------------------------------------------------------------------------- engine
 
 
-def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, total_steps: int) -> Any:
-    """A DeepSpeed engine around `model`. Our schedule drives the lr unless the user's JSON names a "scheduler"."""
+def compiles(setting: str, device: torch.device) -> bool:
+    """engine.compile -> whether the engine compiles its module: on, off, or auto: on with CUDA, off on a CPU (where
+    compiling costs minutes before the first step, and the compiled step measured faster on the LM, slower on the
+    classifier: docs/BENCHMARKS.md, torch.compile)."""
+    if setting not in ("off", "on", "auto"):
+        raise ValueError(f"engine.compile must be off, on or auto, got {setting!r}")
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, total_steps: int,
+               engine_cfg: EngineConfig | None = None) -> Any:
+    """A DeepSpeed engine around `model`. Our schedule drives the lr unless the user's JSON names a "scheduler".
+    `engine_cfg` (the run's engine section; None: neither of these): engine.compile resolving to on compiles the
+    engine's module in place (engine.compile(): torch.compile with inductor; parameter names, checkpoints and
+    artifacts unchanged; the first steps of each new input shape pay for compiling); engine.deterministic picks
+    deterministic kernels (`deterministic`)."""
+    if engine_cfg is not None and engine_cfg.deterministic:
+        deterministic()
     scheduler = None
     if "scheduler" not in ds:
         def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
@@ -301,7 +351,18 @@ def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, t
         # copy it back after each backward: ~15% of a lab-size LM step on 2 CPU cores (bench/train_throughput.py).
         # DeepSpeed's own switch; ZeRO 1/2 need that pass to fill their gradient partitions, so they keep it.
         engine.enable_backward_allreduce = False
+    if engine_cfg is not None and compiles(engine_cfg.compile, torch.device(get_accelerator().device_name())):
+        engine.compile()
     return engine
+
+
+def deterministic() -> None:
+    """Deterministic kernels from here on (torchtitan's debug.deterministic): PyTorch's deterministic algorithms
+    (a kernel without one warns instead of stopping the run), cuDNN without autotuning, and the fixed cuBLAS workspace
+    that deterministic cuBLAS needs (read when its first handle is made: before the first forward)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
 def weights_finite(engine: Any) -> bool:

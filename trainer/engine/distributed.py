@@ -1,6 +1,9 @@
 """Ranks, nodes and what they tell each other; no DeepSpeed here (trainer/engine/deepspeed_engine.py starts the process
 group).
 
+- `device_type()` is the one device decision of a rank: CUDA where a CUDA device is usable, else the CPU. The
+  process group (`BACKENDS`), DeepSpeed's accelerator (DS_ACCELERATOR, set from it before DeepSpeed is imported:
+  trainer/engine/deepspeed_engine.py) and the module's device all follow it.
 - `prepare_env()` fills the variables torch.distributed reads, under the DeepSpeed launcher, torchrun, Slurm or plain
   `python`; `dist_info()` reads them back as a `DistInfo` (usable before the process group exists: the data of a run
   is made ready before it, see trainer/tasks/pretrain.py).
@@ -32,6 +35,12 @@ from trainer.config.schema import ConfigError
 
 _REPO = Path(__file__).resolve().parents[2]  # a checkout's root: trainer/engine/distributed.py
 AGREE_BYTES = 1024  # the longest problem line `agree` carries (UTF-8 bytes; longer ones are cut)
+# The process group's backend per device decision. On CUDA, one backend per device type: NCCL for CUDA tensors, gloo
+# for CPU ones. Since PyTorch 2.7 an NCCL-only group refuses a CPU tensor ("No backend type associated with device
+# type cpu"); with gloo beside it the host-side collectives (the stop flag, `agree`, the log row's sums: a few bytes)
+# stay on the host, with no copy to the GPU and no wait on its stream, and a DeepSpeed path that hands a collective a
+# CPU tensor works instead of stopping the run.
+BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
 
 
 class EngineConfigError(ConfigError):
@@ -152,13 +161,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def device_type() -> str:
+    """The device this process trains on: "cuda" where a CUDA device is usable, else "cpu". The one decision the
+    process group, DeepSpeed's accelerator and the module all follow. A node's GPUs hidden with CUDA_VISIBLE_DEVICES=
+    (empty) make it train on its CPU."""
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+
+
 def dist_info() -> DistInfo:
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_size = int(os.environ.get("LOCAL_SIZE", world))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if cuda else torch.device("cpu")
-    return DistInfo(rank, world, local_rank, local_size, "nccl" if cuda else "gloo", device)
+    kind = device_type()
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if kind == "cuda" else torch.device("cpu")
+    return DistInfo(rank, world, local_rank, local_size, BACKENDS[kind], device)
 
 
 def node_index(info: DistInfo) -> int:
@@ -188,12 +204,19 @@ def barrier() -> None:
         dist.barrier()
 
 
+def host_collectives() -> bool:
+    """The default group takes CPU tensors: gloo, or a backend per device type that includes one for the CPU
+    (`BACKENDS`). False for an NCCL-only group that someone else started before us."""
+    backend = str(dist.get_backend())
+    return backend == "gloo" or "cpu:" in backend
+
+
 def _collective_device() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return "cpu" if host_collectives() else "cuda"
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a few floats over ranks (fp64). A host-device sync: call at log intervals only."""
+    """Sum a few host floats over ranks (fp64; on the host where the group allows it)."""
     t = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         t = t.to(_collective_device())

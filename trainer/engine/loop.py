@@ -225,12 +225,15 @@ class StopSignals:
     """SIGINT/SIGTERM during training: note the signal; every step, `agreed()` tells every rank whether any rank got
     one, so they all stop after the same step and write one checkpoint. A second Ctrl-C stops at once.
 
-    The agreement is an all-reduce (max) of one int per step over a gloo group: on CPU the run's own group, on GPU a
-    side group, so the flag never waits on a CUDA stream (the loop's one host-device sync stays the log row)."""
+    The agreement is an all-reduce (max) of one int on the host, over a gloo group of its own, that travels while
+    the next step runs: after step s each rank starts it without waiting and reads it after step s + 1, so no step
+    waits on a peer or on a device for it (the loop's one host-device sync stays the log row). Every rank reads the
+    same value after the same step; a signal stops the run one step after the one it arrived in."""
 
     def __init__(self) -> None:
         self.signum, self.at = 0, 0.0
         self.old: dict[int, Any] = {}
+        self.pending: tuple[Any, torch.Tensor] | None = None  # (work, (1,) int32) of the all-reduce in flight
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum:
@@ -241,7 +244,8 @@ class StopSignals:
             return
         self.signum, self.at = signum, time.monotonic()
         if eng.is_main():
-            os.write(2, f"{SIGNALS[signum]}: stopping after this step with a checkpoint (Ctrl-C again: at once, "
+            which = "the next" if eng.world_size() > 1 else "this"  # the agreement takes a step (agreed)
+            os.write(2, f"{SIGNALS[signum]}: stopping after {which} step with a checkpoint (Ctrl-C again: at once, "
                         "without one)\n".encode())
 
     def __enter__(self) -> StopSignals:
@@ -249,23 +253,30 @@ class StopSignals:
             self.old = {s: signal.signal(s, self._handle) for s in SIGNALS}
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         for s, handler in self.old.items():
             signal.signal(s, handler)
+        if self.pending is not None and exc_type is None:
+            self.pending[0].wait()  # every rank started it; after an error a peer may never have
 
     def agreed(self) -> int:
-        """The signal any rank got (the largest number), 0 when none did."""
+        """The signal any rank had got by the previous call (the largest number), 0 when none had."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.signum
-        t = torch.tensor([self.signum], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
-        return int(t.item())
+        got = 0
+        if self.pending is not None:
+            work, flag = self.pending
+            work.wait()  # started a step ago: done by now unless a peer is a step behind
+            got = int(flag[0])
+        flag = torch.tensor([self.signum], dtype=torch.int32)
+        self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_flag_group(), async_op=True), flag)
+        return got
 
 
 @functools.cache
-def _cpu_group() -> Any:
-    """The process group for small host-side collectives: the default one under gloo, a gloo group under NCCL."""
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+def _flag_group() -> Any:
+    """A gloo group for the stop flag alone: its all-reduce is in flight while the step's own collectives run."""
+    return dist.new_group(backend="gloo")
 
 
 class Diverged(ValueError):

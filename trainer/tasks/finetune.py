@@ -250,7 +250,7 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
     model = ClassifierObjective(cfg.model, weight)
     if pretrained is not None:
         load_encoder(model, pretrained.state)
-    engine = eng.initialize(model, ds, fc.optim, task.total)
+    engine = eng.initialize(model, ds, fc.optim, task.total, cfg.engine)
     state = ckpt.LoopState()
     if resume_tag:
         state, _ = ckpt.load(engine, ckpt_dir, resume_tag)

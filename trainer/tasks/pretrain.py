@@ -279,7 +279,7 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
                                               "steps": total, "global_batch": plan.global_batch})
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and for every world size
-    engine = eng.initialize(LMObjective(cfg.model, causal=pc.objective == "clm"), ds, pc.optim, total)
+    engine = eng.initialize(LMObjective(cfg.model, causal=pc.objective == "clm"), ds, pc.optim, total, cfg.engine)
     state = ckpt.LoopState()
     if resume_tag:
         state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
