@@ -14,6 +14,7 @@ Prints Markdown; a part that left nothing says so instead of failing the summary
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import sys
@@ -143,11 +144,12 @@ def summary(out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not Path(args[0]).is_dir():
-        print("usage: python bench/gpu_summary.py OUT_FOLDER (the folder bench/gpu_check.sh wrote)", file=sys.stderr)
-        return 2
-    print(summary(Path(args[0])), end="")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path, metavar="OUT_FOLDER", help="the folder bench/gpu_check.sh wrote its files into")
+    args = p.parse_args(argv)
+    if not args.out.is_dir():
+        p.error(f"{args.out} is not a folder (the one bench/gpu_check.sh wrote)")
+    print(summary(args.out), end="")
     return 0
 
 

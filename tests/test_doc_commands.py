@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import io
 import os
@@ -392,6 +393,23 @@ def _files_for(args: list[str], folder: Path) -> None:
         (folder / source).write_text("0123456789abcdef0123456789abcdef", encoding="utf-8")
 
 
+# Standard tools that feed or read our commands in a documented pipeline (`cut -f2 file | python -m trainer ...`).
+SHELL_TOOLS = ("cat", "cut", "head", "tail", "paste", "echo", "printf", "jq", "sort")
+
+
+def without_redirections(tokens: list[str]) -> list[str]:
+    """The tokens of a command less its shell redirections (`> log`, `< texts.txt`, `2>&1`, `>> log`)."""
+    out, skip = [], False
+    for t in tokens:
+        if skip:
+            skip = False
+        elif re.fullmatch(r"\d?(>>?|<)", t):
+            skip = True  # the file comes next
+        elif not re.fullmatch(r"\d?(>>?|<)(&\d|\S+)", t):
+            out.append(t)
+    return out
+
+
 def check(command: Command) -> str:
     """"" when the command checks out, else what is wrong."""
     if re.match(r"^\w+=\(", command.text):
@@ -400,11 +418,22 @@ def check(command: Command) -> str:
         tokens = shlex.split(command.text)
     except ValueError as e:
         return f"cannot be read as a shell command ({e})" if command.in_block else ""
+    if "|" in tokens:  # a pipeline: each command of it checks out on its own
+        parts, cut = [], 0
+        for i, t in enumerate([*tokens, "|"]):
+            if t == "|":
+                parts.append(tokens[cut:i])
+                cut = i + 1
+        problems = [p for part in parts if (p := check(dataclasses.replace(command, text=shlex.join(part))))]
+        return "; ".join(problems)
+    tokens = without_redirections(tokens)
     while tokens and re.match(r"^[A-Z_][A-Z0-9_]*=", tokens[0]):
         tokens = tokens[1:]
     if not tokens:
         return ""
     head, args = tokens[0], tokens[1:]
+    if head in SHELL_TOOLS and command.text != head:
+        return ""  # a standard tool feeding or reading one of ours in a pipeline
     if not command.in_block and not args and head != "make":
         return ""  # a program named in prose (`python3`, `transfer-sentiment`), not a command
     if head in PYTHONS:
@@ -480,9 +509,18 @@ def test_the_commands_are_found() -> None:
     ("sbatch launch/train.sbatch export runs/x", "takes pretrain or finetune"),
     ("srun --container-image=x python -m trainer pretrainn", "no subcommand 'pretrainn'"),
     (".venv/bin/python -m pytest tests/test_help.py::test_no_such_thing", "no such test"),
+    ("cut -f2 x.csv | python -m trainer predict B --data - --formatt jsonl", "unrecognized arguments: --formatt"),
+    ("make demoo > log 2>&1", "no target 'demoo'"),
+    ("frobnicate --all | python -m trainer params --preset lab", "frobnicate: not a command this test knows"),
 ])
 def test_a_renamed_flag_subcommand_key_or_target_breaks_the_check(text: str, problem: str) -> None:
     assert problem in check(Command("doc.md:1", text, in_block=True))
+
+
+def test_pipelines_and_redirections_are_checked_command_by_command() -> None:
+    good = "cut -d, -f2 x.csv | python -m trainer predict B --data - --out - < in.txt > out.csv 2>&1"
+    assert check(Command("doc.md:1", good, in_block=True)) == ""
+    assert check(Command("doc.md:1", "make demo > log", in_block=True)) == ""
 
 
 def test_params_prints_the_parameter_counts_the_readme_states() -> None:
