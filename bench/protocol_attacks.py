@@ -33,7 +33,6 @@ import os
 import platform
 import re
 import signal
-import statistics
 import struct
 import subprocess
 import sys
@@ -114,7 +113,7 @@ def probe_main(args: argparse.Namespace) -> None:
     metadata = [("authorization", f"Bearer {TOKEN}")]
     stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=30, metadata=metadata)
     print("ready", flush=True)
-    latencies, errors = [], {}
+    latencies, refusals, errors = [], [], {}
     end = time.monotonic() + args.seconds
     while time.monotonic() < end:
         start = time.perf_counter()
@@ -123,8 +122,11 @@ def probe_main(args: argparse.Namespace) -> None:
             latencies.append(time.perf_counter() - start)
         except grpc.RpcError as e:
             errors[e.code().name] = errors.get(e.code().name, 0) + 1
+            refusals.append(time.perf_counter() - start)
         time.sleep(max(0.0, args.interval - (time.perf_counter() - start)))
-    print(json.dumps({"calls": len(latencies) + sum(errors.values()), "errors": errors, **percentiles(latencies)}))
+    refused = {f"refused_{k}": v for k, v in percentiles(refusals).items()} if refusals else {}
+    print(json.dumps({"calls": len(latencies) + sum(errors.values()), "errors": errors, **percentiles(latencies),
+                      **refused}))
 
 
 def load_main(args: argparse.Namespace) -> None:

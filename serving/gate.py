@@ -235,10 +235,15 @@ class AuthThrottle:
     cannot grow it without bound."""
 
     MAX_PEERS = 10_000
+    ABUSE = 10  # calls refused while blocked, in multiples of `limit`, past which `on_abuse` is told
 
-    def __init__(self, limit: int, window_s: float, metrics: Metrics) -> None:
+    def __init__(self, limit: int, window_s: float, metrics: Metrics,
+                 on_abuse: Callable[[str, float], None] = lambda address, seconds: None) -> None:
+        """on_abuse(address, seconds): a blocked address kept calling (ABUSE x limit refusals in its window): the
+        connection guard then bans it for the rest of the window, so that its calls stop costing a refusal each."""
         self.limit, self.window_s = limit, window_s
         self.metrics = metrics
+        self.on_abuse = on_abuse
         self._lock = threading.Lock()
         self._peers: dict[str, list[float]] = {}  # address -> [window start, failures, calls refused while blocked]
 
@@ -250,8 +255,12 @@ class AuthThrottle:
             if state is None or state[1] < self.limit or now - state[0] >= self.window_s:
                 return None
             state[2] += 1
+            abuse = state[2] == self.ABUSE * self.limit
         self.metrics.auth_throttled.inc()
-        return state[0] + self.window_s - now
+        left = state[0] + self.window_s - now
+        if abuse:
+            self.on_abuse(address, left)
+        return left
 
     def failed(self, address: str) -> None:
         now = time.monotonic()
@@ -281,11 +290,16 @@ class Gate(grpc.ServerInterceptor):
     def __init__(self, metrics: Metrics, *, auth_token: str | None, max_calls: int, health_workers: int,
                  body_timeout_s: float, max_message_bytes: int, max_response_bytes: int,
                  auth_failures_per_peer: int = 10, auth_failure_window_s: float = 10.0,
-                 reclaimer: Reclaimer | None = None, guard: Guard | None = None) -> None:
+                 reclaimer: Reclaimer | None = None, guard: Guard | None = None,
+                 queue_full: Callable[[], bool] = lambda: False) -> None:
+        """queue_full: the batcher has no room for one more text (model calls are then refused at admission)."""
         self.metrics = metrics
+        self.queue_full = queue_full
         self.guard = guard
         self.expected = f"Bearer {auth_token}".encode() if auth_token else None
-        self.auth = AuthThrottle(auth_failures_per_peer, auth_failure_window_s, metrics)
+        on_abuse = (lambda address, seconds: guard.ban(address, seconds, "auth_abuse")) if guard is not None else \
+            (lambda address, seconds: None)
+        self.auth = AuthThrottle(auth_failures_per_peer, auth_failure_window_s, metrics, on_abuse)
         self.body_timeout_s = body_timeout_s
         self.model_slots = Slots(max_calls, "model", reclaimer)
         self.health_slots = Slots(health_workers, "health")
@@ -345,14 +359,17 @@ class Gate(grpc.ServerInterceptor):
         return made
 
     def admission(self) -> Overloaded | None:
-        """Why a model call would be refused now (every model slot taken, or the answers in flight over their
-        budget), or None. Read without a lock: the slot itself is taken later, and refuses on its own."""
+        """Why a model call would be refused now (every model slot taken, the answers in flight over their budget,
+        or the batching queue full), or None. Read without a lock: the slot itself is taken later, and refuses on its
+        own."""
         slots, budget = self.model_slots, self.budget
         if slots.used >= slots.limit:
             return Overloaded(f"server busy: {slots.used} model calls in progress (limit {slots.limit}); retry later")
         if budget.spent:
             return Overloaded(f"{budget.used} bytes of answers wait for their clients (max_response_bytes_in_flight "
                               f"{budget.limit}); retry later")
+        if self.queue_full():
+            return Overloaded("queue full: no room for one more text in the batching queue (max_queue); retry later")
         return None
 
     def blocked_reply(self, address: str | None) -> Unauthenticated | None:

@@ -135,6 +135,7 @@ class Guard:
         self._calls: dict[tuple[str, int], _Calls] = {}
         self._lock = threading.Lock()
         self._answers = 0
+        self._bans: list[tuple[str, float, str]] = []  # asked for by the gate, applied at the next tick
         self._logged: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="connection-guard", daemon=True)
@@ -191,6 +192,12 @@ class Guard:
             if calls is not None:
                 calls.held.pop(answer, None)
 
+    def ban(self, address: str, seconds: float, reason: str) -> None:
+        """Cut the address' connections at the next tick, and its new ones for `seconds` (from the gate: an address
+        that kept calling while blocked after failed authentications)."""
+        with self._lock:
+            self._bans.append((address, seconds, reason))
+
     # ----------------------------------------------------------------------------------- the thread
 
     def start(self) -> Guard:
@@ -217,7 +224,11 @@ class Guard:
             reports = self._calls
             self._calls = {peer: _Calls(waiting=c.waiting, held=c.held) for peer, c in reports.items()
                            if c.waiting or c.held or peer in peers}
+            bans, self._bans = self._bans, []
         self.banned = {address: end for address, end in self.banned.items() if end > now}
+        for address, seconds, reason in bans:
+            self.banned[address] = max(self.banned.get(address, now), now + seconds)
+            self._log(address, reason, f"{address} banned for {seconds:.0f} s ({reason})")
         by_address: dict[str, list[_Connection]] = {}
         for conn in seen.values():
             if conn.cut is None:  # one already cut stays until gRPC has closed it
@@ -277,12 +288,15 @@ class Guard:
         if not cut_socket(conn.fd, conn.inode):
             return  # gRPC closed it meanwhile
         self.metrics.connections_cut.labels(reason).inc()
-        key = (conn.peer[0], reason)
-        now = time.monotonic()
-        if now - self._logged.get(key, -_LOG_EVERY_S) >= _LOG_EVERY_S:
-            self._logged[key] = now
-            log.warning("cut the connection from %s:%d (%s): %s", conn.peer[0], conn.peer[1], reason, detail)
+        self._log(conn.peer[0], reason, f"cut the connection from {conn.peer[0]}:{conn.peer[1]} ({reason}): {detail}")
         self.on_cut(conn.peer, reason)
+
+    def _log(self, address: str, reason: str, line: str) -> None:
+        """At most one line per address and reason per _LOG_EVERY_S (the rest are counted in the metrics)."""
+        now = time.monotonic()
+        if now - self._logged.get((address, reason), -_LOG_EVERY_S) >= _LOG_EVERY_S:
+            self._logged[(address, reason)] = now
+            log.warning("%s", line)
 
     # ----------------------------------------------------------------------------------- sockets
 

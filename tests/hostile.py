@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
 import h2.config
 import h2.connection
@@ -44,6 +45,7 @@ class _Connection:
             self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
         self.lock = threading.Lock()
         self.ended: dict[int, str] = {}  # stream id -> grpc-status (or "RST <code>") once it ended
+        self.messages: dict[int, str] = {}  # stream id -> grpc-message of its end
         self.max_streams: int | None = None  # the server's SETTINGS_MAX_CONCURRENT_STREAMS
         self.closed = threading.Event()
         self._changed = threading.Condition()
@@ -87,6 +89,7 @@ class _Connection:
             headers = dict(event.headers)
             if "grpc-status" in headers:
                 self.ended[event.stream_id] = headers["grpc-status"]
+                self.messages[event.stream_id] = unquote(headers.get("grpc-message", ""))
         elif isinstance(event, h2.events.StreamReset):
             self.ended.setdefault(event.stream_id, f"RST {int(event.error_code)}")
 
@@ -133,8 +136,8 @@ class HalfOpen(_Connection):
     """`n` streams to `path` on one connection: HEADERS only, the body never sent, no deadline."""
 
     def __init__(self, port: int, path: str, n: int, *, tls_ca: Path | None = None,
-                 metadata: list[tuple[str, str]] = ()) -> None:
-        super().__init__(port, tls_ca=tls_ca)
+                 metadata: list[tuple[str, str]] = (), source: str | None = None) -> None:
+        super().__init__(port, tls_ca=tls_ca, source=source)
         # All sent before the server's SETTINGS are read: h2 would otherwise keep to the server's
         # MAX_CONCURRENT_STREAMS itself, and an attacker does not.
         self.streams = [self.open_stream(path, metadata) for _ in range(n)]

@@ -259,7 +259,10 @@ def test_unread_answers_are_bounded_and_memory_returns_after_the_client_leaves(t
     n = 512
     server = ServerProcess(tiny_bundle, "--device", "cpu", "--max-workers", "32", "--max-texts", str(n),
                            "--max-queue", str(32 * n), "--max-message-bytes", str(1 << 20),
-                           "--max-response-bytes-in-flight", str(1 << 20), "--metrics-port", "0")
+                           "--max-response-bytes-in-flight", str(1 << 20), "--metrics-port", "0",
+                           # the budget is what is tested: the connection guard would cut the connection first
+                           # (test_reliability_protocol.py), and the first round's cut would ban the second's
+                           "--send-stall-s", "3600", "--ban-s", "0", "--max-control-bytes-per-s", str(1 << 30))
     reclaims = "sentiment_memory_reclaim_seconds_count"
     try:
         port = server.wait_listening()
