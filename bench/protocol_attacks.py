@@ -177,7 +177,8 @@ def ping_flood(port: int, seconds: float, tls_ca: Path | None) -> dict:
 
     c = Raw(port, tls_ca=tls_ca, source=ATTACKER)
     c.sock.settimeout(2)
-    time.sleep(0.3)  # the server's SETTINGS first: a flood at once is closed by gRPC itself
+    c.wait_settings()  # the server's SETTINGS first: a flood before them is closed by gRPC itself
+    time.sleep(0.2)
     start, sent, batch = time.monotonic(), 0, frame(PING, 0, 0, b"attacker") * 1000
     while time.monotonic() - start < seconds and c.send(batch):
         sent += 1000
@@ -189,7 +190,8 @@ def rapid_reset(port: int, seconds: float, tls_ca: Path | None) -> dict:
 
     c = Raw(port, tls_ca=tls_ca, source=ATTACKER)
     c.sock.settimeout(2)
-    time.sleep(0.3)
+    c.wait_settings()
+    time.sleep(0.2)
     block = request_block(CLASSIFY, [("authorization", f"Bearer {TOKEN}")])
     start, sid = time.monotonic(), 1
     while time.monotonic() - start < seconds and sid < 2**31 - 1000:
@@ -270,7 +272,7 @@ def window_overflow(port: int, seconds: float, tls_ca: Path | None) -> dict:
     from hostile import WINDOW_UPDATE, Raw, frame
 
     c = Raw(port, tls_ca=tls_ca, source=ATTACKER)
-    time.sleep(0.3)
+    c.wait_settings()
     start = time.monotonic()
     c.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1)) * 2)
     c.closed.wait(seconds)

@@ -53,6 +53,11 @@ def transport_options(cfg: ServerConfig, shared_port: bool = False) -> list[tupl
         ("grpc.so_reuseport", int(shared_port)),  # else a taken port is an error, not a silently shared one
         ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
         ("grpc.max_allowed_incoming_connections", cfg.max_connections),  # closed at accept past it
+        # Each stream's receive window stays at 64 KiB (no BDP probe to grow it): a request refused before its body
+        # was read, or over max_message_bytes, brings at most that much unread data (4.4 MB arrived for one over
+        # the limit with gRPC's defaults), so that the connection guard can allow for it (serving/guard.py).
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", 64 * 1024),
         ("grpc.server_handshake_timeout_ms", ms(cfg.handshake_timeout_s)),
         ("grpc.max_connection_idle_ms", ms(cfg.max_connection_idle_s)),
         ("grpc.max_connection_age_ms", ms(cfg.max_connection_age_s)),

@@ -61,8 +61,8 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"  # open without a token (load balancer
 class _Malformed:
     """Stands in for a request message that failed to parse (e.g. invalid UTF-8 in a string field)."""
 
-    def __init__(self, error: Exception) -> None:
-        self.error = error
+    def __init__(self, error: Exception, size: int) -> None:
+        self.error, self.size = error, size
 
 
 def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
@@ -74,7 +74,7 @@ def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]
         try:
             return deserializer(data)
         except DecodeError as e:
-            return _Malformed(e)
+            return _Malformed(e, len(data))
 
     return parse
 
@@ -393,14 +393,17 @@ class Gate(grpc.ServerInterceptor):
         peer = context.peer() if self.guard is not None else None
         if peer is not None:
             self.guard.waiting(peer, 1)
+        request = None
         try:
             with self.watchdog.watching(context.cancel) as watch:
                 request = next(requests, None)
         finally:
             if peer is not None:
                 self.guard.waiting(peer, -1)
-        if peer is not None and request is not None and not isinstance(request, _Malformed):
-            self.guard.message(peer, request.ByteSize())
+                if request is None:  # none, or one gRPC refused (over max_message_bytes): up to a window unread
+                    self.guard.refused(peer)
+                else:
+                    self.guard.message(peer, request.size if isinstance(request, _Malformed) else request.ByteSize())
         if watch.fired:
             raise BodyTimeout(f"request message not received within body_timeout_s={self.body_timeout_s}")
         return request

@@ -14,10 +14,12 @@ So one thread of the server watches its own sockets every TICK_S: it finds them 
 port), reads each one's kernel counters (TCP_INFO: bytes received, bytes delivered), and hears from the gate
 (serving/gate.py) what each connection's calls explain: the calls it started, the bytes of the messages it sent,
 the calls it cancelled and the answers it leaves unread. A connection is **cut** when
-  - **flood**: it sends bytes that none of its calls explain faster than `max_control_bytes_per_s` (a bucket of
-    8 seconds' worth, refilled at that rate; each call adds CALL_CREDIT for its headers, each request message its
-    size, each call refused before its body was read REFUSED_CREDIT, each call waiting for its body the largest
-    message allowed until it has been read): PING, SETTINGS, WINDOW_UPDATE or RST_STREAM floods;
+  - **flood**: for FLOOD_PERSIST_S it has sent bytes that none of its calls explain, beyond a bucket of
+    `max_control_bytes_per_s` (8 seconds' worth, refilled at that rate): PING, SETTINGS, WINDOW_UPDATE or
+    RST_STREAM floods. Each call adds CALL_CREDIT for its headers, each request message its size, each call refused
+    or failed before its message was read REFUSED_CREDIT (one stream window); a call waiting for its message may
+    run the bucket into debt by up to the largest message, and a stream gRPC has started that the gate has not
+    heard of yet adds STREAM_CREDIT (gRPC's channelz, looked at only when a bucket runs empty);
   - **resets**: it cancels more than `max_cancels_per_s` of its calls in a second (rapid reset of calls that
     reached the server);
   - **stalled answers**: an answer has waited `send_stall_s` for it and not one byte reached it meanwhile;
@@ -37,6 +39,7 @@ of the calls a peer keeps open is not recognised (docs/RELIABILITY.md, "Known li
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import socket
@@ -46,14 +49,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from grpc._cython import cygrpc  # channelz: the streams gRPC started on a connection (no public Python API)
+
 from serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1  # how often the guard looks at the connections
 CALL_CREDIT = 16 * 1024  # bytes a call may send besides its message (HEADERS, WINDOW_UPDATE, PING of BDP probes)
-REFUSED_CREDIT = 64 * 1024  # a call refused before its body was read: the body that was already on its way
+REFUSED_CREDIT = 64 * 1024  # a call refused before its body was read: the body already on its way (at most one
+# stream window: gRPC's receive window per stream is 64 KiB, serving/app.py `transport_options`)
+STREAM_CREDIT = REFUSED_CREDIT + CALL_CREDIT  # a stream gRPC started that the gate has not heard of yet
 BUCKET_SECONDS = 8.0  # the flood bucket holds this many seconds of max_control_bytes_per_s
+FLOOD_PERSIST_S = 0.5  # a connection is a flood once its bucket has stayed empty this long: the bodies of a burst
+# of calls can arrive a tick or two before the gate has read (and credited) them
 _LOG_EVERY_S = 10.0  # one log line per peer address and reason per this long
 
 # struct tcp_info (linux/tcp.h): tcpi_state is byte 0; tcpi_bytes_acked and tcpi_bytes_received are the u64s at
@@ -109,6 +118,8 @@ class _Connection:
     acked: int = -1  # tcpi_bytes_acked at the last tick
     acked_moved: float = 0.0  # time.monotonic() tcpi_bytes_acked last grew
     cancels: list[float] = field(default_factory=list)  # times of recent cancellations
+    streams: int = -1  # streams gRPC had started on it at the last look into channelz (-1: never looked)
+    empty_since: float | None = None  # time.monotonic() its flood bucket went below its floor
     cut: str | None = None  # why it was cut, once it was
 
 
@@ -257,10 +268,23 @@ class Guard:
         # flood: bytes no call explains, drawn from a bucket refilled at max_control_bytes_per_s. A call waiting for
         # its message may run it into debt by up to the largest message, repaid by the message's size once read.
         got = conn.received - received
-        conn.bucket = min(self.capacity, conn.bucket + calls.credit + self.rate * (now - read_at)) - got
-        if conn.bucket < -calls.waiting * self.max_message_bytes:
-            self._offence(conn, "flood", f"{got} bytes in {now - read_at:.2f} s that its calls do not explain "
-                                         f"(max_control_bytes_per_s={self.rate:.0f})")
+        # credit offsets this tick's bytes first; what is left over is kept up to the bucket's capacity
+        conn.bucket = min(self.capacity, conn.bucket + calls.credit + self.rate * (now - read_at) - got)
+        floor = -calls.waiting * self.max_message_bytes
+        if conn.bucket < floor:  # before judging: streams gRPC started that the gate has not heard of yet (a
+            # burst of calls whose bodies arrive before a thread takes them), from gRPC's channelz
+            started = streams_started(conn.peer)
+            if started is not None:
+                new = started - conn.streams if conn.streams >= 0 else started
+                conn.streams = started
+                conn.bucket = min(self.capacity, conn.bucket + max(0, new) * STREAM_CREDIT)
+        if conn.bucket >= floor:
+            conn.empty_since = None
+        elif conn.empty_since is None:
+            conn.empty_since = now
+        elif now - conn.empty_since >= FLOOD_PERSIST_S:
+            self._offence(conn, "flood", f"{-conn.bucket:.0f} bytes in {now - conn.empty_since:.1f} s beyond what "
+                                         f"its calls explain (max_control_bytes_per_s={self.rate:.0f})")
             return
         # resets: calls cancelled by the peer in the last second
         conn.cancels = [t for t in conn.cancels if now - t < 1.0] + [now] * calls.cancels
@@ -335,6 +359,24 @@ class Guard:
             conn.acked_moved = now
         conn.acked, conn.received, conn.read_at = acked, received, now
         return True
+
+
+def streams_started(peer: tuple[str, int]) -> int | None:
+    """How many streams gRPC's core has started on the server connection from `peer` (channelz's streamsStarted;
+    None when channelz does not list it). Streams it refused at once (rapid reset past max_concurrent_streams)
+    are not started. A peer's address and port name one connection on this machine."""
+    try:
+        for server in json.loads(cygrpc.channelz_get_servers(0)).get("server", []):
+            sockets = json.loads(cygrpc.channelz_get_server_sockets(int(server["ref"]["serverId"]), 0, 100_000))
+            for ref in sockets.get("socketRef", []):
+                host, _, port = ref.get("name", "").rpartition(":")  # "chttp2 ipv4:127.0.0.1:36362"
+                address = host.split(":", 1)[-1].strip("[]").removeprefix("::ffff:")
+                if port.isdigit() and int(port) == peer[1] and address == peer[0]:
+                    data = json.loads(cygrpc.channelz_get_socket(int(ref["socketId"])))["socket"]["data"]
+                    return int(data.get("streamsStarted", 0))
+    except (ValueError, KeyError, TypeError):
+        return None
+    return None
 
 
 def _dup(fd: int, inode: int | None) -> socket.socket | None:

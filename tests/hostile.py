@@ -217,6 +217,14 @@ class Raw:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
+    def wait_settings(self, timeout: float = 10.0) -> bool:
+        """True once the server's SETTINGS have arrived (and been acknowledged): gRPC closes a connection that
+        floods before that itself."""
+        end = time.monotonic() + timeout
+        while not self.received.get(SETTINGS) and not self.closed.is_set() and time.monotonic() < end:
+            time.sleep(0.005)
+        return bool(self.received.get(SETTINGS))
+
     def send(self, data: bytes) -> bool:
         """Write bytes; False once the server has closed the connection (nothing more can be sent)."""
         try:

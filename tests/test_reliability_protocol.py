@@ -108,7 +108,8 @@ def test_a_ping_flood_is_cut_and_its_address_banned(tiny_bundle: Path, certs: di
     is served meanwhile."""
     with _server(tiny_bundle, tls, certs) as (s, channel):
         c = Raw(s.port, tls_ca=certs["ca"] if tls else None, source=ATTACKER)
-        time.sleep(0.3)  # the server's SETTINGS first: a flood sent at once is closed by gRPC itself
+        assert c.wait_settings()  # a flood sent before them is closed by gRPC itself
+        time.sleep(0.2)
         try:
             _flood(c, frame(PING, 0, 0, b"attacker") * 1000, 20)
             assert c.closed.wait(10), "the flooding connection was not cut"
@@ -130,7 +131,8 @@ def test_rapid_reset_is_cut(tiny_bundle: Path, certs: dict[str, Path], tls: bool
     stream and never closed the connection; now it is cut, and the authorised client is served."""
     with _server(tiny_bundle, tls, certs) as (s, channel):
         c = Raw(s.port, tls_ca=certs["ca"] if tls else None, source=ATTACKER)
-        time.sleep(0.3)
+        assert c.wait_settings()
+        time.sleep(0.2)
         block = request_block(CLASSIFY, GOOD)
         try:
             sid, end = 1, time.monotonic() + 20
