@@ -19,7 +19,8 @@ the calls it cancelled and the answers it leaves unread. A connection is **cut**
     RST_STREAM floods. Each call adds CALL_CREDIT for its headers, each request message its size, each call refused
     or failed before its message was read REFUSED_CREDIT (one stream window); a call waiting for its message may
     run the bucket into debt by up to the largest message, and a stream gRPC has started that the gate has not
-    heard of yet adds STREAM_CREDIT (gRPC's channelz, looked at only when a bucket runs empty);
+    heard of yet adds STREAM_CREDIT, and a message gRPC has received that the gate has not read yet the largest
+    message allowed (gRPC's channelz, looked at only when a bucket runs empty);
   - **resets**: it cancels more than `max_cancels_per_s` of its calls in a second (rapid reset of calls that
     reached the server);
   - **stalled answers**: an answer has waited `send_stall_s` for it and not one byte reached it meanwhile;
@@ -59,7 +60,9 @@ TICK_S = 0.1  # how often the guard looks at the connections
 CALL_CREDIT = 16 * 1024  # bytes a call may send besides its message (HEADERS, WINDOW_UPDATE, PING of BDP probes)
 REFUSED_CREDIT = 64 * 1024  # a call refused before its body was read: the body already on its way (at most one
 # stream window: gRPC's receive window per stream is 64 KiB, serving/app.py `transport_options`)
-STREAM_CREDIT = REFUSED_CREDIT + CALL_CREDIT  # a stream gRPC started that the gate has not heard of yet
+STREAM_CREDIT = REFUSED_CREDIT + CALL_CREDIT  # a stream gRPC started that the gate has not heard of yet (its
+# message, once gRPC has all of it, adds up to the largest message allowed: gRPC widens a stream's window to take a
+# whole message before any thread reads it)
 BUCKET_SECONDS = 8.0  # the flood bucket holds this many seconds of max_control_bytes_per_s
 FLOOD_PERSIST_S = 0.5  # a connection is a flood once its bucket has stayed empty this long: the bodies of a burst
 # of calls can arrive a tick or two before the gate has read (and credited) them
@@ -119,6 +122,7 @@ class _Connection:
     acked_moved: float = 0.0  # time.monotonic() tcpi_bytes_acked last grew
     cancels: list[float] = field(default_factory=list)  # times of recent cancellations
     streams: int = -1  # streams gRPC had started on it at the last look into channelz (-1: never looked)
+    messages: int = -1  # messages gRPC had received on it then
     empty_since: float | None = None  # time.monotonic() its flood bucket went below its floor
     cut: str | None = None  # why it was cut, once it was
 
@@ -273,11 +277,14 @@ class Guard:
         floor = -calls.waiting * self.max_message_bytes
         if conn.bucket < floor:  # before judging: streams gRPC started that the gate has not heard of yet (a
             # burst of calls whose bodies arrive before a thread takes them), from gRPC's channelz
-            started = streams_started(conn.peer)
-            if started is not None:
-                new = started - conn.streams if conn.streams >= 0 else started
-                conn.streams = started
-                conn.bucket = min(self.capacity, conn.bucket + max(0, new) * STREAM_CREDIT)
+            counts = core_counts(conn.peer)
+            if counts is not None:
+                streams, messages = counts
+                new_streams = streams - conn.streams if conn.streams >= 0 else streams
+                new_messages = messages - conn.messages if conn.messages >= 0 else messages
+                conn.streams, conn.messages = streams, messages
+                credit = max(0, new_streams) * STREAM_CREDIT + max(0, new_messages) * self.max_message_bytes
+                conn.bucket = min(self.capacity, conn.bucket + credit)
         if conn.bucket >= floor:
             conn.empty_since = None
         elif conn.empty_since is None:
@@ -361,10 +368,11 @@ class Guard:
         return True
 
 
-def streams_started(peer: tuple[str, int]) -> int | None:
-    """How many streams gRPC's core has started on the server connection from `peer` (channelz's streamsStarted;
-    None when channelz does not list it). Streams it refused at once (rapid reset past max_concurrent_streams)
-    are not started. A peer's address and port name one connection on this machine."""
+def core_counts(peer: tuple[str, int]) -> tuple[int, int] | None:
+    """(streams started, messages received) by gRPC's core on the server connection from `peer` (channelz; None
+    when channelz does not list it). Streams it refused at once (rapid reset past max_concurrent_streams) are not
+    started; a stream reset before its message carries none. A peer's address and port name one connection on
+    this machine."""
     try:
         for server in json.loads(cygrpc.channelz_get_servers(0)).get("server", []):
             sockets = json.loads(cygrpc.channelz_get_server_sockets(int(server["ref"]["serverId"]), 0, 100_000))
@@ -373,7 +381,7 @@ def streams_started(peer: tuple[str, int]) -> int | None:
                 address = host.split(":", 1)[-1].strip("[]").removeprefix("::ffff:")
                 if port.isdigit() and int(port) == peer[1] and address == peer[0]:
                     data = json.loads(cygrpc.channelz_get_socket(int(ref["socketId"])))["socket"]["data"]
-                    return int(data.get("streamsStarted", 0))
+                    return int(data.get("streamsStarted", 0)), int(data.get("messagesReceived", 0))
     except (ValueError, KeyError, TypeError):
         return None
     return None
