@@ -4,6 +4,7 @@ attacks") comes from this script.
 
     python bench/protocol_attacks.py --bundle BUNDLE [--attacks ping-flood,rapid-reset,...] [--seconds 5] [--tls]
         [--server-repo DIR] [--json out.json]
+    python bench/protocol_attacks.py --table before.json after.json     # the rows of docs/RELIABILITY.md
     python bench/soak.py --make-bundle BUNDLE --size tiny      # once: a bundle to attack (random weights)
 
 The server: `python -m serving.server BUNDLE --port 0 --device cpu` with a bearer token (and TLS with --tls, from
@@ -330,6 +331,42 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
         server.stop()
 
 
+def summary(r: dict) -> str:
+    """One cell: what the attack cost and what became of the attacker's connection(s)."""
+    a, who = r["attacker"], r["authorised"]
+    if r["attack"] == "overload":
+        refused = a.get("RESOURCE_EXHAUSTED", {})
+        cell = (f"{refused.get('calls', 0)} refusals, median {refused.get('p50_ms')} ms, p99 {refused.get('p99_ms')} "
+                f"ms; {a.get('OK', {}).get('calls', 0)} answered")
+    elif r["attack"] == "wrong-tokens":
+        cell = f"{a['answered']} refusals in {a['elapsed_s']} s ({a['answers_per_s']}/s)"
+    elif r["attack"] == "idle":
+        cell = f"{a['kept']} of {a['opened']} connections kept after {a['kept_after_s']} s"
+    elif r["attack"] == "zero-window":
+        cell = f"{a['connections_ended']} of {a['of']} connections ended within {a['elapsed_s']} s"
+    else:
+        ended = "kept" if a.get("closed_after_s") is None else f"closed after {a['closed_after_s']} s"
+        goaway = f"GOAWAY {a['goaway_code']} after {a['goaway_after_s']} s, " if a.get("goaway_code") is not None \
+            else "no GOAWAY, "
+        cell = goaway + ended + (f", {a['acks_after_goaway']} PINGs answered after the GOAWAY"
+                                 if a.get("acks_after_goaway") else "")
+    refusals = sum(who["errors"].values())
+    return (f"{cell}; server {r['server_cpu_cores']} cores, {r['server_threads_max']} threads at most; authorised "
+            f"p50/p99 {who['p50_ms']}/{who['p99_ms']} ms" + (f", {refusals} of {who['calls']} refused" if refusals
+                                                              else ""))
+
+
+def table(before: Path, after: Path) -> str:
+    """Markdown rows `| attack | before | after |` from two --json reports of the same attacks."""
+    old = {(r["attack"], r["tls"]): r for r in json.loads(before.read_text())["results"]}
+    rows = []
+    for r in json.loads(after.read_text())["results"]:
+        key = (r["attack"], r["tls"])
+        name = r["attack"] + (" (TLS)" if r["tls"] else "")
+        rows.append(f"| {name} | {summary(old[key]) if key in old else ''} | {summary(r)} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bundle", type=Path)
@@ -339,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-repo", type=Path, default=REPO)
     p.add_argument("--server-args", default="", help="more server flags, e.g. '--max-workers 32'")
     p.add_argument("--json", type=Path)
+    p.add_argument("--table", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
+                   help="print markdown rows from two --json reports, and exit")
     p.add_argument("--probe", type=int, help=argparse.SUPPRESS)
     p.add_argument("--load", type=int, help=argparse.SUPPRESS)
     p.add_argument("--interval", type=float, default=0.1, help=argparse.SUPPRESS)
@@ -346,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--callers", type=int, default=500, help=argparse.SUPPRESS)
     p.add_argument("--texts", type=int, default=64, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.table:
+        print(table(*args.table))
+        return 0
     if args.probe:
         probe_main(args)
         return 0
