@@ -15,8 +15,9 @@ process, from 127.0.0.2 (another address to the server: its limits and bans are 
 clients of tests/hostile.py. Measured per attack: the server's CPU (user + system seconds from /proc over the
 attack's wall time, in cores), its most threads, whether and when the attacking connection ended, and the
 authorised client's p50/p99/max and refusals. Attacks:
-  ping-flood      1 connection: PING frames (batches of 1,000) as fast as the socket takes them
-  rapid-reset     1 connection: HEADERS of an authorised Classify then RST_STREAM(CANCEL), batches of 500
+  ping-flood      PING frames (batches of 1,000) as fast as the socket takes them, on one connection at a time,
+                  a new one at once when the server ends it
+  rapid-reset     the same with HEADERS of an authorised Classify then RST_STREAM(CANCEL) (batches of 500)
   zero-window     10 connections with SETTINGS_INITIAL_WINDOW_SIZE 0: 100 authorised Classify calls each, whose
                   answers can never be sent
   wrong-tokens    10,000 calls with a wrong bearer token (HEADERS with END_STREAM, 100 at a time per connection)
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,35 +175,47 @@ def helper(*args: str) -> subprocess.Popen[str]:
 # ------------------------------------------------------------------------------------- attacks
 
 
-def ping_flood(port: int, seconds: float, tls_ca: Path | None) -> dict:
-    from hostile import PING, Raw, frame
+def _flood(port: int, seconds: float, tls_ca: Path | None, batch: Callable[[int], bytes]) -> dict:
+    """`batch(first stream id)` written again and again for `seconds`; a connection the server ends is replaced
+    by a new one at once, as an attacker would. Counts the connections, when the first ended and what it got."""
+    from hostile import Raw
 
-    c = Raw(port, tls_ca=tls_ca, source=ATTACKER)
-    c.sock.settimeout(2)
-    c.wait_settings()  # the server's SETTINGS first: a flood before them is closed by gRPC itself
-    time.sleep(0.2)
-    start, sent, batch = time.monotonic(), 0, frame(PING, 0, 0, b"attacker") * 1000
-    while time.monotonic() - start < seconds and c.send(batch):
-        sent += 1000
-    return _outcome(c, start, sent=sent, acks=c.acks, acks_after_goaway=c.acks_after_goaway)
+    start, sent, connections, first = time.monotonic(), 0, 0, None
+    while time.monotonic() - start < seconds:
+        try:
+            c = Raw(port, tls_ca=tls_ca, source=ATTACKER)
+        except OSError:
+            time.sleep(0.01)
+            continue
+        connections += 1
+        c.sock.settimeout(1)
+        c.wait_settings(2)  # the server's SETTINGS first: a flood before them is closed by gRPC itself
+        sid = 1
+        while time.monotonic() - start < seconds and not c.closed.is_set() and sid < 2**31 - 2000:
+            if c.send(batch(sid)):
+                sent += 1
+            sid += 1000
+        if first is None:
+            first = _outcome(c, start)
+        else:
+            c.close()
+    return {"batches": sent, "connections": connections, "first": first}
+
+
+def ping_flood(port: int, seconds: float, tls_ca: Path | None) -> dict:
+    from hostile import PING, frame
+
+    pings = frame(PING, 0, 0, b"attacker") * 1000
+    return _flood(port, seconds, tls_ca, lambda sid: pings)
 
 
 def rapid_reset(port: int, seconds: float, tls_ca: Path | None) -> dict:
-    from hostile import CANCEL, END_HEADERS, HEADERS, RST_STREAM, Raw, frame, request_block
+    from hostile import CANCEL, END_HEADERS, HEADERS, RST_STREAM, frame, request_block
 
-    c = Raw(port, tls_ca=tls_ca, source=ATTACKER)
-    c.sock.settimeout(2)
-    c.wait_settings()
-    time.sleep(0.2)
     block = request_block(CLASSIFY, [("authorization", f"Bearer {TOKEN}")])
-    start, sid = time.monotonic(), 1
-    while time.monotonic() - start < seconds and sid < 2**31 - 1000:
-        batch = b"".join(frame(HEADERS, END_HEADERS, s, block) + frame(RST_STREAM, 0, s, struct.pack(">I", CANCEL))
-                         for s in range(sid, sid + 1000, 2))
-        if not c.send(batch):
-            break
-        sid += 1000
-    return _outcome(c, start, sent=sid // 2, resets_received=len(c.reset_streams))
+    reset = struct.pack(">I", CANCEL)
+    return _flood(port, seconds, tls_ca, lambda sid: b"".join(
+        frame(HEADERS, END_HEADERS, s, block) + frame(RST_STREAM, 0, s, reset) for s in range(sid, sid + 1000, 2)))
 
 
 def zero_window(port: int, seconds: float, tls_ca: Path | None) -> dict:
@@ -285,7 +299,8 @@ def _outcome(c, start: float, **counts: object) -> dict:
     goaway = c.goaway_at - start if c.goaway_at is not None else None
     c.close()
     return {**counts, "goaway_code": c.goaway_code, "goaway_after_s": None if goaway is None else round(goaway, 3),
-            "closed_after_s": None if closed is None else round(closed, 3)}
+            "closed_after_s": None if closed is None else round(closed, 3), "acks": c.acks,
+            "acks_after_goaway": c.acks_after_goaway}
 
 
 # ------------------------------------------------------------------------------------- the run
@@ -318,6 +333,7 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
             outcome = {"ping-flood": ping_flood, "rapid-reset": rapid_reset, "zero-window": zero_window,
                        "wrong-tokens": wrong_tokens, "idle": idle, "window-overflow": window_overflow}[name](
                 server.port, seconds, tls_ca)
+        time.sleep(max(0.0, seconds - (time.monotonic() - t0)))  # CPU over the whole window, after a cut too
         wall = time.monotonic() - t0
         cpu = server.cpu_seconds() - cpu0
         sampler_stop.set()
@@ -345,11 +361,14 @@ def summary(r: dict) -> str:
     elif r["attack"] == "zero-window":
         cell = f"{a['connections_ended']} of {a['of']} connections ended within {a['elapsed_s']} s"
     else:
-        ended = "kept" if a.get("closed_after_s") is None else f"closed after {a['closed_after_s']} s"
-        goaway = f"GOAWAY {a['goaway_code']} after {a['goaway_after_s']} s, " if a.get("goaway_code") is not None \
-            else "no GOAWAY, "
-        cell = goaway + ended + (f", {a['acks_after_goaway']} PINGs answered after the GOAWAY"
-                                 if a.get("acks_after_goaway") else "")
+        first = a.get("first", a)
+        ended = "kept open" if first.get("closed_after_s") is None else f"ended after {first['closed_after_s']} s"
+        goaway = f"GOAWAY {first['goaway_code']} after {first['goaway_after_s']} s, " \
+            if first.get("goaway_code") is not None else "no GOAWAY, "
+        cell = "first connection: " + goaway + ended + (f", {first['acks_after_goaway']} PINGs answered after the "
+                                                        f"GOAWAY" if first.get("acks_after_goaway") else "")
+        if "connections" in a:
+            cell += f"; {a['connections']} connections in {r['wall_s']} s"
     refusals = sum(who["errors"].values())
     return (f"{cell}; server {r['server_cpu_cores']} cores, {r['server_threads_max']} threads at most; authorised "
             f"p50/p99 {who['p50_ms']}/{who['p99_ms']} ms" + (f", {refusals} of {who['calls']} refused" if refusals

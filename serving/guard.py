@@ -15,7 +15,7 @@ port), reads each one's kernel counters (TCP_INFO: bytes received, bytes deliver
 (serving/gate.py) what each connection's calls explain: the calls it started, the bytes of the messages it sent,
 the calls it cancelled and the answers it leaves unread. A connection is **cut** when
   - **flood**: for FLOOD_PERSIST_S it has sent bytes that none of its calls explain, beyond a bucket of
-    `max_control_bytes_per_s` (8 seconds' worth, refilled at that rate): PING, SETTINGS, WINDOW_UPDATE or
+    `max_control_bytes_per_s` (4 seconds' worth, refilled at that rate): PING, SETTINGS, WINDOW_UPDATE or
     RST_STREAM floods. Each call adds CALL_CREDIT for its headers, each request message its size, each call refused
     or failed before its message was read REFUSED_CREDIT (one stream window); a call waiting for its message may
     run the bucket into debt by up to the largest message, and a stream gRPC has started that the gate has not
@@ -47,7 +47,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from grpc._cython import cygrpc  # channelz: the streams gRPC started on a connection (no public Python API)
@@ -63,7 +62,7 @@ REFUSED_CREDIT = 64 * 1024  # a call refused before its body was read: the body 
 STREAM_CREDIT = REFUSED_CREDIT + CALL_CREDIT  # a stream gRPC started that the gate has not heard of yet (its
 # message, once gRPC has all of it, adds up to the largest message allowed: gRPC widens a stream's window to take a
 # whole message before any thread reads it)
-BUCKET_SECONDS = 8.0  # the flood bucket holds this many seconds of max_control_bytes_per_s
+BUCKET_SECONDS = 4.0  # the flood bucket holds this many seconds of max_control_bytes_per_s
 FLOOD_PERSIST_S = 0.5  # a connection is a flood once its bucket has stayed empty this long: the bodies of a burst
 # of calls can arrive a tick or two before the gate has read (and credited) them
 _LOG_EVERY_S = 10.0  # one log line per peer address and reason per this long
@@ -85,9 +84,61 @@ _DROP_DATA = [
     (0x06, 0, 0, 0),  # drop                                  BPF_RET | BPF_K
     (0x06, 0, 0, 0xFFFFFFFF),  # accept
 ]
-_SO_ATTACH_FILTER = 26
+_SO_ATTACH_FILTER, _SO_DETACH_FILTER = 26, 27
+_NET = 0xFFF00000  # SKF_NET_OFF: offsets from the IP header (the packet starts at the TCP header)
+_MAX_FILTERED = 40  # banned addresses the listeners' filter can name (a jump spans at most 255 instructions)
 _FILTER = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in _DROP_DATA))
 _PROGRAM = struct.pack("HxxxxxxP", len(_DROP_DATA), ctypes.addressof(_FILTER))  # struct sock_fprog
+
+
+def ban_program(addresses: list[str]) -> tuple[bytes, ctypes.Array] | None:
+    """A classic BPF program (struct sock_fprog, and the buffer it points to) that drops IPv4 and IPv6 packets
+    from `addresses` (at most _MAX_FILTERED; IPv4 ones also as IPv4-mapped IPv6) and accepts all others; None for
+    none."""
+    v4 = [socket.inet_aton(a) for a in addresses if ":" not in a][:_MAX_FILTERED]
+    v6 = [socket.inet_pton(socket.AF_INET6, a) for a in addresses if ":" in a][:_MAX_FILTERED // 4]
+    if not v4 and not v6:
+        return None
+    drop, accept = "drop", "accept"
+    ops: list[tuple[int, int | str, int | str, int]] = [
+        (0x30, 0, 0, _NET),  # A = the IP header's first byte       BPF_LD | BPF_B | BPF_ABS
+        (0x74, 0, 0, 4),  # A >>= 4: the IP version
+        (0x15, 0, "v6", 4),  # IPv4?                                  BPF_JMP | BPF_JEQ | BPF_K
+        (0x20, 0, 0, _NET + 12),  # A = IPv4 source                 BPF_LD | BPF_W | BPF_ABS
+        *[(0x15, drop, 0, struct.unpack(">I", a)[0]) for a in v4],
+        (0x05, 0, 0, accept),  # BPF_JMP | BPF_JA
+    ]
+    ops.append(("v6",))  # label
+    ops.append((0x15, 0, accept, 6))
+    for a in v6:
+        words = struct.unpack(">4I", a)
+        for i, w in enumerate(words):  # source: bytes 8-23 of the IPv6 header
+            ops.append((0x20, 0, 0, _NET + 8 + 4 * i))
+            ops.append((0x15, 0 if i < 3 else drop, "next", w))
+        ops.append(("next",))
+    ops += [("accept",), (0x06, 0, 0, 0xFFFFFFFF), ("drop",), (0x06, 0, 0, 0)]
+    # resolve labels into relative jumps ("next": the label after this address' words)
+    code: list[tuple[int, int | str, int | str, int | str]] = []
+    labels: dict[str, int] = {}
+    nexts: list[int] = []
+    for op in ops:
+        if len(op) == 1:
+            if op[0] == "next":
+                nexts.append(len(code))
+            else:
+                labels[op[0]] = len(code)
+        else:
+            code.append(op)
+    out = []
+    next_index = 0
+    for i, (kind, jt, jf, k) in enumerate(code):
+        while next_index < len(nexts) and nexts[next_index] <= i:
+            next_index += 1
+        here = {**labels, "next": nexts[next_index] if next_index < len(nexts) else 0}
+        jt, jf, k = (here[x] - i - 1 if isinstance(x, str) else x for x in (jt, jf, k))  # BPF_JA: the offset is k
+        out.append(struct.pack("HBBI", kind, jt, jf, k))
+    buffer = ctypes.create_string_buffer(b"".join(out))
+    return struct.pack("HxxxxxxP", len(out), ctypes.addressof(buffer)), buffer
 
 
 def peer_of(context_peer: str) -> tuple[str, int] | None:
@@ -134,8 +185,7 @@ class Guard:
 
     def __init__(self, ports: list[int], metrics: Metrics, *, max_connections_per_peer: int,
                  max_control_bytes_per_s: int, max_cancels_per_s: int, send_stall_s: float, ban_s: float,
-                 max_message_bytes: int, on_cut: Callable[[tuple[str, int], str], None] = lambda peer, why: None,
-                 ) -> None:
+                 max_message_bytes: int) -> None:
         self.ports = set(ports)
         self.metrics = metrics
         self.per_peer = max_connections_per_peer
@@ -144,13 +194,14 @@ class Guard:
         self.max_cancels = max_cancels_per_s
         self.send_stall_s, self.ban_s = send_stall_s, ban_s
         self.max_message_bytes = max_message_bytes
-        self.on_cut = on_cut
         self.connections: dict[int, _Connection] = {}  # inode -> connection
         self.banned: dict[str, float] = {}  # address -> time.monotonic() its ban ends
         self._calls: dict[tuple[str, int], _Calls] = {}
         self._lock = threading.Lock()
         self._answers = 0
         self._bans: list[tuple[str, float, str]] = []  # asked for by the gate, applied at the next tick
+        self._listeners: dict[int, int] = {}  # listening sockets of `ports`: fd -> inode
+        self._filtered: frozenset[str] = frozenset()  # the addresses the listeners' filter drops now
         self._logged: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="connection-guard", daemon=True)
@@ -244,6 +295,7 @@ class Guard:
         for address, seconds, reason in bans:
             self.banned[address] = max(self.banned.get(address, now), now + seconds)
             self._log(address, reason, f"{address} banned for {seconds:.0f} s ({reason})")
+        self._filter_listeners()
         by_address: dict[str, list[_Connection]] = {}
         for conn in seen.values():
             if conn.cut is None:  # one already cut stays until gRPC has closed it
@@ -260,6 +312,12 @@ class Guard:
         for conn in seen.values():
             if conn.cut is None:
                 self._judge(conn, reports.get(conn.peer, _Calls()), now)
+        for inode, gone in self.connections.items():  # gRPC closed it itself (GOAWAY too_many_pings) mid-flood
+            if inode not in seen and gone.cut is None and gone.empty_since is not None and self.ban_s > 0:
+                self.banned[gone.peer[0]] = now + self.ban_s
+                self._log(gone.peer[0], "flood", f"{gone.peer[0]} banned for {self.ban_s:.0f} s: its connection "
+                                                 f"{gone.peer[1]} ended while it flooded")
+                self._filter_listeners()
         self.connections = seen
         self.metrics.connections.set(sum(c.cut is None for c in seen.values()))
 
@@ -312,7 +370,32 @@ class Guard:
         if self.ban_s > 0:
             self.banned[conn.peer[0]] = time.monotonic() + self.ban_s
             detail += f"; {conn.peer[0]} banned for {self.ban_s:.0f} s"
+            self._filter_listeners()
         self._cut(conn, reason, detail)
+
+    def _filter_listeners(self) -> None:
+        """Give the listening sockets a filter that drops the banned addresses' packets (their SYNs: no new
+        connection from them reaches gRPC), when the set of banned addresses changed."""
+        banned = frozenset(self.banned)
+        if banned == self._filtered:
+            return
+        program = ban_program(sorted(banned))
+        for fd, inode in list(self._listeners.items()):
+            sock = _dup(fd, inode)
+            if sock is None:
+                del self._listeners[fd]
+                continue
+            try:
+                if program is None:
+                    sock.setsockopt(socket.SOL_SOCKET, _SO_DETACH_FILTER, 0)
+                else:
+                    sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, program[0])
+            except OSError:
+                pass  # no filter attached (detaching none), or filters refused: the ticks still cut
+            finally:
+                sock.close()
+        self._filtered = banned
+        self._program = program  # keeps the filter's buffer alive while it is attached
 
     def _cut(self, conn: _Connection, reason: str, detail: str) -> None:
         conn.cut = reason
@@ -320,12 +403,13 @@ class Guard:
             return  # gRPC closed it meanwhile
         self.metrics.connections_cut.labels(reason).inc()
         self._log(conn.peer[0], reason, f"cut the connection from {conn.peer[0]}:{conn.peer[1]} ({reason}): {detail}")
-        self.on_cut(conn.peer, reason)
 
     def _log(self, address: str, reason: str, line: str) -> None:
         """At most one line per address and reason per _LOG_EVERY_S (the rest are counted in the metrics)."""
         now = time.monotonic()
         if now - self._logged.get((address, reason), -_LOG_EVERY_S) >= _LOG_EVERY_S:
+            if len(self._logged) > 10_000:  # many addresses: forget the lines logged long enough ago
+                self._logged = {k: t for k, t in self._logged.items() if now - t < _LOG_EVERY_S}
             self._logged[(address, reason)] = now
             log.warning("%s", line)
 
@@ -352,8 +436,12 @@ class Guard:
             if old is not None and old.inode == inode:
                 found[inode] = old
                 continue
+            if inode in self._listeners.values():
+                continue
             peer = _peer_on(fd, self.ports)
-            if peer is not None:
+            if peer == _LISTENING:
+                self._listeners[fd] = inode
+            elif peer is not None:
                 found[inode] = _Connection(fd, inode, peer, now, bucket=self.capacity, acked_moved=now)
         return found
 
@@ -404,8 +492,12 @@ def _dup(fd: int, inode: int | None) -> socket.socket | None:
         return None
 
 
+_LISTENING = ("", 0)
+
+
 def _peer_on(fd: int, ports: set[int]) -> tuple[str, int] | None:
-    """(address, port) of the peer when `fd` is a connected TCP socket whose local port is in `ports`."""
+    """(address, port) of the peer when `fd` is a connected TCP socket whose local port is in `ports`; _LISTENING
+    when it is the listening socket of one of them."""
     sock = _dup(fd, None)
     if sock is None:
         return None
@@ -414,10 +506,12 @@ def _peer_on(fd: int, ports: set[int]) -> tuple[str, int] | None:
             return None
         if sock.getsockname()[1] not in ports:
             return None
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return _LISTENING
         host, port = sock.getpeername()[:2]
         return host.removeprefix("::ffff:"), port
     except OSError:
-        return None  # the listening socket (no peer), or already gone
+        return None  # already gone
     finally:
         sock.close()
 

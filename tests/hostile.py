@@ -226,11 +226,14 @@ class Raw:
         return bool(self.received.get(SETTINGS))
 
     def send(self, data: bytes) -> bool:
-        """Write bytes; False once the server has closed the connection (nothing more can be sent)."""
+        """Write bytes; False once the server has closed the connection, or when the socket's timeout passed (the
+        server no longer reads: not a close)."""
         try:
             with self._send_lock:
                 self.sock.sendall(data)
             return True
+        except TimeoutError:
+            return False
         except OSError:
             self._closed()
             return False
