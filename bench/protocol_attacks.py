@@ -249,9 +249,15 @@ def wrong_tokens(port: int, seconds: float, tls_ca: Path | None) -> dict:
     from hostile import END_HEADERS, END_STREAM, HEADERS, Raw, frame, request_block
 
     block = request_block(CLASSIFY, [("authorization", "Bearer wrong-token-guess-00000000")])
-    start, sent, answered = time.monotonic(), 0, 0
+    start, sent, answered, refused_connections = time.monotonic(), 0, 0, 0
     while sent < 10_000 and time.monotonic() - start < max(seconds, 30):
-        c = Raw(port, tls_ca=tls_ca, source=ATTACKER)
+        try:
+            c = Raw(port, tls_ca=tls_ca, source=ATTACKER)
+            c.sock.settimeout(2)
+        except OSError:  # banned: the server's filter drops the SYN, and the connection times out
+            refused_connections += 1
+            sent += 100
+            continue
         for s in range(1, 201, 2):
             c.send(frame(HEADERS, END_HEADERS | END_STREAM, s, block))
         sent += 100
@@ -263,7 +269,7 @@ def wrong_tokens(port: int, seconds: float, tls_ca: Path | None) -> dict:
         c.close()
     elapsed = time.monotonic() - start
     return {"calls": sent, "answered": answered, "elapsed_s": round(elapsed, 2),
-            "answers_per_s": round(answered / elapsed)}
+            "answers_per_s": round(answered / elapsed), "connections_refused": refused_connections}
 
 
 def idle(port: int, seconds: float, tls_ca: Path | None) -> dict:
@@ -355,7 +361,9 @@ def summary(r: dict) -> str:
         cell = (f"{refused.get('calls', 0)} refusals, median {refused.get('p50_ms')} ms, p99 {refused.get('p99_ms')} "
                 f"ms; {a.get('OK', {}).get('calls', 0)} answered")
     elif r["attack"] == "wrong-tokens":
-        cell = f"{a['answered']} refusals in {a['elapsed_s']} s ({a['answers_per_s']}/s)"
+        cell = f"{a['answered']} refusals in {a['elapsed_s']} s ({a['answers_per_s']}/s)" + (
+            f", then {a['connections_refused']} connections not accepted (banned)" if a.get("connections_refused")
+            else "")
     elif r["attack"] == "idle":
         cell = f"{a['kept']} of {a['opened']} connections kept after {a['kept_after_s']} s"
     elif r["attack"] == "zero-window":

@@ -86,7 +86,7 @@ class ServerConfig:
     # Each costs a file descriptor and gRPC's buffers (tens of KB); keep it under the process' open-file limit
     max_connections_per_peer: int = 100  # connections at once from one address; the newest beyond are cut within
     # 0.1 s. Behind a proxy or NAT every client shares its address: raise it there
-    max_control_bytes_per_s: int = 32 * 1024  # bytes a connection may send that none of its calls explain (PING,
+    max_control_bytes_per_s: int = 16 * 1024  # bytes a connection may send that none of its calls explain (PING,
     # SETTINGS, WINDOW_UPDATE, RST_STREAM...), with 4 s of burst; past it the connection is cut (a flood)
     max_cancels_per_s: int = 200  # calls one connection may cancel in a second; past it the connection is cut
     # (rapid reset of calls that reached the server)

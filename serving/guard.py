@@ -312,8 +312,9 @@ class Guard:
         for conn in seen.values():
             if conn.cut is None:
                 self._judge(conn, reports.get(conn.peer, _Calls()), now)
-        for inode, gone in self.connections.items():  # gRPC closed it itself (GOAWAY too_many_pings) mid-flood
-            if inode not in seen and gone.cut is None and gone.empty_since is not None and self.ban_s > 0:
+        for inode, gone in self.connections.items():  # gRPC closed it itself (GOAWAY too_many_pings) mid-flood:
+            # it had spent more than half its bucket on bytes no call explains
+            if inode not in seen and gone.cut is None and gone.bucket < self.capacity / 2 and self.ban_s > 0:
                 self.banned[gone.peer[0]] = now + self.ban_s
                 self._log(gone.peer[0], "flood", f"{gone.peer[0]} banned for {self.ban_s:.0f} s: its connection "
                                                  f"{gone.peer[1]} ended while it flooded")

@@ -193,10 +193,11 @@ class Raw:
     code and when it came, and when the server closed the connection."""
 
     def __init__(self, port: int, *, tls_ca: Path | None = None, settings: dict[int, int] | None = None,
-                 host: str = "127.0.0.1", source: str | None = None) -> None:
+                 host: str = "127.0.0.1", source: str | None = None, timeout: float = 10.0) -> None:
         """source: the local address to connect from (another loopback address, 127.0.0.2, stands for another
         machine: the server's limits and bans are per address)."""
-        raw = socket.create_connection((host, port), timeout=10, source_address=(source, 0) if source else None)
+        raw = socket.create_connection((host, port), timeout=timeout,
+                                       source_address=(source, 0) if source else None)
         if tls_ca is not None:
             context = ssl.create_default_context(cafile=str(tls_ca))
             context.set_alpn_protocols(["h2"])
