@@ -25,14 +25,18 @@ the calls it cancelled and the answers it leaves unread. A connection is **cut**
     reached the server);
   - **stalled answers**: an answer has waited `send_stall_s` for it and not one byte reached it meanwhile;
   - **limit**: it is one more than `max_connections_per_peer` from its address (the newest are cut), or it comes
-    from an address banned for `ban_s` after one of the three offences above.
+    from an address banned for `ban_s` after one of the three offences above (or after gRPC closed one of its
+    connections itself once it had spent half its flood bucket, as it does after GOAWAY too_many_pings). A ban
+    also gives the listening sockets a filter that drops the address' packets: its SYNs go unanswered, so a
+    banned peer cannot even open the next connection.
 To cut, the guard attaches a socket filter that drops every incoming segment that carries data (acknowledgements
 and FIN still pass, so the close completes) and shuts the socket down both ways, on a duplicate of gRPC's
 descriptor whose inode it has checked first: gRPC reads what was already queued, sees the end, and closes the
 connection and its calls itself, within a tick or two. The peer sees its connection end.
 
-What it costs: one scan of the process' descriptors and one getsockopt per gRPC connection every TICK_S (about
-0.3 ms for 20 connections here), nothing on the request path but a few dictionary updates per call. What it does
+What it costs: one scan of the process' descriptors and a few system calls per gRPC connection every TICK_S,
+channelz only for a connection whose bucket runs empty, and nothing on the request path but a few dictionary
+updates per call. What it does
 not see: frames themselves (TLS hides them from it, and it never reads the bytes), so a flood within the allowance
 of the calls a peer keeps open is not recognised (docs/RELIABILITY.md, "Known limits").
 """
