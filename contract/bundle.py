@@ -71,7 +71,7 @@ def verify_bundle(folder: str | Path) -> Bundle:
     """Read and check a bundle folder; BundleError names the first problem's file."""
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
-    if not manifest_path.exists() and (folder / "artifact.json").is_file():  # the step before a bundle
+    if _is_artifact(folder):  # the step before a bundle
         raise BundleError(f"{folder} is a training artifact (artifact.json, model.safetensors), not a bundle: export "
                           f"it first: python -m trainer export {folder} --out BUNDLE, then serve BUNDLE")
     with Folder(folder) as f:
@@ -95,6 +95,14 @@ def verify_bundle(folder: str | Path) -> Bundle:
     for name in manifest.graphs:
         _check_graph(files[name], name, manifest, tokenizer, folder / name, manifest_path)
     return Bundle(folder, manifest, files, tokenizer)
+
+
+def _is_artifact(folder: Path) -> bool:
+    """A training artifact where a bundle was expected. An unreadable folder is not: Folder names it."""
+    try:
+        return not (folder / MANIFEST_FILE).exists() and (folder / "artifact.json").is_file()
+    except OSError:
+        return False
 
 
 def _check_graph(model: bytes, name: str, manifest: Manifest, tokenizer: TokenizerFiles, model_path: Path,

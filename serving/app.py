@@ -5,8 +5,9 @@ command line; `--workers N` runs N of them on one port under a parent (serving/w
 
 from __future__ import annotations
 
+import ipaddress
 import logging
-import socket
+import ssl
 import threading
 import time
 from concurrent import futures
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from serving import reflection
 from serving.batcher import Batcher
@@ -22,6 +24,7 @@ from serving.errors import ServerConfigError
 from serving.gate import Gate
 from serving.gen.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from serving.gen.sentiment.v1 import sentiment_service_pb2, sentiment_service_pb2_grpc
+from serving.guard import Guard
 from serving.health import SERVICE_NAME as HEALTH_SERVICE
 from serving.health import Health
 from serving.health_port import HealthPort
@@ -31,7 +34,7 @@ from serving.metrics import Metrics, MetricsServer
 from serving.predictor import Predictor
 from serving.servicer import SentimentServicer, ServingCore
 
-log = logging.getLogger("serving.server")
+log = logging.getLogger(__name__)
 
 SENTIMENT_SERVICE = sentiment_service_pb2.DESCRIPTOR.services_by_name["SentimentService"].full_name
 KSERVE_SERVICE = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -49,6 +52,12 @@ def transport_options(cfg: ServerConfig, shared_port: bool = False) -> list[tupl
         ("grpc.max_send_message_length", cfg.max_message_bytes),
         ("grpc.so_reuseport", int(shared_port)),  # else a taken port is an error, not a silently shared one
         ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
+        ("grpc.max_allowed_incoming_connections", cfg.max_connections),  # closed at accept past it
+        # Each stream's receive window stays at 64 KiB (no BDP probe to grow it): a request refused before its body
+        # was read, or over max_message_bytes, brings at most that much unread data (4.4 MB arrived for one over
+        # the limit with gRPC's defaults), so that the connection guard can allow for it (serving/guard.py).
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", 64 * 1024),
         ("grpc.server_handshake_timeout_ms", ms(cfg.handshake_timeout_s)),
         ("grpc.max_connection_idle_ms", ms(cfg.max_connection_idle_s)),
         ("grpc.max_connection_age_ms", ms(cfg.max_connection_age_s)),
@@ -59,22 +68,29 @@ def transport_options(cfg: ServerConfig, shared_port: bool = False) -> list[tupl
     ]
 
 
+def configure_process(cfg: ServerConfig) -> None:
+    """Process-wide settings, once per server process and before the model's and gRPC's buffers exist: glibc's
+    mmap threshold (serving/memory.py). `python -m serving.server` and each worker call it; a server made inside
+    another program (a test) leaves that program's allocator as it is."""
+    fix_mmap_threshold(cfg.malloc_mmap_threshold_bytes)
+
+
 class SentimentServer:
-    """Load a bundle, serve it. `start()`, then `stop()` (or `with SentimentServer(...) as s:`)."""
+    """Load a bundle, serve it, in three steps: construction (the model, the batcher, the gate and the gRPC server,
+    no port), `bind()` (every port, each bound once and kept: a taken one is a ServerConfigError naming it, and
+    nothing is left bound), `start()` (serve; it binds first when `bind()` was not called). Then `stop()` (or
+    `with SentimentServer(...) as s:`)."""
 
     def __init__(self, bundle: str | Path, cfg: ServerConfig | None = None, *, shared_port: bool = False) -> None:
         """shared_port: one worker of serving/workers.py, whose parent holds `cfg.port` (SO_REUSEPORT) and serves
         health and metrics for all."""
         self.cfg = cfg = cfg or ServerConfig()
         self.shared_port = shared_port
-        fix_mmap_threshold(cfg.malloc_mmap_threshold_bytes)  # process-wide, before the model's and gRPC's buffers
+        check_distinct_ports(cfg, shared_port)
         self.predictor = Predictor(bundle, device=cfg.device, intra_op_threads=cfg.intra_op_threads,
                                    inter_op_threads=cfg.inter_op_threads, optimization=cfg.optimization,
                                    spinning=cfg.ort_spinning)
         cfg.check_bundle_fit(self.predictor.max_len)
-        metrics_host = cfg.metrics_host or cfg.host
-        check_ports_free([("gRPC", cfg.host, None if shared_port else cfg.port), ("health", cfg.host, cfg.health_port),
-                          ("metrics", metrics_host, cfg.metrics_port)])
         self.metrics = Metrics(per_worker=shared_port)
         self.batcher = Batcher(
             self.predictor.infer,
@@ -95,9 +111,17 @@ class SentimentServer:
         if cfg.memory_reclaim_idle_s > 0:
             self.reclaimer = Reclaimer(settle_s=cfg.memory_reclaim_idle_s,
                                        on_reclaim=self.metrics.memory_reclaim_seconds.observe)
+        # The guard watches the ports once they are bound (serving/guard.py); the gate reports calls to it.
+        self.guard = Guard([], self.metrics, max_connections_per_peer=cfg.max_connections_per_peer,
+                           max_control_bytes_per_s=cfg.max_control_bytes_per_s,
+                           max_cancels_per_s=cfg.max_cancels_per_s, send_stall_s=cfg.send_stall_s, ban_s=cfg.ban_s,
+                           max_message_bytes=cfg.max_message_bytes)
         self.gate = Gate(self.metrics, auth_token=cfg.auth_token, max_calls=limit, health_workers=cfg.health_workers,
                          body_timeout_s=cfg.body_timeout_s, max_message_bytes=cfg.max_message_bytes,
-                         max_response_bytes=cfg.max_response_bytes_in_flight, reclaimer=self.reclaimer)
+                         max_response_bytes=cfg.max_response_bytes_in_flight,
+                         auth_failures_per_peer=cfg.auth_failures_per_peer,
+                         auth_failure_window_s=cfg.auth_failure_window_s, reclaimer=self.reclaimer, guard=self.guard,
+                         queue_full=lambda: self.batcher.full)
         # The gate counts a call until its behaviour returns; the thread then still sends the answer, so a caller
         # that sends its next request at once can need a second thread. Without spare threads, 128 closed-loop
         # callers at max_workers 128 were refused 184 times in 159k requests (bench/soak.py, docs/RELIABILITY.md):
@@ -115,31 +139,40 @@ class SentimentServer:
         reflection.enable(self.grpc_server, {SENTIMENT_SERVICE: sentiment_service_pb2.DESCRIPTOR,
                                              KSERVE_SERVICE: grpc_service_pb2.DESCRIPTOR,
                                              HEALTH_SERVICE: health_pb2.DESCRIPTOR})
+        self.port: int | None = None
         self.health_server: HealthPort | None = None
         self.health_port: int | None = None
         self._metrics_server: MetricsServer | None = None
         self.metrics_port: int | None = None
+        self._stopped = threading.Event()
+
+    def bind(self) -> SentimentServer:
+        """Bind every port (gRPC, health, metrics), each once and kept until `stop()`. A ServerConfigError names
+        the first that cannot be bound; the ones bound before it are released and the server is closed."""
+        cfg = self.cfg
         try:
-            self.port = _add_port(self.grpc_server, cfg.host, cfg.port, _server_credentials(cfg), "gRPC")
+            self.port = _add_port(self.grpc_server, cfg.host, cfg.port, server_credentials(cfg), "gRPC")
             if cfg.health_port is not None:  # health alone, for probes: serving/health_port.py
                 self.health_server = HealthPort(self.health, self.metrics, cfg.host, cfg.health_port,
                                                 transport_options(cfg), cfg.body_timeout_s, self.reclaimer)
                 self.health_port = self.health_server.port
             if cfg.metrics_port is not None:
-                try:
-                    self._metrics_server = MetricsServer(self.metrics.registry, metrics_host, cfg.metrics_port)
-                except OSError as e:
-                    raise ServerConfigError(f"cannot listen on {metrics_host}:{cfg.metrics_port} (metrics): "
-                                      f"{e.strerror or e}") from None
+                self._metrics_server = metrics_server(self.metrics.registry, cfg.metrics_host or cfg.host,
+                                                      cfg.metrics_port)
                 self.metrics_port = self._metrics_server.port
         except ServerConfigError:
+            self.grpc_server.stop(None)
             self._close_listeners()
             self.batcher.close(timeout=0)
             raise
-        self._stopped = threading.Event()
+        self.guard.ports = {p for p in (self.port, self.health_port) if p}
+        return self
 
     def start(self) -> SentimentServer:
+        if self.port is None:
+            self.bind()
         self.grpc_server.start()
+        self.guard.start()
         if self.health_server is not None:
             self.health_server.start()
         if self._metrics_server is not None:
@@ -148,6 +181,7 @@ class SentimentServer:
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.core.ready = True
         # A worker's line must not read as the server's "listening on" (scripts wait for that one, the parent's).
+        warn_if_open(self.cfg)
         log.info("%s %s:%d (%s%s), model %r on %s, batching %s, health port %s, metrics %s",
                  "worker serving on" if self.shared_port else "listening on", self.cfg.host, self.port,
                  "mutual TLS" if self.cfg.tls_client_ca else "TLS" if self.cfg.tls_cert else "plaintext",
@@ -182,6 +216,7 @@ class SentimentServer:
         log.info("stopped")
 
     def _close_listeners(self) -> None:
+        self.guard.close()
         if self.health_server is not None:
             self.health_server.stop()
         if self._metrics_server is not None:
@@ -197,24 +232,46 @@ class SentimentServer:
         self.stop()
 
 
-def check_ports_free(listeners: list[tuple[str, str, int | None]]) -> None:
-    """ServerConfigError naming the first port that is taken (or given twice), before anything listens. Port 0 and
-    None (a listener that is off) are skipped."""
-    seen: dict[int, str] = {}
+def check_distinct_ports(cfg: ServerConfig, shared_port: bool = False) -> None:
+    """ServerConfigError when one port number is given to two listeners on one address (port 0 and off are
+    skipped). Nothing is bound here: each listener binds its port once, and reports a taken one itself."""
+    seen: dict[tuple[str, int], str] = {}
+    listeners = (("gRPC", cfg.host, None if shared_port else cfg.port), ("health", cfg.host, cfg.health_port),
+                 ("metrics", cfg.metrics_host or cfg.host, cfg.metrics_port))
     for what, host, port in listeners:
         if not port:
             continue
-        if port in seen:
-            raise ServerConfigError(f"port {port} is given to both {seen[port]} and {what}")
-        seen[port] = what
-        try:
-            family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                                 flags=socket.AI_PASSIVE)[0]
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC and http.server bind
-                probe.bind(address)
-        except OSError as e:
-            raise ServerConfigError(f"cannot listen on {host}:{port} ({what}): {e.strerror or e}") from None
+        for (other_host, other_port), other in seen.items():
+            if other_port == port and (other_host == host or "0.0.0.0" in (host, other_host)):
+                raise ServerConfigError(f"port {port} is given to both {other} and {what}")
+        seen[(host, port)] = what
+
+
+def metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
+    """The Prometheus exporter, bound; ServerConfigError naming host:port when it cannot be."""
+    try:
+        return MetricsServer(registry, host, port)
+    except OSError as e:
+        raise ServerConfigError(f"cannot listen on {host}:{port} (metrics): {e.strerror or e}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_open(cfg: ServerConfig) -> None:
+    """A warning when the server listens beyond loopback with neither a token nor TLS: anyone who reaches the
+    port can use the model, and nothing on the wire is protected."""
+    if not is_loopback(cfg.host) and cfg.auth_token is None and cfg.tls_cert is None:
+        log.warning("listening on %s with neither a bearer token nor TLS: anyone who reaches port %d can call the "
+                    "model; set SENTIMENT_AUTH_TOKEN or --auth-token-file, and --tls-cert/--tls-key (README, "
+                    "Serving)", cfg.host, cfg.port)
 
 
 def _add_port(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None,
@@ -228,9 +285,32 @@ def _add_port(server: grpc.Server, host: str, port: int, credentials: grpc.Serve
         raise ServerConfigError(f"cannot listen on {address} ({what}): {e}") from None
 
 
-def _server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+def server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the PEM files of `cfg` (None without TLS); ServerConfigError naming the option and the
+    file that cannot be read, or the files that do not load as a key and its certificate (checked with Python's
+    ssl, which reads them as OpenSSL does: gRPC itself would only fail at the first handshake)."""
     if not cfg.tls_cert:
         return None
-    key, cert = Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes()
-    ca = Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+    pem = {}
+    for name in ("tls_key", "tls_cert", "tls_client_ca"):
+        path = getattr(cfg, name)
+        if path:
+            try:
+                pem[name] = Path(path).read_bytes()
+            except OSError as e:
+                raise ServerConfigError(f"{name}: cannot read {path}: {e.strerror or e}") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    except (ssl.SSLError, OSError) as e:
+        raise ServerConfigError(f"tls_cert {cfg.tls_cert} and tls_key {cfg.tls_key} do not load as a certificate and "
+                                f"its private key: {e.reason or e}") from None
+    ca = pem.get("tls_client_ca")
+    if ca is not None:
+        try:
+            context.load_verify_locations(cadata=ca.decode("ascii", "replace"))
+        except (ssl.SSLError, ValueError) as e:
+            raise ServerConfigError(f"tls_client_ca {cfg.tls_client_ca}: no PEM CA certificate loads from it: "
+                                    f"{getattr(e, 'reason', None) or e}") from None
+    return grpc.ssl_server_credentials([(pem["tls_key"], pem["tls_cert"])], root_certificates=ca,
+                                       require_client_auth=ca is not None)

@@ -133,6 +133,11 @@ class Batcher:
         self._compute([_Row(req, i, int(r.shape[0])) for i, r in enumerate(req.rows)])
 
     @property
+    def full(self) -> bool:
+        """No room for one more text (read without the lock: an estimate for admission; `submit` decides)."""
+        return (len(self._pending) if self.enabled else self._in_flight) >= self.max_queue
+
+    @property
     def queued(self) -> int:
         """Texts waiting for a batch."""
         with self._cond:

@@ -85,6 +85,22 @@ class ServerConfig:
     max_ping_strikes: int = 2  # a client that pings more often than min_client_ping_interval_s is disconnected
     # (GOAWAY too_many_pings) after this many such pings
     keepalive_without_calls: bool = False  # accept keepalive pings on a connection with no call in progress
+    # Hostile peers: per connection and per address (the connection guard, serving/guard.py)
+    max_connections: int = 1000  # connections open at once on the gRPC port; gRPC closes further ones at accept.
+    # Each costs a file descriptor and gRPC's buffers (tens of KB); keep it under the process' open-file limit
+    max_connections_per_peer: int = 100  # connections at once from one address; the newest beyond are cut within
+    # 0.1 s. Behind a proxy or NAT every client shares its address: raise it there
+    max_control_bytes_per_s: int = 16 * 1024  # bytes a connection may send that none of its calls explain (PING,
+    # SETTINGS, WINDOW_UPDATE, RST_STREAM...), with 4 s of burst; past it the connection is cut (a flood)
+    max_cancels_per_s: int = 200  # calls one connection may cancel in a second; past it the connection is cut
+    # (rapid reset of calls that reached the server)
+    send_stall_s: float = 1.0  # a connection is cut once an answer has waited this long for it and not one byte
+    # reached it meanwhile (flow-control window 0, or a peer that does not read)
+    ban_s: float = 10.0  # after a flood, resets or stalled answers, new connections from that address are cut for
+    # this long (0 = no ban). Behind a proxy or NAT a ban hits every client of that address
+    auth_failures_per_peer: int = 10  # failed authentications one address may make in auth_failure_window_s;
+    # past it all its calls are refused UNAUTHENTICATED (whatever their token) until the window ends
+    auth_failure_window_s: float = 10.0
     # Lifecycle
     drain_delay_s: float = 0.0  # after SIGTERM: health says NOT_SERVING but requests are still served this
     # long, so that load balancers watching health stop routing here first (Kubernetes-style); then grace_s begins
@@ -140,6 +156,14 @@ class ServerConfig:
         _in_range("max_connection_age_grace_s", self.max_connection_age_grace_s, 0.0, 1e7, integer=False)
         _in_range("min_client_ping_interval_s", self.min_client_ping_interval_s, 0.0, 1e7, integer=False)
         _in_range("max_ping_strikes", self.max_ping_strikes, 0, 1000)
+        _in_range("max_connections", self.max_connections, 1, 1_000_000)
+        _in_range("max_connections_per_peer", self.max_connections_per_peer, 1, 1_000_000)
+        _in_range("max_control_bytes_per_s", self.max_control_bytes_per_s, 1024, 1 << 30)
+        _in_range("max_cancels_per_s", self.max_cancels_per_s, 1, 1_000_000)
+        _in_range("send_stall_s", self.send_stall_s, 0.2, 3600.0, integer=False)
+        _in_range("ban_s", self.ban_s, 0.0, 86400.0, integer=False)
+        _in_range("auth_failures_per_peer", self.auth_failures_per_peer, 1, 1_000_000)
+        _in_range("auth_failure_window_s", self.auth_failure_window_s, 0.1, 86400.0, integer=False)
         _in_range("grace_s", self.grace_s, 0.0, 3600.0, integer=False)
         _in_range("drain_delay_s", self.drain_delay_s, 0.0, 3600.0, integer=False)
         if (self.tls_cert is None) != (self.tls_key is None):

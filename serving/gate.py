@@ -9,11 +9,23 @@ hostile client can exploit (measured with the hand-built HTTP/2 clients of tests
   - a request-streaming handler's behaviour is called at once with an iterator of messages, and the wire does not
     say whether a method is unary or streaming.
 So every handler is re-made here as request-streaming: a call without a valid token is refused from its metadata
-before its body is read (the refusal runs on a small pool of its own); every other call takes a slot (its own
-limit for model calls, another for health), then reads its message under a watchdog that cancels the call when
-the body has not arrived within `body_timeout_s`. Health runs on a pool of its own threads
-(`experimental_thread_pool`, gRPC's per-handler pool), so no model traffic can starve it. Model calls in progress
-and the answers they hold count as work for the memory reclaimer (serving/memory.py).
+before its body is read (the refusal runs on a small pool of its own), and so is a model call when every model
+slot is taken or the answers in flight fill their budget (refused at admission, in gRPC's polling thread, not
+after a wait for a thread); every other call takes a slot (its own limit for model calls, another for health),
+then reads its message under a watchdog that cancels the call when the body has not arrived within
+`body_timeout_s`.
+
+Failed authentications are counted per peer address (`AuthThrottle`): past `auth_failures_per_peer` in
+`auth_failure_window_s`, every call from that address is refused UNAUTHENTICATED until the window ends, with one
+answer whatever token it carries. The token is compared in constant time (hmac.compare_digest) before the peer is
+known (gRPC's interceptor is not told the peer), but while the address is blocked the comparison's result is not
+used: a right guess gets the answer a wrong one gets. Each block is logged once and counted
+(`sentiment_auth_throttled_total`). Every call also tells the connection guard (serving/guard.py) what it explains
+on its connection: its headers, its message's bytes, its cancellation, the answer it leaves unread.
+
+Health runs on a pool of its own threads (`experimental_thread_pool`, gRPC's per-handler pool), so no model
+traffic can starve it. Model calls in progress and the answers they hold count as work for the memory reclaimer
+(serving/memory.py).
 
 Errors become status codes here (ServingError subclasses; anything else is a bug: INTERNAL, and its traceback is
 logged with a rate limit, so that no client can make the log grow without bound); the health port, an asyncio
@@ -37,10 +49,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from serving.errors import BodyTimeout, InvalidInput, Overloaded, ServingError, Unauthenticated
+from serving.guard import Guard, peer_of
 from serving.memory import Reclaimer
 from serving.metrics import Metrics
 
-log = logging.getLogger("serving.server")
+log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # open without a token (load balancers, probes)
 
@@ -48,8 +61,8 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"  # open without a token (load balancer
 class _Malformed:
     """Stands in for a request message that failed to parse (e.g. invalid UTF-8 in a string field)."""
 
-    def __init__(self, error: Exception) -> None:
-        self.error = error
+    def __init__(self, error: Exception, size: int) -> None:
+        self.error, self.size = error, size
 
 
 def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
@@ -61,7 +74,7 @@ def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]
         try:
             return deserializer(data)
         except DecodeError as e:
-            return _Malformed(e)
+            return _Malformed(e, len(data))
 
     return parse
 
@@ -215,14 +228,78 @@ class Slots:
                 self._reclaimer.leave()
 
 
+class AuthThrottle:
+    """Failed authentications per peer address, in fixed windows of `window_s` from an address's first failure:
+    after `limit` of them, `blocked` says how long the address's calls are still refused. At most MAX_PEERS
+    addresses are remembered (the oldest windows are forgotten first), so that spoofed or rotating addresses
+    cannot grow it without bound."""
+
+    MAX_PEERS = 10_000
+    ABUSE = 10  # calls refused while blocked, in multiples of `limit`, past which `on_abuse` is told
+
+    def __init__(self, limit: int, window_s: float, metrics: Metrics,
+                 on_abuse: Callable[[str, float], None] = lambda address, seconds: None) -> None:
+        """on_abuse(address, seconds): a blocked address kept calling (ABUSE x limit refusals in its window): the
+        connection guard then bans it for the rest of the window, so that its calls stop costing a refusal each."""
+        self.limit, self.window_s = limit, window_s
+        self.metrics = metrics
+        self.on_abuse = on_abuse
+        self._lock = threading.Lock()
+        self._peers: dict[str, list[float]] = {}  # address -> [window start, failures, calls refused while blocked]
+
+    def blocked(self, address: str) -> float | None:
+        """Seconds the address stays blocked, or None."""
+        now = time.monotonic()
+        with self._lock:
+            state = self._peers.get(address)
+            if state is None or state[1] < self.limit or now - state[0] >= self.window_s:
+                return None
+            state[2] += 1
+            abuse = state[2] == self.ABUSE * self.limit
+        self.metrics.auth_throttled.inc()
+        left = state[0] + self.window_s - now
+        if abuse:
+            self.on_abuse(address, left)
+        return left
+
+    def failed(self, address: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            state = self._peers.get(address)
+            if state is None or now - state[0] >= self.window_s:
+                if state is None and len(self._peers) >= self.MAX_PEERS:
+                    self._forget(now)
+                state = self._peers[address] = [now, 0, 0]
+            state[1] += 1
+            starts = state[1] == self.limit
+        self.metrics.auth_failures.inc()
+        if starts:  # one line per address and window
+            log.warning("%d failed authentications from %s within %.0f s: its calls are refused for the rest of "
+                        "the window (%.1f s)", self.limit, address, self.window_s, state[0] + self.window_s - now)
+
+    def _forget(self, now: float) -> None:
+        """Under the lock: drop ended windows, or the oldest half when none has ended."""
+        ended = [a for a, (start, *_rest) in self._peers.items() if now - start >= self.window_s]
+        for address in ended or sorted(self._peers, key=lambda a: self._peers[a][0])[:len(self._peers) // 2]:
+            del self._peers[address]
+
+
 class Gate(grpc.ServerInterceptor):
     """See the module docstring."""
 
     def __init__(self, metrics: Metrics, *, auth_token: str | None, max_calls: int, health_workers: int,
                  body_timeout_s: float, max_message_bytes: int, max_response_bytes: int,
-                 reclaimer: Reclaimer | None = None) -> None:
+                 auth_failures_per_peer: int = 10, auth_failure_window_s: float = 10.0,
+                 reclaimer: Reclaimer | None = None, guard: Guard | None = None,
+                 queue_full: Callable[[], bool] = lambda: False) -> None:
+        """queue_full: the batcher has no room for one more text (model calls are then refused at admission)."""
         self.metrics = metrics
+        self.queue_full = queue_full
+        self.guard = guard
         self.expected = f"Bearer {auth_token}".encode() if auth_token else None
+        on_abuse = (lambda address, seconds: guard.ban(address, seconds, "auth_abuse")) if guard is not None else \
+            (lambda address, seconds: None)
+        self.auth = AuthThrottle(auth_failures_per_peer, auth_failure_window_s, metrics, on_abuse)
         self.body_timeout_s = body_timeout_s
         self.model_slots = Slots(max_calls, "model", reclaimer)
         self.health_slots = Slots(health_workers, "health")
@@ -254,10 +331,13 @@ class Gate(grpc.ServerInterceptor):
             return None  # unknown method: grpc answers UNIMPLEMENTED at once, without a thread
         method = details.method.lstrip("/")
         if not self._authorized(details):
-            self.metrics.requests.labels(method, "UNAUTHENTICATED").inc()
-            return self._refusal(handler, Unauthenticated("missing or wrong bearer token (metadata "
-                                                          "'authorization: Bearer <token>')"))
+            return self._refusal(handler, method, Unauthenticated("missing or wrong bearer token (metadata "
+                                                                  "'authorization: Bearer <token>')"), auth=True)
         health = details.method.startswith(HEALTH_PREFIX)
+        if not health:  # admission: refused here, in gRPC's polling thread, rather than after a wait for a thread
+            refusal = self.admission()
+            if refusal is not None:
+                return self._refusal(handler, method, refusal)
         call = _Call(self, method, self.health_slots if health else self.model_slots, model=not health)
         parse = _safe(handler.request_deserializer)
         if handler.unary_unary is not None:
@@ -278,6 +358,27 @@ class Gate(grpc.ServerInterceptor):
                     behavior.experimental_thread_pool = self.health_pool
         return made
 
+    def admission(self) -> Overloaded | None:
+        """Why a model call would be refused now (every model slot taken, the answers in flight over their budget,
+        or the batching queue full), or None. Read without a lock: the slot itself is taken later, and refuses on its
+        own."""
+        slots, budget = self.model_slots, self.budget
+        if slots.used >= slots.limit:
+            return Overloaded(f"server busy: {slots.used} model calls in progress (limit {slots.limit}); retry later")
+        if budget.spent:
+            return Overloaded(f"{budget.used} bytes of answers wait for their clients (max_response_bytes_in_flight "
+                              f"{budget.limit}); retry later")
+        if self.queue_full():
+            return Overloaded("queue full: no room for one more text in the batching queue (max_queue); retry later")
+        return None
+
+    def blocked_reply(self, address: str | None) -> Unauthenticated | None:
+        """The refusal for a call from an address blocked after failed authentications (whatever its token)."""
+        left = self.auth.blocked(address) if address is not None and self.expected is not None else None
+        if left is None:
+            return None
+        return Unauthenticated(f"too many failed authentications from this address; retry in {left:.0f} s")
+
     def first(self, requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Any:
         """The one message of a unary call, read under the watchdog."""
         request = self.next_message(requests, context)
@@ -289,8 +390,20 @@ class Gate(grpc.ServerInterceptor):
 
     def next_message(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """The next message of a call (None at its end); BodyTimeout when it took longer than body_timeout_s."""
-        with self.watchdog.watching(context.cancel) as watch:
-            request = next(requests, None)
+        peer = context.peer() if self.guard is not None else None
+        if peer is not None:
+            self.guard.waiting(peer, 1)
+        request = None
+        try:
+            with self.watchdog.watching(context.cancel) as watch:
+                request = next(requests, None)
+        finally:
+            if peer is not None:
+                self.guard.waiting(peer, -1)
+                if request is None:  # none, or one gRPC refused (over max_message_bytes): up to a window unread
+                    self.guard.refused(peer)
+                else:
+                    self.guard.message(peer, request.size if isinstance(request, _Malformed) else request.ByteSize())
         if watch.fired:
             raise BodyTimeout(f"request message not received within body_timeout_s={self.body_timeout_s}")
         return request
@@ -302,8 +415,16 @@ class Gate(grpc.ServerInterceptor):
             raise Overloaded(f"the answer would be {size} bytes > max_message_bytes {self.max_message_bytes}; "
                              "send fewer texts per request")
         self.budget.reserve(size)
-        if not context.add_callback(lambda: self.budget.release(size)):
-            self.budget.release(size)  # the call has already ended
+        peer = context.peer() if self.guard is not None else None
+        held = self.guard.hold(peer) if peer is not None else None
+
+        def delivered() -> None:
+            self.budget.release(size)
+            if held is not None:
+                self.guard.release(peer, held)
+
+        if not context.add_callback(delivered):
+            delivered()  # the call has already ended
         return response
 
     def log_internal(self, method: str, error: Exception) -> None:
@@ -314,13 +435,24 @@ class Gate(grpc.ServerInterceptor):
         else:
             self.metrics.suppressed_logs.inc()
 
-    def _refusal(self, handler: grpc.RpcMethodHandler, error: ServingError) -> grpc.RpcMethodHandler:
+    def _refusal(self, handler: grpc.RpcMethodHandler, method: str, error: ServingError,
+                 auth: bool = False) -> grpc.RpcMethodHandler:
         """A request-streaming handler that only aborts: it never reads the body, so a client that never sends it
-        holds nothing; it runs on the refusal pool."""
-        code = grpc.StatusCode[error.code]
+        holds nothing; it runs on the refusal pool. auth: a failed authentication, counted against its address
+        (or answered as blocked once the address is)."""
 
         def abort(requests: Iterator[Any], context: grpc.ServicerContext, *callback: Any) -> Any:
-            context.abort(code, str(error))
+            refusal = error
+            peer = context.peer()
+            if self.guard is not None:
+                self.guard.refused(peer)
+            if auth:
+                address = (peer_of(peer) or (peer, 0))[0]
+                refusal = self.blocked_reply(address) or error
+                if refusal is error:
+                    self.auth.failed(address)
+            self.metrics.requests.labels(method, refusal.code).inc()
+            context.abort(grpc.StatusCode[refusal.code], str(refusal))
 
         abort.experimental_thread_pool = self.refusal_pool
         make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else \
@@ -338,7 +470,15 @@ class _Call:
     @contextmanager
     def _served(self, context: grpc.ServicerContext) -> Iterator[None]:
         start, code = time.perf_counter(), None
+        guard = self.gate.guard
+        peer = context.peer() if guard is not None or self.gate.expected is not None else ""
+        if guard is not None:
+            guard.call(peer)
         try:
+            if self.model:
+                blocked = self.gate.blocked_reply((peer_of(peer) or (peer, 0))[0])
+                if blocked is not None:  # after failed authentications: refused whatever its token
+                    raise blocked
             with self.slots.take():
                 if self.model and self.gate.budget.spent:  # refused before computing anything
                     b = self.gate.budget
@@ -347,6 +487,8 @@ class _Call:
                 yield
         except grpc.RpcError:
             code = "CANCELLED"  # the client went away: gRPC raised this itself and ends the call quietly
+            if guard is not None:
+                guard.cancelled(peer)
             raise
         except ServingError as e:
             code = e.code

@@ -12,8 +12,9 @@ it, slots, answers held for slow readers, per-connection limits) is in serving/g
 below. The health port alone is served by grpc.aio (serving/health_port.py): probes need answers while half-open
 calls wait there, not throughput.
 
-Lifecycle: the bundle is loaded and verified, and every port (gRPC, health, metrics) is checked free, before
-anything listens (a bad bundle or a taken port exits 2 with one line). SIGTERM or SIGINT: health goes NOT_SERVING
+Lifecycle: process-wide settings (serving/app.py `configure_process`), then the bundle is loaded and verified, then
+every port (gRPC, health, metrics) is bound, each once, before anything is served: a bad bundle, an unreadable or
+mismatched TLS file or a taken port exits 2 with one line naming it. SIGTERM or SIGINT: health goes NOT_SERVING
 and new requests get UNAVAILABLE, in-flight requests finish (up to grace_s), the batcher drains, exit 0.
 `--workers N` runs N such servers on one port under a parent process (serving/workers.py).
 """
@@ -32,11 +33,11 @@ import typing
 from pathlib import Path
 
 from contract.comments import comments
-from serving.app import SentimentServer
+from serving.app import SentimentServer, configure_process
 from serving.config import ServerConfig
 from serving.errors import BundleError, ServerConfigError
 
-log = logging.getLogger("serving.server")
+log = logging.getLogger("serving.server")  # its own name also when run as __main__
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             from serving import workers  # the parent of several processes: its own module
 
             return workers.serve(args.bundle, cfg, args.log_level)
-        server = SentimentServer(args.bundle, cfg)
+        configure_process(cfg)
+        server = SentimentServer(args.bundle, cfg).bind()
     except (BundleError, ServerConfigError) as e:
         print(f"sentiment-server: error: {e}", file=sys.stderr)
         return 2

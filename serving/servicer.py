@@ -7,6 +7,7 @@ ServingError subclasses and turned into status codes by the server's interceptor
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +23,10 @@ from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 from serving.predictor import Prediction, Predictor
 
 _NO_DEADLINE = 1e6  # grpc reports "no deadline" as a huge time_remaining()
+# A letter or a digit (str.isalnum: Unicode categories L and N). A text without one (NUL, control or format
+# characters, punctuation, symbols, emoji) gives the model nothing it was trained to read: answered as a blank text
+# is, not with a confident label (an all-NUL text got 0.995).
+_LETTER_OR_DIGIT = re.compile(r"[^\W_]")
 
 
 def deadline_of(context: grpc.ServicerContext) -> float | None:
@@ -90,6 +95,9 @@ class ServingCore:
                 raise InvalidInput(f"texts[{i}]: empty or blank text")
             if len(t) > cfg.max_chars:
                 raise InvalidInput(f"texts[{i}]: {len(t)} characters > max_chars={cfg.max_chars}")
+            if not _LETTER_OR_DIGIT.search(t):
+                raise InvalidInput(f"texts[{i}]: no letter or digit (only punctuation, symbols, emoji, control or "
+                                   "format characters): nothing to classify")
         encoded = self.predictor.encode(texts)
         for i, e in enumerate(encoded):
             if e.token_count <= 2:  # <sos> <eos> only: nothing to classify, answered as blank text is

@@ -18,12 +18,12 @@ The parent alone serves, for all workers:
     private temporary folder (removed on exit), counters and histograms summed over the workers (the counts of
     a worker that died stay in the sums), gauges summed over the live ones; per worker, `sentiment_worker_*`
     (ready, restarts, CPU seconds and resident memory from /proc, texts by pid).
-Lifecycle: the bundle is verified and every port checked (a bad bundle or a taken port exits 2 with one line)
-before any worker starts. SIGTERM or SIGINT: health NOT_SERVING, every worker gets SIGTERM and drains as one
-server does (drain_delay_s, grace_s), the parent exits 0 once all have exited 0. A worker that dies otherwise is
-logged and restarted, after a back-off that doubles while it keeps dying young (0.5 s up to 30 s); one that
-exits 2 (its configuration cannot work) stops the server with exit 2. A worker whose parent is gone drains and
-exits.
+Lifecycle: the bundle and the TLS files are verified and every port of the parent bound (a bad bundle or file, or a
+taken port, exits 2 with one line) before any worker starts. SIGTERM or SIGINT: health NOT_SERVING, every worker
+gets SIGTERM and drains as one server does (drain_delay_s, grace_s), the parent exits 0 once all have exited 0. A
+worker that dies otherwise is logged and restarted, after a back-off that doubles while it keeps dying young (0.5 s
+up to 30 s); one that exits 2 (its configuration cannot work) stops the server with exit 2. A worker whose parent
+is gone drains and exits.
 """
 
 from __future__ import annotations
@@ -83,12 +83,21 @@ class _Slot:
 
 def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO") -> int:
     """Run `cfg.workers` server processes until SIGTERM or SIGINT; the exit code."""
-    from serving.app import KSERVE_SERVICE, SENTIMENT_SERVICE, check_ports_free, transport_options
+    from serving.app import (
+        KSERVE_SERVICE,
+        SENTIMENT_SERVICE,
+        check_distinct_ports,
+        server_credentials,
+        transport_options,
+        warn_if_open,
+    )
+    from serving.app import metrics_server as bind_metrics
 
     cfg.check_bundle_fit(verify_bundle(bundle).manifest.max_len)  # one line now, rather than one per worker
+    check_distinct_ports(cfg)
+    server_credentials(cfg)  # unreadable or mismatched TLS files: one line now, before any worker starts
+    warn_if_open(cfg)
     metrics_host = cfg.metrics_host or cfg.host
-    check_ports_free([("gRPC", cfg.host, cfg.port), ("health", cfg.host, cfg.health_port),
-                      ("metrics", metrics_host, cfg.metrics_port)])
     with _reserved_port(cfg.host, cfg.port) as port, _multiprocess_folder() as folder:
         log.info("multiprocess metrics in %s (removed on exit)", folder)
         metrics = Metrics()  # the parent's own counts (health port calls), into the same folder
@@ -107,11 +116,7 @@ def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO") -> int
                 MultiProcessCollector(registry, folder)
                 ProcessCollector(registry=registry)  # the parent's own process_*
                 registry.register(_WorkersCollector(parent.slots))
-                try:
-                    metrics_server = MetricsServer(registry, metrics_host, cfg.metrics_port)
-                except OSError as e:
-                    raise ServerConfigError(f"cannot listen on {metrics_host}:{cfg.metrics_port} (metrics): "
-                                      f"{e.strerror or e}") from None
+                metrics_server = bind_metrics(registry, metrics_host, cfg.metrics_port)
             for listener in (health_server, metrics_server):
                 if listener is not None:
                     listener.start()
@@ -311,7 +316,7 @@ def proc_usage(pid: int) -> tuple[float, int] | None:
 @contextmanager
 def _reserved_port(host: str, port: int) -> Iterator[int]:
     """The gRPC port bound (not listening) with SO_REUSEPORT while the workers bind it too: port 0 picks one for
-    all of them, and a process of another user cannot take it in between. The port was checked free before."""
+    all of them, and a process of another user cannot take it in between. A taken port: ServerConfigError."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
     with socket.socket(family, kind, proto) as sock:
@@ -348,15 +353,16 @@ def _multiprocess_folder() -> Iterator[str]:
 def _worker_main(index: int, bundle: str, cfg: ServerConfig, conn: Connection, log_level: str,
                  parent_pid: int) -> None:
     """One worker: a SentimentServer on the shared port until SIGTERM (or its parent is gone)."""
-    from serving.app import SentimentServer
+    from serving.app import SentimentServer, configure_process
 
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {index} pid {os.getpid()}]: %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
+    configure_process(cfg)
     try:
-        server = SentimentServer(bundle, cfg, shared_port=True)
+        server = SentimentServer(bundle, cfg, shared_port=True).bind()
     except (BundleError, ServerConfigError) as e:
         print(f"sentiment-server: error: worker {index}: {e}", file=sys.stderr)
         sys.exit(2)

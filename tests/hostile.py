@@ -3,7 +3,9 @@
 A gRPC library client always sends its request body and reads its responses; these do not:
   - `HalfOpen`: one connection, many gRPC streams whose HEADERS are sent and whose body (DATA) never is;
   - `Unread`: one connection that sends whole requests but never lets the server send a response byte
-    (HTTP/2 flow-control window 0), so that every response stays queued in the server.
+    (HTTP/2 flow-control window 0), so that every response stays queued in the server;
+  - `Raw`: frames written by hand at full speed (PING floods, rapid reset, WINDOW_UPDATE past 2^31-1), no rule
+    obeyed, what comes back counted.
 Built on the `h2` package (HTTP/2 framing and HPACK only: every frame is chosen here). A reader thread answers
 the server's PINGs and SETTINGS and records how each stream ended.
 """
@@ -14,7 +16,9 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from pathlib import Path
+from urllib.parse import unquote
 
 import h2.config
 import h2.connection
@@ -25,8 +29,10 @@ import h2.settings
 class _Connection:
     """An h2 client connection on a real socket, with a reader thread that records each stream's end."""
 
-    def __init__(self, port: int, *, tls_ca: Path | None = None, window: int | None = None) -> None:
-        raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    def __init__(self, port: int, *, tls_ca: Path | None = None, window: int | None = None,
+                 source: str | None = None) -> None:
+        raw = socket.create_connection(("127.0.0.1", port), timeout=10,
+                                       source_address=(source, 0) if source else None)
         if tls_ca is not None:
             context = ssl.create_default_context(cafile=str(tls_ca))
             context.set_alpn_protocols(["h2"])
@@ -39,6 +45,7 @@ class _Connection:
             self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
         self.lock = threading.Lock()
         self.ended: dict[int, str] = {}  # stream id -> grpc-status (or "RST <code>") once it ended
+        self.messages: dict[int, str] = {}  # stream id -> grpc-message of its end
         self.max_streams: int | None = None  # the server's SETTINGS_MAX_CONCURRENT_STREAMS
         self.closed = threading.Event()
         self._changed = threading.Condition()
@@ -82,6 +89,7 @@ class _Connection:
             headers = dict(event.headers)
             if "grpc-status" in headers:
                 self.ended[event.stream_id] = headers["grpc-status"]
+                self.messages[event.stream_id] = unquote(headers.get("grpc-message", ""))
         elif isinstance(event, h2.events.StreamReset):
             self.ended.setdefault(event.stream_id, f"RST {int(event.error_code)}")
 
@@ -128,8 +136,8 @@ class HalfOpen(_Connection):
     """`n` streams to `path` on one connection: HEADERS only, the body never sent, no deadline."""
 
     def __init__(self, port: int, path: str, n: int, *, tls_ca: Path | None = None,
-                 metadata: list[tuple[str, str]] = ()) -> None:
-        super().__init__(port, tls_ca=tls_ca)
+                 metadata: list[tuple[str, str]] = (), source: str | None = None) -> None:
+        super().__init__(port, tls_ca=tls_ca, source=source)
         # All sent before the server's SETTINGS are read: h2 would otherwise keep to the server's
         # MAX_CONCURRENT_STREAMS itself, and an attacker does not.
         self.streams = [self.open_stream(path, metadata) for _ in range(n)]
@@ -145,11 +153,135 @@ class HalfOpen(_Connection):
 class Unread(_Connection):
     """Whole requests sent, responses never read: the server may not send one byte of DATA (window 0)."""
 
-    def __init__(self, port: int, *, tls_ca: Path | None = None) -> None:
-        super().__init__(port, tls_ca=tls_ca, window=0)
+    def __init__(self, port: int, *, tls_ca: Path | None = None, source: str | None = None) -> None:
+        super().__init__(port, tls_ca=tls_ca, window=0, source=source)
         self.start_reading()
 
     def call(self, path: str, message: bytes, metadata: list[tuple[str, str]] = ()) -> int:
         sid = self.open_stream(path, metadata)
         self.send_message(sid, message)
         return sid
+
+
+# ------------------------------------------------------------------------------------- raw frames, at full speed
+
+DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x8
+END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
+CANCEL, FLOW_CONTROL_ERROR, ENHANCE_YOUR_CALM = 0x8, 0x3, 0xB
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    """One HTTP/2 frame: 9 octets of header (length 24 bits, type, flags, stream id 31 bits), then the payload."""
+    return struct.pack(">I", len(payload))[1:] + struct.pack(">BBI", kind, flags, stream) + payload
+
+
+def request_block(path: str, metadata: list[tuple[str, str]] = ()) -> bytes:
+    """The HPACK block of a gRPC call's HEADERS, encoded once by a fresh encoder: it refers to no entry of the
+    dynamic table, so the same bytes are valid on any stream, any number of times."""
+    import hpack
+
+    return hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", path),
+                                   (":authority", "localhost"), ("content-type", "application/grpc"),
+                                   ("te", "trailers"), *metadata])
+
+
+class Raw:
+    """An HTTP/2 client connection that writes frames built by hand, as fast as the socket takes them, and obeys
+    nothing (no flow control, no stream limit, no GOAWAY). A reader thread acknowledges the server's SETTINGS and
+    counts what comes back: frames by type, PING acknowledgements before and after a GOAWAY, the GOAWAY's error
+    code and when it came, and when the server closed the connection."""
+
+    def __init__(self, port: int, *, tls_ca: Path | None = None, settings: dict[int, int] | None = None,
+                 host: str = "127.0.0.1", source: str | None = None, timeout: float = 10.0) -> None:
+        """source: the local address to connect from (another loopback address, 127.0.0.2, stands for another
+        machine: the server's limits and bans are per address)."""
+        raw = socket.create_connection((host, port), timeout=timeout,
+                                       source_address=(source, 0) if source else None)
+        if tls_ca is not None:
+            context = ssl.create_default_context(cafile=str(tls_ca))
+            context.set_alpn_protocols(["h2"])
+            raw = context.wrap_socket(raw, server_hostname="localhost")
+        self.sock = raw
+        self.sock.settimeout(None)
+        self._send_lock = threading.Lock()
+        self.received: dict[int, int] = {}  # frame type -> count
+        self.acks = 0  # PING acknowledgements received
+        self.acks_after_goaway = 0
+        self.goaway_code: int | None = None
+        self.goaway_at: float | None = None  # time.monotonic()
+        self.closed_at: float | None = None  # time.monotonic() when the server's side ended (EOF or reset)
+        self.reset_streams: dict[int, int] = {}  # stream id -> RST_STREAM error code received
+        self.closed = threading.Event()
+        body = b"".join(struct.pack(">HI", k, v) for k, v in (settings or {}).items())
+        self.send(PREFACE + frame(SETTINGS, 0, 0, body))
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def wait_settings(self, timeout: float = 10.0) -> bool:
+        """True once the server's SETTINGS have arrived (and been acknowledged): gRPC closes a connection that
+        floods before that itself."""
+        end = time.monotonic() + timeout
+        while not self.received.get(SETTINGS) and not self.closed.is_set() and time.monotonic() < end:
+            time.sleep(0.005)
+        return bool(self.received.get(SETTINGS))
+
+    def send(self, data: bytes) -> bool:
+        """Write bytes; False once the server has closed the connection, or when the socket's timeout passed (the
+        server no longer reads: not a close)."""
+        try:
+            with self._send_lock:
+                self.sock.sendall(data)
+            return True
+        except TimeoutError:
+            return False
+        except OSError:
+            self._closed()
+            return False
+
+    def _closed(self) -> None:
+        if self.closed_at is None:
+            self.closed_at = time.monotonic()
+        self.closed.set()
+
+    def _read(self) -> None:
+        buffer = b""
+        try:
+            while True:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    break
+                buffer += data
+                while len(buffer) >= 9:
+                    length = int.from_bytes(buffer[:3], "big")
+                    if len(buffer) < 9 + length:
+                        break
+                    kind, flags, stream = buffer[3], buffer[4], int.from_bytes(buffer[5:9], "big") & 0x7FFFFFFF
+                    payload, buffer = buffer[9:9 + length], buffer[9 + length:]
+                    self._on(kind, flags, stream, payload)
+        except (OSError, ValueError):
+            pass
+        finally:
+            self._closed()
+
+    def _on(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
+        self.received[kind] = self.received.get(kind, 0) + 1
+        if kind == SETTINGS and not flags & ACK:
+            self.send(frame(SETTINGS, ACK, 0))
+        elif kind == PING and flags & ACK:
+            self.acks += 1
+            if self.goaway_at is not None:
+                self.acks_after_goaway += 1
+        elif kind == GOAWAY and self.goaway_at is None:
+            self.goaway_at = time.monotonic()
+            self.goaway_code = int.from_bytes(payload[4:8], "big")
+        elif kind == RST_STREAM:
+            self.reset_streams[stream] = int.from_bytes(payload[:4], "big")
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._reader.join(5)

@@ -75,7 +75,8 @@ def test_half_open_unauthenticated_streams_hold_nothing(tiny_bundle: Path, certs
     health says SERVING and an authorised Classify answers within 1 s."""
     options = {"tls_cert": str(certs["server"]), "tls_key": str(certs["server_key"])} if tls else {}
     with running_server(tiny_bundle, device="cpu", auth_token=TOKEN, max_workers=4, health_workers=2,
-                        body_timeout_s=600, **options) as s:
+                        body_timeout_s=600, auth_failures_per_peer=100_000, **options) as s:
+        # 600 failures from one address: not throttled here (test_reliability_protocol.py throttles them)
         channel = secure_channel(s, certs) if tls else grpc.insecure_channel(target(s))
         _health_and_classify(channel, GOOD)
         attackers = [HalfOpen(s.port, CLASSIFY if i % 2 else INFER, 100, tls_ca=certs["ca"] if tls else None)
@@ -259,7 +260,10 @@ def test_unread_answers_are_bounded_and_memory_returns_after_the_client_leaves(t
     n = 512
     server = ServerProcess(tiny_bundle, "--device", "cpu", "--max-workers", "32", "--max-texts", str(n),
                            "--max-queue", str(32 * n), "--max-message-bytes", str(1 << 20),
-                           "--max-response-bytes-in-flight", str(1 << 20), "--metrics-port", "0")
+                           "--max-response-bytes-in-flight", str(1 << 20), "--metrics-port", "0",
+                           # the budget is what is tested: the connection guard would cut the connection first
+                           # (test_reliability_protocol.py), and the first round's cut would ban the second's
+                           "--send-stall-s", "3600", "--ban-s", "0", "--max-control-bytes-per-s", str(1 << 30))
     reclaims = "sentiment_memory_reclaim_seconds_count"
     try:
         port = server.wait_listening()

@@ -200,7 +200,8 @@ def test_tls_and_token_auth_hold_in_every_worker(tiny_bundle: Path, tmp_path: Pa
     (tmp_path / "token").write_text(token + "\n")
     server = ServerProcess(tiny_bundle, "--device", "cpu", "--workers", "2", "--metrics-port", "0",
                            "--auth-token-file", str(tmp_path / "token"), "--tls-cert", str(certs["server"]),
-                           "--tls-key", str(certs["server_key"]))
+                           "--tls-key", str(certs["server_key"]),
+                           "--auth-failures-per-peer", "1000")  # 16 failures from one address: not throttled here
     try:
         port = server.wait_listening()
         assert "TLS, token auth" in server.log

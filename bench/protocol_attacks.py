@@ -1,0 +1,446 @@
+"""Protocol-level attacks on the server, each against a fresh server process, with an authorised client calling
+beside it: what each attack costs the server and that client. The table of docs/RELIABILITY.md ("Protocol
+attacks") comes from this script.
+
+    python bench/protocol_attacks.py --bundle BUNDLE [--attacks ping-flood,rapid-reset,...] [--seconds 5] [--tls]
+        [--server-repo DIR] [--json out.json]
+    python bench/protocol_attacks.py --table before.json after.json     # the rows of docs/RELIABILITY.md
+    python bench/soak.py --make-bundle BUNDLE --size tiny      # once: a bundle to attack (random weights)
+
+The server: `python -m serving.server BUNDLE --port 0 --device cpu` with a bearer token (and TLS with --tls, from
+certificates made in a temporary folder), run from `--server-repo` (default: this checkout; point it at an
+export of an older commit for a "before" column). The authorised client: another process that calls Classify (one
+text) every 100 ms from 127.0.0.1 for the whole attack and reports its latencies and refusals. The attacker: this
+process, from 127.0.0.2 (another address to the server: its limits and bans are per address), with the raw HTTP/2
+clients of tests/hostile.py. Measured per attack: the server's CPU (user + system seconds from /proc over the
+attack's wall time, in cores), its most threads, whether and when the attacking connection ended, and the
+authorised client's p50/p99/max and refusals. Attacks:
+  ping-flood      PING frames (batches of 1,000) as fast as the socket takes them, on one connection at a time,
+                  a new one at once when the server ends it
+  rapid-reset     the same with HEADERS of an authorised Classify then RST_STREAM(CANCEL) (batches of 500)
+  zero-window     10 connections with SETTINGS_INITIAL_WINDOW_SIZE 0: 100 authorised Classify calls each, whose
+                  answers can never be sent
+  wrong-tokens    10,000 calls with a wrong bearer token (HEADERS with END_STREAM, 100 at a time per connection)
+  idle            500 connections that finish the HTTP/2 handshake and then idle
+  overload        another process: 500 callers x 64 texts, closed loop; its refusals' latencies are the figure
+  window-overflow WINDOW_UPDATE on the connection past 2^31-1 (RFC 9113 6.9.1: a FLOW_CONTROL_ERROR GOAWAY)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+TOKEN = "protocol-attack-token-0123456789"
+CLASSIFY = "/sentiment.v1.SentimentService/Classify"
+ATTACKER = "127.0.0.2"
+ATTACKS = ["ping-flood", "rapid-reset", "zero-window", "wrong-tokens", "idle", "overload", "window-overflow"]
+
+
+# ------------------------------------------------------------------------------------- processes
+
+
+class Server:
+    """`python -m serving.server` from `repo`, token auth (TLS when `certs`), metrics on; its log kept."""
+
+    def __init__(self, repo: Path, bundle: Path, certs: dict[str, Path] | None, extra: list[str]) -> None:
+        tls = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server_key"])] if certs else []
+        cmd = [sys.executable, "-m", "serving.server", str(bundle), "--port", "0", "--metrics-port", "0",
+               "--device", "cpu", *tls, *extra]
+        self.proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "SENTIMENT_AUTH_TOKEN": TOKEN})
+        self.lines: list[str] = []
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = re.search(r"listening on [\d.]+:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+                break
+        else:
+            raise RuntimeError("server did not start:\n" + "".join(self.lines))
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def threads(self) -> int:
+        return int(re.search(r"Threads:\s+(\d+)", Path(f"/proc/{self.proc.pid}/status").read_text()).group(1))
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50_ms": None, "p99_ms": None, "max_ms": None}
+    ordered = sorted(values)
+    pick = lambda q: round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)  # noqa: E731
+    return {"p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": round(1000 * ordered[-1], 2)}
+
+
+def probe_main(args: argparse.Namespace) -> None:
+    """The authorised client: one Classify every `interval` s for `seconds` s; prints its figures as JSON."""
+    import grpc
+
+    from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
+    from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
+
+    target = f"127.0.0.1:{args.probe}"
+    channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())) \
+        if args.tls_ca else grpc.insecure_channel(target)
+    stub = pb_grpc.SentimentServiceStub(channel)
+    metadata = [("authorization", f"Bearer {TOKEN}")]
+    stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=30, metadata=metadata)
+    print("ready", flush=True)
+    latencies, refusals, errors = [], [], {}
+    end = time.monotonic() + args.seconds
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        try:
+            stub.Classify(pb.ClassifyRequest(texts=["Un bon livre."]), timeout=10, metadata=metadata)
+            latencies.append(time.perf_counter() - start)
+        except grpc.RpcError as e:
+            errors[e.code().name] = errors.get(e.code().name, 0) + 1
+            refusals.append(time.perf_counter() - start)
+        time.sleep(max(0.0, args.interval - (time.perf_counter() - start)))
+    refused = {f"refused_{k}": v for k, v in percentiles(refusals).items()} if refusals else {}
+    print(json.dumps({"calls": len(latencies) + sum(errors.values()), "errors": errors, **percentiles(latencies),
+                      **refused}))
+
+
+def load_main(args: argparse.Namespace) -> None:
+    """The overload: `callers` closed-loop callers of `texts` texts each on 8 channels (grpc.aio), for `seconds`;
+    prints the latency of answers and of refusals as JSON."""
+    import grpc
+
+    from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
+    from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
+
+    async def run() -> dict:
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{args.load}", options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(8)]
+        stubs = [pb_grpc.SentimentServiceStub(c) for c in channels]
+        request = pb.ClassifyRequest(texts=[f"Un livre {i}, assez long pour compter." for i in range(args.texts)])
+        metadata = [("authorization", f"Bearer {TOKEN}")]
+        times: dict[str, list[float]] = {}
+        end = time.monotonic() + args.seconds
+
+        async def caller(i: int) -> None:
+            stub = stubs[i % len(stubs)]
+            while time.monotonic() < end:
+                start = time.perf_counter()
+                try:
+                    await stub.Classify(request, timeout=30, metadata=metadata)
+                    code = "OK"
+                except grpc.RpcError as e:
+                    code = e.code().name
+                times.setdefault(code, []).append(time.perf_counter() - start)
+
+        await asyncio.gather(*(caller(i) for i in range(args.callers)))
+        for c in channels:
+            await c.close()
+        return {code: {"calls": len(v), **percentiles(v)} for code, v in times.items()}
+
+    print(json.dumps(asyncio.run(run())))
+
+
+def helper(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, cwd=REPO)
+
+
+# ------------------------------------------------------------------------------------- attacks
+
+
+def _flood(port: int, seconds: float, tls_ca: Path | None, batch: Callable[[int], bytes]) -> dict:
+    """`batch(first stream id)` written again and again for `seconds`; a connection the server ends is replaced
+    by a new one at once, as an attacker would. Counts the connections, when the first ended and what it got."""
+    from hostile import Raw
+
+    start, sent, connections, first = time.monotonic(), 0, 0, None
+    while time.monotonic() - start < seconds:
+        try:
+            c = Raw(port, tls_ca=tls_ca, source=ATTACKER)
+        except OSError:
+            time.sleep(0.01)
+            continue
+        connections += 1
+        c.sock.settimeout(1)
+        c.wait_settings(2)  # the server's SETTINGS first: a flood before them is closed by gRPC itself
+        sid = 1
+        while time.monotonic() - start < seconds and not c.closed.is_set() and sid < 2**31 - 2000:
+            if c.send(batch(sid)):
+                sent += 1
+            sid += 1000
+        if first is None:
+            first = _outcome(c, start)
+        else:
+            c.close()
+    return {"batches": sent, "connections": connections, "first": first}
+
+
+def ping_flood(port: int, seconds: float, tls_ca: Path | None) -> dict:
+    from hostile import PING, frame
+
+    pings = frame(PING, 0, 0, b"attacker") * 1000
+    return _flood(port, seconds, tls_ca, lambda sid: pings)
+
+
+def rapid_reset(port: int, seconds: float, tls_ca: Path | None) -> dict:
+    from hostile import CANCEL, END_HEADERS, HEADERS, RST_STREAM, frame, request_block
+
+    block = request_block(CLASSIFY, [("authorization", f"Bearer {TOKEN}")])
+    reset = struct.pack(">I", CANCEL)
+    return _flood(port, seconds, tls_ca, lambda sid: b"".join(
+        frame(HEADERS, END_HEADERS, s, block) + frame(RST_STREAM, 0, s, reset) for s in range(sid, sid + 1000, 2)))
+
+
+def zero_window(port: int, seconds: float, tls_ca: Path | None) -> dict:
+    from hostile import Unread
+
+    from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
+
+    message = pb.ClassifyRequest(texts=["Une réponse qui ne partira jamais."]).SerializeToString()
+    start = time.monotonic()
+    conns = [Unread(port, tls_ca=tls_ca, source=ATTACKER) for _ in range(10)]
+    for c in conns:
+        for _ in range(100):
+            if c.closed.is_set():
+                break
+            try:
+                c.call(CLASSIFY, message, [("authorization", f"Bearer {TOKEN}")])
+            except (OSError, TimeoutError):
+                break
+    time.sleep(seconds)
+    ended = [c.closed.is_set() for c in conns]
+    codes: dict[str, int] = {}
+    for c in conns:
+        for code in c.ended.values():
+            codes[code] = codes.get(code, 0) + 1
+        c.close()
+    return {"connections_ended": sum(ended), "of": len(conns), "stream_ends": codes,
+            "elapsed_s": round(time.monotonic() - start, 2)}
+
+
+def wrong_tokens(port: int, seconds: float, tls_ca: Path | None) -> dict:
+    from hostile import END_HEADERS, END_STREAM, HEADERS, Raw, frame, request_block
+
+    block = request_block(CLASSIFY, [("authorization", "Bearer wrong-token-guess-00000000")])
+    start, sent, answered, refused_connections = time.monotonic(), 0, 0, 0
+    while sent < 10_000 and time.monotonic() - start < max(seconds, 30):
+        try:
+            c = Raw(port, tls_ca=tls_ca, source=ATTACKER)
+            c.sock.settimeout(2)
+        except OSError:  # banned: the server's filter drops the SYN, and the connection times out
+            refused_connections += 1
+            sent += 100
+            continue
+        for s in range(1, 201, 2):
+            c.send(frame(HEADERS, END_HEADERS | END_STREAM, s, block))
+        sent += 100
+        deadline = time.monotonic() + 5
+        while len(c.reset_streams) + c.received.get(1, 0) < 100 and not c.closed.is_set() \
+                and time.monotonic() < deadline:
+            time.sleep(0.001)
+        answered += c.received.get(1, 0)
+        c.close()
+    elapsed = time.monotonic() - start
+    return {"calls": sent, "answered": answered, "elapsed_s": round(elapsed, 2),
+            "answers_per_s": round(answered / elapsed), "connections_refused": refused_connections}
+
+
+def idle(port: int, seconds: float, tls_ca: Path | None) -> dict:
+    from hostile import Raw
+
+    start = time.monotonic()
+    conns = []
+    for _ in range(500):
+        try:
+            conns.append(Raw(port, tls_ca=tls_ca, source=ATTACKER))
+        except OSError:
+            break
+    time.sleep(seconds)
+    kept = sum(not c.closed.is_set() for c in conns)
+    for c in conns:
+        c.close()
+    return {"opened": len(conns), "kept_after_s": round(time.monotonic() - start, 1), "kept": kept}
+
+
+def window_overflow(port: int, seconds: float, tls_ca: Path | None) -> dict:
+    from hostile import WINDOW_UPDATE, Raw, frame
+
+    c = Raw(port, tls_ca=tls_ca, source=ATTACKER)
+    c.wait_settings()
+    start = time.monotonic()
+    c.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1)) * 2)
+    c.closed.wait(seconds)
+    return _outcome(c, start)
+
+
+def _outcome(c, start: float, **counts: object) -> dict:
+    closed = c.closed_at - start if c.closed_at is not None else None
+    goaway = c.goaway_at - start if c.goaway_at is not None else None
+    c.close()
+    return {**counts, "goaway_code": c.goaway_code, "goaway_after_s": None if goaway is None else round(goaway, 3),
+            "closed_after_s": None if closed is None else round(closed, 3), "acks": c.acks,
+            "acks_after_goaway": c.acks_after_goaway}
+
+
+# ------------------------------------------------------------------------------------- the run
+
+
+def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | None) -> dict:
+    server = Server(args.server_repo, args.bundle, certs, args.server_args.split())
+    tls_ca = certs["ca"] if certs else None
+    try:
+        seconds = args.seconds
+        probe_args = ["--probe", str(server.port), "--seconds", str(seconds + 2), "--interval", "0.1"]
+        probe = helper(*probe_args, *(["--tls-ca", str(tls_ca)] if tls_ca else []))
+        assert probe.stdout is not None and probe.stdout.readline().strip() == "ready", "the probe did not start"
+        load = None
+        if name == "overload":
+            load = helper("--load", str(server.port), "--callers", "500", "--texts", "64", "--seconds",
+                          str(seconds))
+        cpu0, t0, threads = server.cpu_seconds(), time.monotonic(), [server.threads()]
+        sampler_stop = threading.Event()
+
+        def sample() -> None:
+            while not sampler_stop.wait(0.1):
+                threads.append(server.threads())
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        if load is not None:
+            outcome = json.loads(load.communicate(timeout=seconds + 120)[0])
+        else:
+            outcome = {"ping-flood": ping_flood, "rapid-reset": rapid_reset, "zero-window": zero_window,
+                       "wrong-tokens": wrong_tokens, "idle": idle, "window-overflow": window_overflow}[name](
+                server.port, seconds, tls_ca)
+        time.sleep(max(0.0, seconds - (time.monotonic() - t0)))  # CPU over the whole window, after a cut too
+        wall = time.monotonic() - t0
+        cpu = server.cpu_seconds() - cpu0
+        sampler_stop.set()
+        authorised = json.loads(probe.communicate(timeout=60)[0])
+        alive = server.proc.poll() is None
+        cuts = [line.split(": ", 1)[1].strip() for line in server.lines if "serving.guard" in line]
+        return {"attack": name, "tls": certs is not None, "wall_s": round(wall, 2),
+                "server_cpu_cores": round(cpu / wall, 2), "server_threads_max": max(threads),
+                "server_alive": alive, "attacker": outcome, "authorised": authorised, "guard_log": cuts[:3]}
+    finally:
+        server.stop()
+
+
+def summary(r: dict) -> str:
+    """One cell: what the attack cost and what became of the attacker's connection(s)."""
+    a, who = r["attacker"], r["authorised"]
+    if r["attack"] == "overload":
+        refused = a.get("RESOURCE_EXHAUSTED", {})
+        cell = (f"{refused.get('calls', 0)} refusals, median {refused.get('p50_ms')} ms, p99 {refused.get('p99_ms')} "
+                f"ms; {a.get('OK', {}).get('calls', 0)} answered")
+    elif r["attack"] == "wrong-tokens":
+        cell = f"{a['answered']} refusals in {a['elapsed_s']} s ({a['answers_per_s']}/s)" + (
+            f", then {a['connections_refused']} connections not accepted (banned)" if a.get("connections_refused")
+            else "")
+    elif r["attack"] == "idle":
+        cell = f"{a['kept']} of {a['opened']} connections kept after {a['kept_after_s']} s"
+    elif r["attack"] == "zero-window":
+        cell = f"{a['connections_ended']} of {a['of']} connections ended within {a['elapsed_s']} s"
+    else:
+        first = a.get("first", a)
+        ended = "kept open" if first.get("closed_after_s") is None else f"ended after {first['closed_after_s']} s"
+        goaway = f"GOAWAY {first['goaway_code']} after {first['goaway_after_s']} s, " \
+            if first.get("goaway_code") is not None else "no GOAWAY, "
+        cell = "first connection: " + goaway + ended + (f", {first['acks_after_goaway']} PINGs answered after the "
+                                                        f"GOAWAY" if first.get("acks_after_goaway") else "")
+        if "connections" in a:
+            cell += f"; {a['connections']} connections in {r['wall_s']} s"
+    refusals = sum(who["errors"].values())
+    return (f"{cell}; server {r['server_cpu_cores']} cores, {r['server_threads_max']} threads at most; authorised "
+            f"p50/p99 {who['p50_ms']}/{who['p99_ms']} ms" + (f", {refusals} of {who['calls']} refused" if refusals
+                                                              else ""))
+
+
+def table(before: Path, after: Path) -> str:
+    """Markdown rows `| attack | before | after |` from two --json reports of the same attacks."""
+    old = {(r["attack"], r["tls"]): r for r in json.loads(before.read_text())["results"]}
+    rows = []
+    for r in json.loads(after.read_text())["results"]:
+        key = (r["attack"], r["tls"])
+        name = r["attack"] + (" (TLS)" if r["tls"] else "")
+        rows.append(f"| {name} | {summary(old[key]) if key in old else ''} | {summary(r)} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bundle", type=Path)
+    p.add_argument("--attacks", default=",".join(ATTACKS))
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--tls", action="store_true")
+    p.add_argument("--server-repo", type=Path, default=REPO)
+    p.add_argument("--server-args", default="", help="more server flags, e.g. '--max-workers 32'")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--table", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
+                   help="print markdown rows from two --json reports, and exit")
+    p.add_argument("--probe", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--load", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--interval", type=float, default=0.1, help=argparse.SUPPRESS)
+    p.add_argument("--tls-ca", help=argparse.SUPPRESS)
+    p.add_argument("--callers", type=int, default=500, help=argparse.SUPPRESS)
+    p.add_argument("--texts", type=int, default=64, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.table:
+        print(table(*args.table))
+        return 0
+    if args.probe:
+        probe_main(args)
+        return 0
+    if args.load:
+        load_main(args)
+        return 0
+    if args.bundle is None:
+        p.error("--bundle is required")
+    certs = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.tls:
+            from serving_fixtures import make_certs
+
+            certs = make_certs(Path(tmp))
+        results = []
+        for name in args.attacks.split(","):
+            result = run_attack(name, args, certs)
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": platform.machine(),
+              "cores": os.cpu_count(), "load_average": os.getloadavg(), "server_repo": str(args.server_repo),
+              "results": results}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,371 @@
+"""Protocol-level abuse against the real server (docs/RELIABILITY.md, "Protocol attacks"): each test is one attack
+of bench/protocol_attacks.py, made small, and fails on the server before the connection guard, the auth throttle
+and the admission refusal (serving/guard.py, serving/gate.py).
+
+The attacker connects from 127.0.0.2 (tests/hostile.py `source`), the authorised client from 127.0.0.1: to the
+server they are two machines, and its bans and limits are per address.
+
+  - PING flood and rapid reset (plain text and TLS): the connection is cut within seconds, the address banned,
+    the authorised client served meanwhile;
+  - answers that can never be sent (window 0): the connection is cut and the answers' budget freed;
+  - WINDOW_UPDATE past 2^31-1: gRPC does not answer FLOW_CONTROL_ERROR; the server keeps serving;
+  - connections: beyond the per-address limit the newest are cut, beyond the total gRPC closes them at accept;
+  - wrong tokens: after the limit, the address' calls are refused whatever their token, logged once, counted;
+  - a full server refuses a call at admission, before its body is read;
+  - every bad start is one line and exit 2; an open server warns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+from hostile import (
+    CANCEL,
+    END_HEADERS,
+    HEADERS,
+    PING,
+    RST_STREAM,
+    WINDOW_UPDATE,
+    HalfOpen,
+    Raw,
+    Unread,
+    frame,
+    request_block,
+)
+from procs import REPO
+from serving_fixtures import HeldRuns, ServerProcess, certs, running_server, secure_channel, target, wait_until
+
+from serving.app import SentimentServer
+from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
+from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
+
+__all__ = ["certs"]
+
+TOKEN = "protocol-token-0123456789abcdef"
+GOOD = [("authorization", f"Bearer {TOKEN}")]
+CLASSIFY = "/sentiment.v1.SentimentService/Classify"
+ATTACKER = "127.0.0.2"
+
+
+def _served(channel: grpc.Channel) -> float:
+    """An authorised Classify from 127.0.0.1 is answered; its latency in seconds."""
+    start = time.monotonic()
+    answer = pb_grpc.SentimentServiceStub(channel).Classify(pb.ClassifyRequest(texts=["Un bon livre."]), timeout=10,
+                                                            metadata=GOOD)
+    assert len(answer.results) == 1
+    return time.monotonic() - start
+
+
+def _cuts(s: SentimentServer, reason: str) -> float:
+    return s.metrics.registry.get_sample_value("sentiment_connections_cut_total", {"reason": reason}) or 0
+
+
+@contextmanager
+def _server(bundle: Path, tls: bool, certs: dict[str, Path]) -> Iterator[tuple[SentimentServer, grpc.Channel]]:
+    """A server with a token (and TLS), and an authorised channel to it that has been served once."""
+    extra = {"tls_cert": str(certs["server"]), "tls_key": str(certs["server_key"])} if tls else {}
+    with running_server(bundle, device="cpu", auth_token=TOKEN, **extra) as s:
+        channel = secure_channel(s, certs) if tls else grpc.insecure_channel(target(s))
+        with channel:
+            _served(channel)
+            yield s, channel
+
+
+def _flood(c: Raw, data: bytes, seconds: float) -> int:
+    """Send `data` again and again until the server ends the connection (or `seconds` pass); bytes sent."""
+    c.sock.settimeout(2)
+    sent, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end and not c.closed.is_set():
+        try:
+            c.sock.sendall(data)
+            sent += len(data)
+        except OSError:  # reset, or the server no longer reads (its socket filter drops the data)
+            break
+    return sent
+
+
+# ------------------------------------------------------------------------------------- floods
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
+def test_a_ping_flood_is_cut_and_its_address_banned(tiny_bundle: Path, certs: dict[str, Path], tls: bool) -> None:
+    """PINGs as fast as the socket takes them, after GOAWAY too_many_pings as before it. Before the guard gRPC sent
+    the GOAWAY but kept the connection for a second or more, and the peer could open the next at once (about a
+    core busy for as long as it went on); now the connection is cut, the address banned (its next connection is
+    not even accepted) and the authorised client is served meanwhile."""
+    with _server(tiny_bundle, tls, certs) as (s, channel):
+        c = Raw(s.port, tls_ca=certs["ca"] if tls else None, source=ATTACKER)
+        assert c.wait_settings()  # a flood sent before them is closed by gRPC itself
+        time.sleep(0.2)
+        try:
+            _flood(c, frame(PING, 0, 0, b"attacker") * 1000, 20)
+            assert c.closed.wait(10), "the flooding connection was not cut"
+        finally:
+            c.close()
+        # cut by the guard (or closed by gRPC itself once it had spent half its bucket): banned either way
+        wait_until(lambda: ATTACKER in s.guard.banned, 5, "the address banned")
+        assert _cuts(s, "flood") <= 1
+        with pytest.raises(OSError):  # banned: the listening socket's filter drops its SYN
+            Raw(s.port, tls_ca=certs["ca"] if tls else None, source=ATTACKER, timeout=2).close()
+        assert s.guard.banned.keys() == {ATTACKER}
+        assert _served(channel) < 1.0
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
+def test_rapid_reset_is_cut(tiny_bundle: Path, certs: dict[str, Path], tls: bool) -> None:
+    """HEADERS of an authorised Classify, then RST_STREAM at once, again and again: before, gRPC answered every
+    stream and never closed the connection; now it is cut, and the authorised client is served."""
+    with _server(tiny_bundle, tls, certs) as (s, channel):
+        c = Raw(s.port, tls_ca=certs["ca"] if tls else None, source=ATTACKER)
+        assert c.wait_settings()
+        time.sleep(0.2)
+        block = request_block(CLASSIFY, GOOD)
+        try:
+            sid, end = 1, time.monotonic() + 20
+            while time.monotonic() < end and not c.closed.is_set():
+                reset = struct.pack(">I", CANCEL)
+                batch = b"".join(frame(HEADERS, END_HEADERS, i, block) + frame(RST_STREAM, 0, i, reset)
+                                 for i in range(sid, sid + 400, 2))
+                if _flood(c, batch, 0.001) == 0:
+                    break
+                sid += 400
+            assert c.closed.wait(10), "the resetting connection was not cut"
+        finally:
+            c.close()
+        wait_until(lambda: _cuts(s, "flood") + _cuts(s, "resets") == 1, 5, "the cut counted")
+        assert _served(channel) < 1.0
+
+
+def test_a_peer_that_never_lets_answers_through_is_cut_and_its_answers_freed(tiny_bundle: Path) -> None:
+    """A connection with flow-control window 0 sends 30 authorised calls: their answers can never leave. Before,
+    they held their stream slots, gRPC's count of calls and the answers' budget until their deadline (none); now
+    the connection is cut once an answer has waited send_stall_s without a byte reaching the peer, and the
+    budget is back to 0."""
+    with running_server(tiny_bundle, device="cpu", auth_token=TOKEN, send_stall_s=1.0) as s, \
+            grpc.insecure_channel(target(s)) as channel:
+        message = pb.ClassifyRequest(texts=["Une réponse qui ne partira jamais."]).SerializeToString()
+        c = Unread(s.port, source=ATTACKER)
+        try:
+            for _ in range(30):
+                c.call(CLASSIFY, message, GOOD)
+            wait_until(lambda: s.gate.budget.used > 0, what="answers held for the peer")
+            assert c.closed.wait(15), "the connection that takes no answer was not cut"
+        finally:
+            c.close()
+        wait_until(lambda: _cuts(s, "stalled_answers") == 1, 5, "the cut counted")
+        wait_until(lambda: s.gate.budget.used == 0, what="the held answers' budget freed")
+        assert _served(channel) < 1.0
+
+
+def test_a_window_update_past_the_limit_does_no_harm(tiny_bundle: Path) -> None:
+    """RFC 9113 6.9.1: a WINDOW_UPDATE that takes the connection window past 2^31-1 is a FLOW_CONTROL_ERROR.
+    gRPC (1.85) answers nothing; what matters here: it costs nothing, and the server goes on serving everyone."""
+    with running_server(tiny_bundle, device="cpu", auth_token=TOKEN) as s, \
+            grpc.insecure_channel(target(s)) as channel:
+        c = Raw(s.port, source=ATTACKER)
+        try:
+            time.sleep(0.3)
+            c.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1)) * 4)
+            time.sleep(0.5)
+            assert _served(channel) < 1.0
+        finally:
+            c.close()
+
+
+# ------------------------------------------------------------------------------------- connections
+
+
+def test_connections_are_limited_per_address_and_in_total(tiny_bundle: Path) -> None:
+    """12 connections from one address with max_connections_per_peer 5: the 7 newest are cut (before: all kept,
+    each an fd until the idle limit of 300 s). 12 from another with max_connections 8: gRPC keeps 8 in all."""
+    with running_server(tiny_bundle, device="cpu", max_connections_per_peer=5) as s:
+        first = [Raw(s.port, source=ATTACKER) for _ in range(12)]
+        try:
+            wait_until(lambda: sum(c.closed.is_set() for c in first) == 7, 10, "7 connections cut")
+            assert not any(c.closed.is_set() for c in first[:5])  # the oldest stay
+            wait_until(lambda: _cuts(s, "per_peer_limit") == 7, 5, "the cuts counted")
+            wait_until(lambda: s.metrics.registry.get_sample_value("sentiment_connections") == 5, 5,
+                       "the gauge at 5")
+        finally:
+            for c in first:
+                c.close()
+    with running_server(tiny_bundle, device="cpu", max_connections=8) as s:
+        many = [Raw(s.port, source=f"127.0.0.{3 + i % 4}") for i in range(12)]
+        try:
+            wait_until(lambda: sum(c.closed.is_set() for c in many) == 4, 10, "4 connections closed by gRPC")
+            assert not any(c.closed.is_set() for c in many[:8])
+        finally:
+            for c in many:
+                c.close()
+
+
+# ------------------------------------------------------------------------------------- authentication
+
+
+def test_failed_authentication_is_throttled_per_address(tiny_bundle: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """auth_failures_per_peer 5 in 60 s: 12 wrong tokens from 127.0.0.2: 5 refused as wrong, 7 as blocked (before:
+    all 12 compared, refused alike, uncounted and unlogged: free guessing); then the right token from there is
+    refused as blocked too (the comparison's result is not used), while 127.0.0.1 is served. One log line,
+    counted in the metrics."""
+    with caplog.at_level(logging.WARNING, logger="serving.gate"), \
+            running_server(tiny_bundle, device="cpu", auth_token=TOKEN, auth_failures_per_peer=5,
+                           auth_failure_window_s=60) as s, grpc.insecure_channel(target(s)) as channel:
+        for token in ["wrong-token-00000000"] * 12 + [TOKEN]:
+            guess = HalfOpen(s.port, CLASSIFY, 1, metadata=[("authorization", f"Bearer {token}")], source=ATTACKER)
+            try:
+                assert guess.wait(lambda g=guess: g.open_count == 0, 10)
+                ended = list(guess.messages.values())
+            finally:
+                guess.close()
+            assert list(guess.ended.values()) == ["16"]  # UNAUTHENTICATED
+            if token == TOKEN:
+                assert "too many failed authentications" in ended[0]
+        values = lambda name: s.metrics.registry.get_sample_value(name)  # noqa: E731
+        assert values("sentiment_auth_failures_total") == 5
+        assert values("sentiment_auth_throttled_total") == 8
+        assert _served(channel) < 1.0
+    lines = [r.getMessage() for r in caplog.records if "failed authentications from 127.0.0.2" in r.getMessage()]
+    assert len(lines) == 1, lines
+
+
+# ------------------------------------------------------------------------------------- admission
+
+
+def test_a_full_queue_refuses_at_admission_before_the_body_is_read(tiny_bundle: Path) -> None:
+    """The batching queue full (max_queue 4, its one worker held inside a run): a call that sends its headers and
+    never its body is refused RESOURCE_EXHAUSTED at once. Before, it was admitted, waited for its body (up to
+    body_timeout_s, 600 s here), then was tokenized, and only then refused."""
+    with running_server(tiny_bundle, device="cpu", batch_workers=1, max_queue=4, max_texts=4,
+                        body_timeout_s=600) as s, grpc.insecure_channel(target(s)) as channel:
+        stub = pb_grpc.SentimentServiceStub(channel)
+        stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10)
+        with HeldRuns(s) as held:
+            running = stub.Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60)
+            assert held.wait_entered()
+            queued = stub.Classify.future(pb.ClassifyRequest(texts=["a", "b", "c", "d"]), timeout=60)
+            wait_until(lambda: s.batcher.queued == 4, what="the queue full")
+            late = HalfOpen(s.port, CLASSIFY, 1)
+            try:
+                assert late.wait(lambda: late.open_count == 0, 10), "the call waited for its body"
+                assert list(late.ended.values()) == ["8"]  # RESOURCE_EXHAUSTED
+                assert "queue full" in next(iter(late.messages.values()))
+            finally:
+                late.close()
+        assert len(running.result().results) == 1 and len(queued.result().results) == 4
+
+
+# ------------------------------------------------------------------------------------- bad starts
+
+
+def _start(bundle: Path | str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m serving.server` to its end, without the capabilities that let root read any file (so that a
+    file of another owner with mode 0600 is as unreadable to it as to any other user)."""
+    metrics = [] if "--metrics-port" in args else ["--no-metrics"]
+    cmd = [sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics, "--device", "cpu", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})}, preexec_fn=_drop_capabilities)
+
+
+def _drop_capabilities() -> None:
+    """In the child before exec: empty the capability bounding set (prctl PR_CAPBSET_DROP), so that root runs the
+    server without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (a no-op for other users, who have none)."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in range(64):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # 24 = PR_CAPBSET_DROP; EINVAL past the last capability
+            break
+
+
+def _unreadable(path: Path, mode: int) -> None:
+    """Owned by another user (nobody) with `mode`: unreadable to the server's user."""
+    os.chown(path, 65534, 65534)
+    path.chmod(mode)
+
+
+def _one_line_exit_2(out: subprocess.CompletedProcess[str], *names: str) -> None:
+    errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert out.returncode == 2 and len(errors) == 1, (out.returncode, out.stderr[-3000:])
+    assert "Traceback" not in out.stderr and all(n in errors[0] for n in names), errors
+
+
+@pytest.mark.parametrize("damage", ["folder 0700", "model 0600", "missing folder"])
+def test_an_unreadable_or_missing_bundle_is_one_line(tiny_bundle: Path, tmp_path: Path, damage: str) -> None:
+    """Files of another owner the server may not read. Before: the 0700 folder gave a PermissionError traceback
+    from contract/bundle.py, exit 1."""
+    bundle = Path(shutil.copytree(tiny_bundle, tmp_path / "bundle"))
+    if damage == "missing folder":
+        shutil.rmtree(bundle)
+    elif os.geteuid() != 0:
+        pytest.skip("changes a file's owner (root only)")
+    elif damage == "folder 0700":
+        _unreadable(bundle, 0o700)
+    else:
+        _unreadable(bundle / "model.onnx", 0o600)
+    _one_line_exit_2(_start(bundle), str(bundle))
+
+
+@pytest.mark.parametrize("bad", ["garbage cert", "key of another certificate", "unreadable key", "garbage CA"])
+def test_bad_tls_files_are_one_line(tiny_bundle: Path, certs: dict[str, Path], tmp_path: Path, bad: str) -> None:
+    """Before: a file that is not PEM, or a key that is not the certificate's, started the server (gRPC failed at
+    the first handshake, or its C core aborted); an unreadable one was a PermissionError traceback."""
+    cert, key, ca = certs["server"], certs["server_key"], None
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    if bad == "garbage cert":
+        cert = garbage
+    elif bad == "key of another certificate":
+        key = certs["client_key"]
+    elif bad == "garbage CA":
+        ca = garbage
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("changes a file's owner (root only)")
+        key = Path(shutil.copy(key, tmp_path / "key.pem"))
+        _unreadable(key, 0o600)
+    args = ["--tls-cert", str(cert), "--tls-key", str(key), *(["--tls-client-ca", str(ca)] if ca else [])]
+    _one_line_exit_2(_start(tiny_bundle, *args), "tls_")
+
+
+def test_a_taken_port_is_one_line_and_binds_nothing_else(tiny_bundle: Path) -> None:
+    """The gRPC port taken: exit 2 naming it, and the health port given beside it is free again at once (each port
+    is bound once by its listener, and released when a later one fails)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            health = probe.getsockname()[1]
+        out = _start(tiny_bundle, "--health-port", str(health), "--metrics-port", str(taken))
+        _one_line_exit_2(out, f"127.0.0.1:{taken}", "metrics")
+        with socket.socket() as again:
+            again.bind(("127.0.0.1", health))
+
+
+def test_serving_beyond_loopback_without_token_or_tls_warns(tiny_bundle: Path) -> None:
+    server = ServerProcess(tiny_bundle, "--device", "cpu", "--host", "0.0.0.0")
+    try:
+        server.wait_listening()
+        assert "with neither a bearer token nor TLS" in server.log
+    finally:
+        server.close()
+    quiet = ServerProcess(tiny_bundle, "--device", "cpu", "--host", "0.0.0.0", env={"SENTIMENT_AUTH_TOKEN": TOKEN})
+    try:
+        quiet.wait_listening()
+        assert "neither a bearer token nor TLS" not in quiet.log
+    finally:
+        quiet.close()
