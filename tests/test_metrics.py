@@ -8,7 +8,7 @@ import pytest
 from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_recall_fscore_support
 from sklearn.utils.class_weight import compute_class_weight
 
-from trainer.metrics import balanced_weights, confusion, one_line, summarize, table, warning
+from trainer.metrics import balanced_weights, confusion, summarize, summary_line, table, warning
 
 NAMES = ["neg", "neutral", "pos"]
 
@@ -29,7 +29,7 @@ def test_metrics_equal_scikit_learn(seed: int) -> None:
     assert m["macro_f1"] == pytest.approx(100 * f1_score(true, pred, average="macro", zero_division=0))
     assert m["majority_baseline"] == pytest.approx(100 * np.bincount(true).max() / len(true))
     assert m["never_predicted"] == ["neutral"] and m["predicted_counts"]["neutral"] == 0
-    assert "never predicts 'neutral'" in one_line(m)
+    assert "never predicts 'neutral'" in summary_line(m)
     text = warning(m, "test.jsonl")
     assert text is not None and text.startswith("warning: the model never predicts 'neutral' on test.jsonl")
     assert "finetune.class_weights=balanced" in text
