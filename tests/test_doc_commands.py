@@ -393,8 +393,9 @@ def _files_for(args: list[str], folder: Path) -> None:
         (folder / source).write_text("0123456789abcdef0123456789abcdef", encoding="utf-8")
 
 
-# Standard tools that feed or read our commands in a documented pipeline (`cut -f2 file | python -m trainer ...`).
-SHELL_TOOLS = ("cat", "cut", "head", "tail", "paste", "echo", "printf", "jq", "sort")
+# Standard tools, not ours to check: they feed or read our commands in a documented pipeline (`cut -f2 file |
+# python -m trainer ...`) or fetch a tree to measure against (`git archive REV | tar -x`).
+SHELL_TOOLS = ("cat", "cut", "head", "tail", "paste", "echo", "printf", "jq", "sort", "git", "tar", "mkdir")
 
 
 def without_redirections(tokens: list[str]) -> list[str]:
@@ -433,7 +434,7 @@ def check(command: Command) -> str:
         return ""
     head, args = tokens[0], tokens[1:]
     if head in SHELL_TOOLS and command.text != head:
-        return ""  # a standard tool feeding or reading one of ours in a pipeline
+        return ""  # a standard tool (SHELL_TOOLS)
     if not command.in_block and not args and head != "make":
         return ""  # a program named in prose (`python3`, `transfer-sentiment`), not a command
     if head in PYTHONS:
