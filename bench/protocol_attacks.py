@@ -396,13 +396,16 @@ def table(before: Path, after: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--bundle", type=Path)
-    p.add_argument("--attacks", default=",".join(ATTACKS))
-    p.add_argument("--seconds", type=float, default=5.0)
-    p.add_argument("--tls", action="store_true")
-    p.add_argument("--server-repo", type=Path, default=REPO)
+    p.add_argument("--bundle", type=Path, help="the bundle the server serves (bench/soak.py --make-bundle makes one)")
+    p.add_argument("--attacks", default=",".join(ATTACKS),
+                   help=f"comma-separated attacks to run, in order (default: all of {', '.join(ATTACKS)})")
+    p.add_argument("--seconds", type=float, default=5.0, help="how long each attack runs (default: 5)")
+    p.add_argument("--tls", action="store_true", help="serve and attack over TLS (a self-signed certificate)")
+    p.add_argument("--server-repo", type=Path, default=REPO,
+                   help="a checkout whose server to attack, e.g. an older tree for the before column "
+                        "(default: this one)")
     p.add_argument("--server-args", default="", help="more server flags, e.g. '--max-workers 32'")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="write the report of every attack to this JSON file")
     p.add_argument("--table", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
                    help="print markdown rows from two --json reports, and exit")
     p.add_argument("--probe", type=int, help=argparse.SUPPRESS)

@@ -100,7 +100,7 @@ class ServerConfig:
     # this long (0 = no ban). Behind a proxy or NAT a ban hits every client of that address
     auth_failures_per_peer: int = 10  # failed authentications one address may make in auth_failure_window_s;
     # past it all its calls are refused UNAUTHENTICATED (whatever their token) until the window ends
-    auth_failure_window_s: float = 10.0
+    auth_failure_window_s: float = 10.0  # seconds: the window auth_failures_per_peer counts in
     # Lifecycle
     drain_delay_s: float = 0.0  # after SIGTERM: health says NOT_SERVING but requests are still served this
     # long, so that load balancers watching health stop routing here first (Kubernetes-style); then grace_s begins

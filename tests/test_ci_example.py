@@ -103,7 +103,7 @@ def build_image(steps: dict[str, str], env: dict[str, str], bundle: Path, reques
             assert out.returncode == 0, out.stderr[-3000:]
             label, manifest = json.loads(out.stdout)
             assert manifest == (bundle / "manifest.json").read_text(encoding="utf-8")  # the bundle just exported
-            assert label in json.loads(manifest)["labels"]
+            assert label in json.loads(manifest)["label_names"]
         finally:
             run(["buildah", "rm", ctr], timeout=120)
     finally:

@@ -199,10 +199,11 @@ def test_build_tokenizer_trains_or_loads_and_checks_the_model_size(data_dir: Pat
     from_csv = build_tokenizer(override(cfg, {"data.pretrain": str(table), "data.text_field": "review"}))
     assert from_csv.pieces == tok.pieces
 
-    with pytest.raises(ConfigError, match=r"tokenizer.vocab_size=95 gives 99 ids .* model.vocab_size=100"):
+    with pytest.raises(ConfigError, match=r"tokenizer.vocab_size=95 plus the 4 specials give 99 ids, "
+                                          r"but model.vocab_size=100"):
         build_tokenizer(override(cfg, {"model.vocab_size": 100}))
 
     lab_cfg = override(cfg, {"tokenizer.kind": "lab", "model.vocab_size": 50_001})
     assert build_tokenizer(lab_cfg).vocab_size == 50_001
-    with pytest.raises(ConfigError, match=r"lab tokenizer has 50001 ids but model.vocab_size=99"):
+    with pytest.raises(ConfigError, match=r"the lab tokenizer: the tokenizer has 50001 ids, but model.vocab_size=99"):
         build_tokenizer(override(lab_cfg, {"model.vocab_size": 99}))
