@@ -33,7 +33,7 @@ ORT_CUDA_CHECK = from contract import runtime as r; problem = r.cuda_library_pro
 
 help:
 	@echo "make demo      set up, then pretrain -> fine-tune -> export -> serve on the default data"
-	@echo "make test      set up, then run the test suite (what CI runs)"
+	@echo "make test      set up, then run the test suite (what CI runs; TEST_WORKERS=2 processes)"
 	@echo "make test-slow the long suites (soak, large fuzz)"
 	@echo "make lint      ruff"
 	@echo "make proto     regenerate the gRPC code from proto/"
@@ -111,9 +111,16 @@ image-train-cuda:
 	$(CONTAINER_BUILD) -f Containerfile.train -t transfer-sentiment-train:cuda13 --build-arg BASE_IMAGE=$(TRAIN_CUDA_BASE) \
 	  --build-arg TORCH_INDEX=$(TRAIN_CUDA_TORCH_INDEX) --build-arg APT_PACKAGES="g++ python3-dev" $(BUILD_ARGS) .
 
+# The default suite runs in TEST_WORKERS pytest-xdist processes: most of its time is spent starting Python
+# subprocesses (DeepSpeed launchers and ranks, servers, CLIs) that use one core each, so 2 workers keep a 2-core
+# machine busy (docs/BENCHMARKS.md, "The test suite", has both times).
+# TEST_WORKERS=0 runs it in one process. Tests marked `serial` (attacks that race the server's own timers) run
+# after it, alone. test-slow runs in one process: it holds the timed benchmarks and the soak.
+TEST_WORKERS ?= 2
 test: setup triton-venv deploy-venv container-deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -m "serial and not slow"
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow

@@ -189,6 +189,7 @@ def trainjob_docs() -> list[dict]:
         path.unlink()
 
 
+@pytest.mark.slow  # 49 s; restart-is-resume runs by default under deepspeed (the SIGTERM test above)
 def test_trainjob_pods_as_local_processes_preempted_then_restarted(trainjob_docs: list[dict], volumes: Path,
                                                                    references: Callable[[str], str]) -> None:
     """The rendered TrainJob's pods (tests/train_pods.py: what Kubeflow Trainer, JobSet and the Job controller add)
@@ -235,6 +236,7 @@ def test_trainjob_pods_as_local_processes_preempted_then_restarted(trainjob_docs
     assert sha256(out) == references(env_of(pods[0])["OMP_NUM_THREADS"])
 
 
+@pytest.mark.slow  # 11 s; torchrun's rank environment, beside the deepspeed route that runs by default
 def test_a_whole_node_pod_under_torchrun(volumes: Path, reference: str) -> None:
     """A pod of 2 ranks (PET_NPROC_PER_NODE=2) needs a launcher: `torchrun --module trainer` reads the PET_*
     variables itself and the ranks take torchrun's RANK, LOCAL_RANK, LOCAL_WORLD_SIZE (deploy/train/README.md)."""
@@ -272,6 +274,7 @@ def _slurm_job_id() -> int:
     raise AssertionError("no free port between 20000 and 40000")
 
 
+@pytest.mark.slow  # 22 s; as above, for the Slurm payload
 def test_slurm_batch_script_at_its_time_limit_requeues_and_continues(volumes: Path, reference: str,
                                                                       tmp_path: Path) -> None:
     """launch/train.sbatch run as the batch step of a one-node, 2-task job, with srun and scontrol stand-ins

@@ -248,6 +248,7 @@ def test_default_bundle_has_one_fused_attention_node_per_layer(tiny_bundle):
     assert m["runtime"]["fused_attention"] is True and m["opset_imports"]["com.microsoft"] == 1
 
 
+@pytest.mark.slow  # 12 s; the unfused graph is an option, the default export is tested throughout
 def test_unfused_export_uses_plain_onnx_ops_and_validates(tiny_classifier_artifact, tmp_path):
     out = export_bundle(tiny_classifier_artifact, tmp_path / "plain", ExportOptions(fuse_attention=False))
     m = manifest_of(out)

@@ -73,7 +73,8 @@ def test_sigterm_without_a_launcher_exits_143_with_a_checkpoint(tmp_path: Path, 
     assert p.returncode == 0 and f"resumed at step {step}" in p.stderr, p.stderr[-3000:]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+# One rank is slow (15 s): two ranks go through the same launcher and signal path, and more.
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_ctrl_c_under_the_deepspeed_launcher_checkpoints_every_rank(tmp_path: Path, tiny_tokenizer_dir: Path,
                                                                     data_dir: Path, ranks: int) -> None:
     """SIGINT to the whole process group, as a terminal's Ctrl-C: launcher, ranks, all of them."""

@@ -112,6 +112,7 @@ def test_the_artifact_keeps_the_epoch_validation_picks_and_reports_its_own_test_
     assert "baseline: TF-IDF + logistic regression (word+char n-grams, C=" in p.stderr
 
 
+@pytest.mark.slow  # 62 s; tests/test_interrupt.py's Ctrl-C while fine-tuning covers resuming a fine-tune by default
 def test_an_interrupted_finetune_resumes_alone_into_the_same_artifact(run, user: Path) -> None:
     """--stop-at in the second epoch, then `--resume` with neither preset nor --set: the run's own config; the
     kept weights and every score equal the uninterrupted run's."""

@@ -57,6 +57,7 @@ def test_prepared_and_raw_text_runs_give_the_same_losses(base: list[str], tmp_pa
     assert all((a[k] == b[k]).all() for k in a)
 
 
+@pytest.mark.slow  # 16 s; the check itself runs by default in test_prepare.py (verify names a damaged file)
 def test_a_different_copy_on_one_node_stops_every_rank(base: list[str], tmp_path: Path) -> None:
     """Two nodes without shared storage, simulated: two launchers of a hostfile (no ssh), each in its own folder
     holding its own copy of the prepared folder at the same (relative) path. Node 1's copy has one byte changed:

@@ -234,6 +234,7 @@ def small_disk(tmp_path: Path) -> Iterator[tuple[Path, Callable[[str], None]]]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow  # 33 s; the SIGKILL-during-a-save test holds the same never-lose-the-last-checkpoint rule by default
 def test_full_disk_during_a_save(base: list[str], reference: dict[str, torch.Tensor],
                                 small_disk: tuple[Path, Callable[[str], None]]) -> None:
     out, grow = small_disk

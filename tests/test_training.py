@@ -108,7 +108,8 @@ def two_ranks_7(runs: dict[str, Path], base: list[str], zero: int) -> Path:
 # ---------------------------------------------------------------------------------------------- equivalence
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+# ZeRO-0 is slow (25 s): ZeRO-2 shards more and holds the same equality.
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 2])
 def test_two_ranks_equal_one_rank_with_twice_the_batch(runs: dict[str, Path], base: list[str], zero: int) -> None:
     one, two = weights(one_rank_14(runs, base, zero)), weights(two_ranks_7(runs, base, zero))
     assert max_diff(one, two) < 1e-5
@@ -152,6 +153,9 @@ def uninterrupted(runs: dict[str, Path], base: list[str]) -> Path:
     return once(runs, "full", lambda out: deepspeed([*base, *RESUME, "--out", str(out)]))
 
 
+# 51 s; in the default suite, tests/test_clusters.py's SIGTERM-then-same-command test holds the same property
+# (2 ranks, ZeRO-2).
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(runs: dict[str, Path], base: list[str]) -> None:
     full = uninterrupted(runs, base)
     out = runs["root"] / "halves"
@@ -166,6 +170,8 @@ def test_resume_equals_uninterrupted(runs: dict[str, Path], base: list[str]) -> 
     assert tags == ["step00000016", "step00000020", "step00000024"]
 
 
+# 35 s; a killed rank: tests/test_reliability_training.py's SIGKILL of rank 0 during a save runs by default.
+@pytest.mark.slow
 def test_sigkill_of_a_rank_then_resume_finishes(runs: dict[str, Path], base: list[str]) -> None:
     full = uninterrupted(runs, base)
     out = runs["root"] / "killed"
