@@ -44,7 +44,10 @@ sys.path.insert(0, str(REPO))
 
 DEFAULT_DATA = Path(os.environ.get("TS_DATA") or REPO.parent / "shared" / "data")
 RSS_GROWTH_LIMIT = 0.05  # end RSS may exceed the post-warm-up RSS by less than this fraction
+# The batcher's two refusals past max_queue: a request's texts that do not fit, and a call refused at admission
+# (before its body is read) when not one more text fits.
 QUEUE_FULL = re.compile(r"queue full: (\d+) texts waiting \+ (\d+) new > max_queue (\d+)")
+QUEUE_FULL_AT_ADMISSION = re.compile(r"queue full: (\d+) texts waiting, no room for one more \(max_queue (\d+)\)")
 ATOL = 1e-5  # served vs in-process probabilities (batched rows differ from lone rows by ~1e-6)
 
 
@@ -209,8 +212,9 @@ def run_load(port: int, texts: list[str], expected: np.ndarray, counts: np.ndarr
                     with rec.lock:
                         rec.wrong.append(f"texts {picks}: got {got.tolist()}, expected {expected[picks].tolist()}")
             elif code == "RESOURCE_EXHAUSTED":
-                m = QUEUE_FULL.search(details)
-                past = m and int(m.group(1)) + int(m.group(2)) > int(m.group(3)) and int(m.group(3)) == max_queue
+                m, a = QUEUE_FULL.search(details), QUEUE_FULL_AT_ADMISSION.search(details)
+                past = (m and int(m.group(1)) + int(m.group(2)) > int(m.group(3)) and int(m.group(3)) == max_queue
+                        or a and int(a.group(1)) >= int(a.group(2)) == max_queue)
                 if not past:
                     with rec.lock:
                         rec.bad_refusals.append(details)

@@ -133,9 +133,14 @@ class Batcher:
         self._compute([_Row(req, i, int(r.shape[0])) for i, r in enumerate(req.rows)])
 
     @property
-    def full(self) -> bool:
-        """No room for one more text (read without the lock: an estimate for admission; `submit` decides)."""
-        return (len(self._pending) if self.enabled else self._in_flight) >= self.max_queue
+    def full(self) -> str | None:
+        """Why there is no room for one more text, or None (read without the lock: an estimate for admission;
+        `submit` decides). Worded as `submit`'s refusal, with the figures, so that a client can tell the two apart
+        from other refusals (bench/soak.py does)."""
+        waiting = len(self._pending) if self.enabled else self._in_flight
+        if waiting < self.max_queue:
+            return None
+        return f"queue full: {waiting} texts waiting, no room for one more (max_queue {self.max_queue}); retry later"
 
     @property
     def queued(self) -> int:

@@ -291,8 +291,9 @@ class Gate(grpc.ServerInterceptor):
                  body_timeout_s: float, max_message_bytes: int, max_response_bytes: int,
                  auth_failures_per_peer: int = 10, auth_failure_window_s: float = 10.0,
                  reclaimer: Reclaimer | None = None, guard: Guard | None = None,
-                 queue_full: Callable[[], bool] = lambda: False) -> None:
-        """queue_full: the batcher has no room for one more text (model calls are then refused at admission)."""
+                 queue_full: Callable[[], str | None] = lambda: None) -> None:
+        """queue_full: why the batcher has no room for one more text, or None (model calls are then refused at
+        admission with that reason)."""
         self.metrics = metrics
         self.queue_full = queue_full
         self.guard = guard
@@ -368,8 +369,9 @@ class Gate(grpc.ServerInterceptor):
         if budget.spent:
             return Overloaded(f"{budget.used} bytes of answers wait for their clients (max_response_bytes_in_flight "
                               f"{budget.limit}); retry later")
-        if self.queue_full():
-            return Overloaded("queue full: no room for one more text in the batching queue (max_queue); retry later")
+        full = self.queue_full()
+        if full:
+            return Overloaded(full)
         return None
 
     def blocked_reply(self, address: str | None) -> Unauthenticated | None:
