@@ -22,9 +22,9 @@ FLOPs per token and
 achieved FLOP/s, and the utilisation against a matrix-multiply peak measured in the same process (bf16 on GPU, fp32
 on CPU).
 
-Data: cls-books-fr train reviews (`data.train`) with the preset's tokenizer (the lab's for --preset lab). LM: the
-reviews prepared as pretraining prepares them and read as packed next-token windows of --seq-len tokens
-(trainer/data/windows.py + pretrain.py's WindowBatcher, objective clm: full windows, no padding).
+Data: cls-books-fr train reviews (`data.train`) with the tokenizer of the --preset's config. LM: the reviews
+prepared as pretraining prepares them and read as packed next-token windows of --seq-len tokens
+(trainer/data/windows.py + trainer/tasks/pretrain.py's WindowBatcher, objective clm: full windows, no padding).
 Classifier: the reviews cut to --seq-len ids (tokenizer.max_len), labels from train.label.
 
 Model FLOPs per token (training = 3 x forward): 6 x N + 12 x L x d x T, where N counts the weights of every matrix
