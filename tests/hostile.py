@@ -26,6 +26,17 @@ import h2.events
 import h2.settings
 
 
+def _close(sock: socket.socket, reader: threading.Thread) -> None:
+    """Shut the socket down both ways (the reader then sees its end), close it, and let the reader finish."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+    if reader.is_alive():
+        reader.join(5)
+
+
 class _Connection:
     """An h2 client connection on a real socket, with a reader thread that records each stream's end."""
 
@@ -123,13 +134,7 @@ class _Connection:
 
     def close(self) -> None:
         """Closes the socket (the server sees every open stream cancelled)."""
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        if self._reader.is_alive():
-            self._reader.join(5)
+        _close(self.sock, self._reader)
 
 
 class HalfOpen(_Connection):
@@ -279,9 +284,4 @@ class Raw:
             self.reset_streams[stream] = int.from_bytes(payload[:4], "big")
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        self._reader.join(5)
+        _close(self.sock, self._reader)

@@ -1,5 +1,6 @@
 """bench/gpu_serve_check.sh off a GPU: its options, the carried onnxruntime-gpu's parts (joined, each checked, a
-missing or altered one named), shellcheck, and (slow) the whole CPU path on the tiny model with its summary."""
+missing or altered one named; shellcheck: test_shell_scripts.py), and (slow) the whole CPU path on the tiny model
+with its summary."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import pytest
 from procs import REPO
 
 SCRIPT = REPO / "bench" / "gpu_serve_check.sh"
-SHELLCHECK = Path(os.environ.get("TS_DEPLOY_TOOLS", REPO / ".venv-deploy" / "bin")) / "shellcheck"
 
 
 def _run(*args: str, tmp_path: Path, timeout: float = 120, env: dict[str, str] | None = None
@@ -147,16 +147,6 @@ def test_a_gpu_whose_cuda_provider_does_not_load_is_said_loudly(tmp_path: Path) 
     (warning,) = [x for x in run.stdout.splitlines() if "WARNING" in x]
     assert "CUDA provider does not load" in warning and problem.split(":")[0] in warning, warning
     assert (tmp_path / "out" / "device.txt").read_text().strip() == "cpu"
-
-
-def test_shellcheck_finds_nothing() -> None:
-    if not SHELLCHECK.exists():
-        message = f"{SHELLCHECK} missing: run `make deploy-venv`"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    run = subprocess.run([str(SHELLCHECK), str(SCRIPT)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stdout + run.stderr
 
 
 @pytest.mark.slow
