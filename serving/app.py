@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import ssl
+import sys
 import threading
 import time
 from concurrent import futures
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 
 SENTIMENT_SERVICE = sentiment_service_pb2.DESCRIPTOR.services_by_name["SentimentService"].full_name
 KSERVE_SERVICE = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-# Calls gRPC itself may hold at once besides our pools' threads (refusals queued for the refusal pool): past this
-# backstop gRPC refuses in its polling thread, before any of our code runs. Only a flood reaches it.
+# Calls gRPC itself may hold at once besides our pools' threads (calls queued for a thread: streams, health past its
+# pool; refusals and unary model calls never queue, serving/gate.py): past this backstop gRPC refuses in its polling
+# thread, before any of our code runs. Only a flood reaches it.
 _BACKSTOP = 512
 
 
@@ -70,9 +72,12 @@ def transport_options(cfg: ServerConfig, shared_port: bool = False) -> list[tupl
 
 def configure_process(cfg: ServerConfig) -> None:
     """Process-wide settings, once per server process and before the model's and gRPC's buffers exist: glibc's
-    mmap threshold (serving/memory.py). `python -m serving.server` and each worker call it; a server made inside
-    another program (a test) leaves that program's allocator as it is."""
+    mmap threshold (serving/memory.py) and the interpreter lock's switch interval (ServerConfig says why).
+    `python -m serving.server` and each worker call it; a server made inside another program (a test) leaves that
+    program's allocator and interpreter as they are."""
     fix_mmap_threshold(cfg.malloc_mmap_threshold_bytes)
+    if cfg.switch_interval_ms > 0:
+        sys.setswitchinterval(cfg.switch_interval_ms / 1000)
 
 
 class SentimentServer:

@@ -142,6 +142,14 @@ class Batcher:
             return None
         return f"queue full: {waiting} texts waiting, no room for one more (max_queue {self.max_queue}); retry later"
 
+    def no_room(self, texts: int) -> str | None:
+        """Why `texts` more texts would be refused now, or None: `submit`'s refusal, read without the lock (an
+        estimate, for a call that has not tokenized its texts yet; `submit` decides)."""
+        waiting = len(self._pending) if self.enabled else self._in_flight
+        if waiting + texts <= self.max_queue:
+            return None
+        return f"queue full: {waiting} texts waiting + {texts} new > max_queue {self.max_queue}; retry later"
+
     @property
     def queued(self) -> int:
         """Texts waiting for a batch."""

@@ -72,6 +72,11 @@ class ServerConfig:
     # request-sized buffers then come from the per-thread arenas, and the few still live pin their pages: +7-11%
     # RSS after the unread-answers attack (docs/RELIABILITY.md), +0.8-1.5% with it fixed here. 0 = glibc's own;
     # MALLOC_MMAP_THRESHOLD_ in the environment wins
+    switch_interval_ms: float = 1.0  # Python's interpreter-lock switch interval in the server process: how long
+    # a thread that wants the lock waits before its holder is made to drop it. Every call's events pass through
+    # gRPC's one polling thread, which waited that long behind the handler threads: with Python's 5 ms the intake
+    # became the bottleneck under overload and calls queued unseen in gRPC's core, before admission could refuse
+    # them (docs/RELIABILITY.md, "Protocol attacks"). 0 = Python's own
     health_workers: int = 4  # threads (and calls at once) for grpc.health.v1 on `port`, apart from max_workers
     max_streams_per_connection: int = 100  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: calls at once on one
     # connection (100: the floor RFC 9113 recommends); a client's further calls wait in the client
@@ -148,6 +153,7 @@ class ServerConfig:
         _in_range("body_timeout_s", self.body_timeout_s, 0.01, 3600.0, integer=False)
         _in_range("memory_reclaim_idle_s", self.memory_reclaim_idle_s, 0.0, 3600.0, integer=False)
         _in_range("malloc_mmap_threshold_bytes", self.malloc_mmap_threshold_bytes, 0, 32 * 1024 * 1024)
+        _in_range("switch_interval_ms", self.switch_interval_ms, 0.0, 100.0, integer=False)
         _in_range("health_workers", self.health_workers, 1, 1024)
         _in_range("max_streams_per_connection", self.max_streams_per_connection, 1, 1_000_000)
         _in_range("handshake_timeout_s", self.handshake_timeout_s, 0.1, 3600.0, integer=False)

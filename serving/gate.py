@@ -9,11 +9,13 @@ hostile client can exploit (measured with the hand-built HTTP/2 clients of tests
   - a request-streaming handler's behaviour is called at once with an iterator of messages, and the wire does not
     say whether a method is unary or streaming.
 So every handler is re-made here as request-streaming: a call without a valid token is refused from its metadata
-before its body is read (the refusal runs on a small pool of its own), and so is a model call when every model
-slot is taken or the answers in flight fill their budget (refused at admission, in gRPC's polling thread, not
-after a wait for a thread); every other call takes a slot (its own limit for model calls, another for health),
-then reads its message under a watchdog that cancels the call when the body has not arrived within
-`body_timeout_s`.
+before its body is read, and so is a model call when every model slot is taken, the answers in flight fill their
+budget or the batching queue is full; both refusals are made in gRPC's polling thread, where the call arrives,
+never after a wait for a thread. A unary model call takes its slot there too, before gRPC queues it for its pool,
+so that no admitted call waits in the pool's queue (under 500 closed-loop callers, calls admitted while slots were
+free queued there for seconds, to be refused or served late). Every other call takes a slot when its thread starts
+(its own limit for model calls, another for health). Then a call reads its message under a watchdog that cancels
+it when the body has not arrived within `body_timeout_s`.
 
 Failed authentications are counted per peer address (`AuthThrottle`): past `auth_failures_per_peer` in
 `auth_failure_window_s`, every call from that address is refused UNAUTHENTICATED until the window ends, with one
@@ -201,7 +203,7 @@ class _Throttle:
 
 
 class Slots:
-    """Calls in progress at once, up to `limit`; `take` refuses at once past it (no queue). A slot taken counts as
+    """Calls in progress at once, up to `limit`; past it a call is refused at once (no queue). A slot taken counts as
     work in progress for `reclaimer` (serving/memory.py), when given."""
 
     def __init__(self, limit: int, what: str, reclaimer: Reclaimer | None = None) -> None:
@@ -210,22 +212,46 @@ class Slots:
         self._lock = threading.Lock()
         self._reclaimer = reclaimer
 
-    @contextmanager
-    def take(self) -> Iterator[None]:
+    def acquire(self) -> Overloaded | None:
+        """Take a slot (then `release` it once), or say why none is free."""
         with self._lock:
             if self.used >= self.limit:
-                raise Overloaded(f"server busy: {self.used} {self.what} calls in progress (limit {self.limit}); "
-                                 "retry later")
+                return Overloaded(f"server busy: {self.used} {self.what} calls in progress (limit {self.limit}); "
+                                  "retry later")
             self.used += 1
         if self._reclaimer is not None:
             self._reclaimer.enter()
+        return None
+
+    def release(self) -> None:
+        with self._lock:
+            self.used -= 1
+        if self._reclaimer is not None:
+            self._reclaimer.leave()
+
+    @contextmanager
+    def take(self) -> Iterator[None]:
+        refusal = self.acquire()
+        if refusal is not None:
+            raise refusal
         try:
             yield
         finally:
-            with self._lock:
-                self.used -= 1
-            if self._reclaimer is not None:
-                self._reclaimer.leave()
+            self.release()
+
+
+class _Inline(futures.Executor):
+    """Runs what gRPC hands it at once, in the thread that hands it (gRPC's polling thread): for the behaviours that
+    only refuse, which never wait (no body read, no lock held long), so that a refusal costs no hand-over to
+    another thread, and no queue forms in front of it."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future:
+        future: futures.Future = futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as e:  # gRPC's wrapper catches the behaviour's own errors; this is only a safety net
+            future.set_exception(e)
+        return future
 
 
 class AuthThrottle:
@@ -305,8 +331,7 @@ class Gate(grpc.ServerInterceptor):
         self.model_slots = Slots(max_calls, "model", reclaimer)
         self.health_slots = Slots(health_workers, "health")
         self.health_pool = futures.ThreadPoolExecutor(health_workers, thread_name_prefix="health")
-        # Refusals only abort: two threads keep up with any rate the polling thread can hand them.
-        self.refusal_pool = futures.ThreadPoolExecutor(2, thread_name_prefix="refuse")
+        self.refusal_pool = _Inline()  # refusals only abort: done in gRPC's polling thread, where they arrive
         self.watchdog = Watchdog(body_timeout_s, on_fire=metrics.body_timeouts.inc)
         self.budget = ResponseBudget(max_response_bytes, metrics, reclaimer)
         self.max_message_bytes = max_message_bytes
@@ -315,7 +340,6 @@ class Gate(grpc.ServerInterceptor):
     def close(self) -> None:
         self.watchdog.close()
         self.health_pool.shutdown(wait=False, cancel_futures=True)
-        self.refusal_pool.shutdown(wait=False, cancel_futures=True)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
         if self.expected is None or details.method.startswith(HEALTH_PREFIX):
@@ -339,7 +363,12 @@ class Gate(grpc.ServerInterceptor):
             refusal = self.admission()
             if refusal is not None:
                 return self._refusal(handler, method, refusal)
-        call = _Call(self, method, self.health_slots if health else self.model_slots, model=not health)
+        # A unary model call takes its slot here, before gRPC queues it for a thread of its pool: a call that got
+        # past admission is one the pool has a thread for, never one that waits in the pool's queue to be refused
+        # there. (Streams, reflection's, take theirs when they start: a generator's code runs only once iterated.)
+        prepaid = not health and handler.unary_unary is not None
+        call = _Call(self, method, self.health_slots if health else self.model_slots, model=not health,
+                     prepaid=prepaid)
         parse = _safe(handler.request_deserializer)
         if handler.unary_unary is not None:
             made = grpc.stream_unary_rpc_method_handler(call.unary(handler.unary_unary), request_deserializer=parse,
@@ -357,6 +386,10 @@ class Gate(grpc.ServerInterceptor):
             for behavior in (made.stream_unary, made.stream_stream):
                 if behavior is not None:
                     behavior.experimental_thread_pool = self.health_pool
+        if prepaid:
+            refusal = self.model_slots.acquire()  # released when the behaviour ends (gRPC always runs it)
+            if refusal is not None:
+                return self._refusal(handler, method, refusal)
         return made
 
     def admission(self) -> Overloaded | None:
@@ -440,8 +473,8 @@ class Gate(grpc.ServerInterceptor):
     def _refusal(self, handler: grpc.RpcMethodHandler, method: str, error: ServingError,
                  auth: bool = False) -> grpc.RpcMethodHandler:
         """A request-streaming handler that only aborts: it never reads the body, so a client that never sends it
-        holds nothing; it runs on the refusal pool. auth: a failed authentication, counted against its address
-        (or answered as blocked once the address is)."""
+        holds nothing; it runs in gRPC's polling thread (`_Inline`). auth: a failed authentication, counted against
+        its address (or answered as blocked once the address is)."""
 
         def abort(requests: Iterator[Any], context: grpc.ServicerContext, *callback: Any) -> Any:
             refusal = error
@@ -463,30 +496,37 @@ class Gate(grpc.ServerInterceptor):
 
 
 class _Call:
-    """The behaviours of one call of `method`: each takes a slot, reads under the watchdog, maps errors to codes,
-    counts the call with the code its client got."""
+    """The behaviours of one call of `method`: each takes a slot (or holds the one taken at admission), reads under
+    the watchdog, maps errors to codes, counts the call with the code its client got."""
 
-    def __init__(self, gate: Gate, method: str, slots: Slots, model: bool) -> None:
-        self.gate, self.method, self.slots, self.model = gate, method, slots, model
+    def __init__(self, gate: Gate, method: str, slots: Slots, model: bool, prepaid: bool = False) -> None:
+        """prepaid: its slot was taken at admission; it is released when the behaviour ends."""
+        self.gate, self.method, self.slots, self.model, self.prepaid = gate, method, slots, model, prepaid
 
     @contextmanager
     def _served(self, context: grpc.ServicerContext) -> Iterator[None]:
         start, code = time.perf_counter(), None
         guard = self.gate.guard
-        peer = context.peer() if guard is not None or self.gate.expected is not None else ""
-        if guard is not None:
-            guard.call(peer)
+        prepaid, peer = self.prepaid, ""  # prepaid: a slot this call holds, released at the end whatever happens
         try:
+            if guard is not None or self.gate.expected is not None:
+                peer = context.peer()
+            if guard is not None:
+                guard.call(peer)
             if self.model:
                 blocked = self.gate.blocked_reply((peer_of(peer) or (peer, 0))[0])
                 if blocked is not None:  # after failed authentications: refused whatever its token
                     raise blocked
-            with self.slots.take():
-                if self.model and self.gate.budget.spent:  # refused before computing anything
-                    b = self.gate.budget
-                    raise Overloaded(f"{b.used} bytes of answers wait for their clients "
-                                     f"(max_response_bytes_in_flight {b.limit}); retry later")
-                yield
+            if not prepaid:
+                refusal = self.slots.acquire()
+                if refusal is not None:
+                    raise refusal
+                prepaid = True
+            if self.model and self.gate.budget.spent:  # refused before computing anything
+                b = self.gate.budget
+                raise Overloaded(f"{b.used} bytes of answers wait for their clients "
+                                 f"(max_response_bytes_in_flight {b.limit}); retry later")
+            yield
         except grpc.RpcError:
             code = "CANCELLED"  # the client went away: gRPC raised this itself and ends the call quietly
             if guard is not None:
@@ -504,6 +544,8 @@ class _Call:
             self.gate.log_internal(self.method, e)
             context.abort(grpc.StatusCode.INTERNAL, "internal server error (details in the server log)")
         finally:
+            if prepaid:
+                self.slots.release()
             if code is None:  # also a code set without raising (health Check's NOT_FOUND)
                 code = context.code().name if context.code() is not None else "OK"
             self.gate.metrics.requests.labels(self.method, code).inc()

@@ -26,7 +26,8 @@ the calls it cancelled and the answers it leaves unread. A connection is **cut**
   - **stalled answers**: an answer has waited `send_stall_s` for it and not one byte reached it meanwhile;
   - **limit**: it is one more than `max_connections_per_peer` from its address (the newest are cut), or it comes
     from an address banned for `ban_s` after one of the three offences above (or after gRPC closed one of its
-    connections itself once it had spent half its flood bucket, as it does after GOAWAY too_many_pings). A ban
+    connections itself, as it does after GOAWAY too_many_pings, once it had spent half its flood bucket, or spent
+    it three times faster than the bucket refills: `_flooded`). A ban
     also gives the listening sockets a filter that drops the address' packets: its SYNs go unanswered, so a
     banned peer cannot even open the next connection.
 To cut, the guard attaches a socket filter that drops every incoming segment that carries data (acknowledgements
@@ -316,9 +317,9 @@ class Guard:
         for conn in seen.values():
             if conn.cut is None:
                 self._judge(conn, reports.get(conn.peer, _Calls()), now)
-        for inode, gone in self.connections.items():  # gRPC closed it itself (GOAWAY too_many_pings) mid-flood:
-            # it had spent more than half its bucket on bytes no call explains
-            if inode not in seen and gone.cut is None and gone.bucket < self.capacity / 2 and self.ban_s > 0:
+        for inode, gone in self.connections.items():  # gRPC closed it itself (GOAWAY too_many_pings) mid-flood
+            if inode not in seen and gone.cut is None and self.ban_s > 0 and \
+                    self._flooded(gone, reports.get(gone.peer, _Calls()).credit, now):
                 self.banned[gone.peer[0]] = now + self.ban_s
                 self._log(gone.peer[0], "flood", f"{gone.peer[0]} banned for {self.ban_s:.0f} s: its connection "
                                                  f"{gone.peer[1]} ended while it flooded")
@@ -370,6 +371,16 @@ class Guard:
                                                        f"{now - oldest:.1f} s, and it took no byte for "
                                                        f"{now - conn.acked_moved:.1f} s (send_stall_s="
                                                        f"{self.send_stall_s})")
+
+    def _flooded(self, conn: _Connection, credit: int, now: float) -> bool:
+        """Whether a connection that gRPC closed itself was flooding: with what its calls explained since the last
+        reading (`credit`: a request read after that reading), it had spent half its bucket on bytes no call
+        explains, or at least half a second's allowance at over three times the allowed rate while the guard
+        watched it (its bucket down by more than twice the refill of that time). gRPC may close a flood within a
+        tick or two, on a loaded server before half the bucket is gone, and the address was then not banned."""
+        spent = self.capacity - min(self.capacity, conn.bucket + credit + self.rate * (now - conn.read_at))
+        watched = max(0.0, now - conn.opened)
+        return spent >= self.capacity / 2 or (spent >= self.rate / 2 and spent > 2 * self.rate * watched)
 
     def _offence(self, conn: _Connection, reason: str, detail: str) -> None:
         if self.ban_s > 0:

@@ -127,7 +127,7 @@ class Predictor:
         return self._runs
 
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
-        return [self.tokenizer.encode(t) for t in texts]
+        return self.tokenizer.encode_many(texts)
 
     def infer(self, rows: Sequence[np.ndarray]) -> np.ndarray:
         """Rows of ids -> (n, C) float32 probabilities: one onnxruntime run over the right-padded rows, or one run per

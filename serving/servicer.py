@@ -17,7 +17,7 @@ import grpc
 
 from serving.batcher import Batcher
 from serving.config import ServerConfig
-from serving.errors import DeadlineExpired, InvalidInput, NotReady
+from serving.errors import DeadlineExpired, InvalidInput, NotReady, Overloaded
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 from serving.predictor import Prediction, Predictor
@@ -98,6 +98,9 @@ class ServingCore:
             if not _LETTER_OR_DIGIT.search(t):
                 raise InvalidInput(f"texts[{i}]: no letter or digit (only punctuation, symbols, emoji, control or "
                                    "format characters): nothing to classify")
+        full = self.batcher.no_room(len(texts))
+        if full:  # refused before its texts are tokenized, work the batcher would throw away
+            raise Overloaded(full)
         encoded = self.predictor.encode(texts)
         for i, e in enumerate(encoded):
             if e.token_count <= 2:  # <sos> <eos> only: nothing to classify, answered as blank text is

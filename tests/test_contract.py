@@ -119,6 +119,24 @@ def test_the_lab_vocabulary_gives_the_labs_ids(data_dir: Path, tmp_path: Path) -
         assert enc.encode(text.rstrip("\n")).ids.tolist() == want, text[:80]
 
 
+def test_encode_many_equals_encode_text_by_text(data_dir: Path, tmp_path: Path) -> None:
+    """The server's request path encodes a call's texts in one go (`encode_many`): the same ids and truncation flags
+    as one text at a time, with a foreign vocabulary's holes, texts cut at max_len, and texts with no pieces."""
+    books = data_dir / "cls-books-fr"
+    folder = Tokenizer.from_lab(books / "sentencepiece.french.model", books / "dict.txt", 10_000).save(
+        tmp_path / "tokenizer")
+    enc = encoder_of(folder, max_len=37)  # odd-sized: many reviews are cut
+    with open(books / "valid.review.txt", encoding="utf-8", newline="\n") as f:
+        texts = [line.rstrip("\n") for line in itertools.islice(f, 150)]
+    texts += ["", "\u200b", "un livre ☃ superbe", "x"]
+    many = enc.encode_many(texts)
+    one = [enc.encode(t) for t in texts]
+    assert [(e.ids.tolist(), e.truncated) for e in many] == [(e.ids.tolist(), e.truncated) for e in one]
+    assert any(e.truncated for e in one) and any(not e.truncated for e in one)
+    assert any(OOV in e.ids.tolist() for e in one)
+    assert all(e.ids.dtype == np.int64 for e in many)
+
+
 def test_tokenizer_folder_refusals_name_the_file(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     def folder(name: str, **files: bytes) -> Path:
         f = Path(shutil.copytree(tiny_tokenizer_dir, tmp_path / name))

@@ -1,0 +1,82 @@
+"""The connection guard's judgement of a connection that gRPC closed itself (serving/guard.py `_flooded`), on real
+sockets of this process: a listener the guard watches, a peer from 127.0.0.2, the server's end closed as gRPC closes
+a connection after GOAWAY too_many_pings, and the guard's ticks run by hand (no thread, no timing race).
+
+Found under load (docs/RELIABILITY.md, "Protocol attacks"): gRPC may close a PING flood's connection within a tick
+or two, before the guard's bucket is half spent; its address was then not banned, and the flooder opened the next
+connection at once. A client that sent a request and hung up must not be banned for it.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from serving.guard import Guard
+from serving.metrics import Metrics
+
+RATE = 16 * 1024  # max_control_bytes_per_s, the default
+
+
+@contextmanager
+def watched_connection() -> Iterator[tuple[Guard, socket.socket, socket.socket]]:
+    """(guard, the peer's socket, the server's end of its connection), the guard having seen it once."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    guard = Guard([listener.getsockname()[1]], Metrics(), max_connections_per_peer=100, max_control_bytes_per_s=RATE,
+                  max_cancels_per_s=200, send_stall_s=1.0, ban_s=10.0, max_message_bytes=4 * 1024 * 1024)
+    peer = socket.socket()
+    peer.bind(("127.0.0.2", 0))
+    peer.connect(listener.getsockname())
+    server_end, _ = listener.accept()
+    try:
+        guard.tick()  # first sight: its counters are the baseline
+        assert len(guard.connections) == 1
+        yield guard, peer, server_end
+    finally:
+        for s in (peer, server_end, listener):
+            s.close()
+
+
+def _arrived(server_end: socket.socket, size: int) -> None:
+    """Wait until `size` bytes wait unread on the server's end (the kernel's count, as the guard reads it)."""
+    end = time.monotonic() + 5
+    while len(server_end.recv(size, socket.MSG_PEEK)) < size:
+        assert time.monotonic() < end, "the bytes did not arrive"
+        time.sleep(0.01)
+
+
+def test_a_flood_that_grpc_closed_before_half_the_bucket_was_spent_is_banned() -> None:
+    with watched_connection() as (guard, peer, server_end):
+        peer.sendall(b"\0" * 20_000)  # a fifth of a second's flood at 100 kB/s: no call explains it
+        _arrived(server_end, 20_000)
+        guard.tick()
+        assert not guard.banned  # a third of the bucket (64 KiB): not a flood yet
+        server_end.close()  # gRPC closes it (GOAWAY too_many_pings)
+        guard.tick()
+        assert "127.0.0.2" in guard.banned
+
+
+def test_a_peer_that_sent_a_little_and_hung_up_is_not_banned() -> None:
+    with watched_connection() as (guard, peer, server_end):
+        peer.sendall(b"\0" * 2_000)  # a few frames: under half a second's allowance
+        _arrived(server_end, 2_000)
+        guard.tick()
+        server_end.close()
+        guard.tick()
+        assert not guard.banned
+
+
+def test_a_request_read_after_the_last_look_is_credited_when_its_connection_ends() -> None:
+    """A client sends a 20 kB request, is answered and hangs up between two ticks: the guard saw the bytes before
+    the gate read (and credited) the message; the credit still counts when the connection is judged gone."""
+    with watched_connection() as (guard, peer, server_end):
+        peer.sendall(b"\0" * 20_000)
+        _arrived(server_end, 20_000)
+        guard.tick()
+        address, port = peer.getsockname()
+        guard.message(f"ipv4:{address}:{port}", 20_000)  # the gate read its message
+        server_end.close()
+        guard.tick()
+        assert not guard.banned
