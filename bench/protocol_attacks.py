@@ -337,7 +337,7 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
     try:
         seconds = args.seconds
         overload = name.startswith("overload")
-        interval = "0.02" if overload else "0.1"  # enough refusals for a p99
+        interval = str(args.probe_interval or (0.02 if overload else 0.1))  # overload: enough refusals for a p99
         probe_args = ["--probe", str(server.port), "--seconds", str(seconds + 2), "--interval", interval]
         probe = helper(*probe_args, *(["--tls-ca", str(tls_ca)] if tls_ca else []))
         assert probe.stdout is not None and probe.stdout.readline().strip() == "ready", "the probe did not start"
@@ -404,9 +404,9 @@ def summary(r: dict) -> str:
         if "connections" in a:
             cell += f"; {a['connections']} connections in {r['wall_s']} s"
     refusals = sum(who["errors"].values())
+    refused = f", {refusals} of {who['calls']} refused" if refusals else ""
     return (f"{cell}; server {r['server_cpu_cores']} cores, {r['server_threads_max']} threads at most; authorised "
-            f"p50/p99 {who['p50_ms']}/{who['p99_ms']} ms" + (f", {refusals} of {who['calls']} refused" if refusals
-                                                              else ""))
+            f"p50/p99 {who['p50_ms']}/{who['p99_ms']} ms (max {who['max_ms']}){refused}")
 
 
 def table(before: Path, after: Path) -> str:
@@ -433,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-args", default="", help="more server flags, e.g. '--max-workers 32'")
     p.add_argument("--overload-rate", type=float, default=200.0,
                    help="calls of 64 texts per second in the overload-rate attack (default: 200)")
+    p.add_argument("--probe-interval", type=float, default=0.0,
+                   help="seconds between the authorised client's calls (default: 0.1, and 0.02 in the overloads)")
     p.add_argument("--json", type=Path, help="write the report of every attack to this JSON file")
     p.add_argument("--table", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
                    help="print markdown rows from two --json reports, and exit")

@@ -98,7 +98,8 @@ class ServerConfig:
     max_control_bytes_per_s: int = 16 * 1024  # bytes a connection may send that none of its calls explain (PING,
     # SETTINGS, WINDOW_UPDATE, RST_STREAM...), with 4 s of burst; past it the connection is cut (a flood)
     max_cancels_per_s: int = 200  # calls one connection may cancel in a second; past it the connection is cut
-    # (rapid reset of calls that reached the server)
+    # (rapid reset of calls that reached the server). A quarter of it cut when they were cancelled within a second
+    # of their start, not by their deadline, and are more than half of the connection's calls (serving/guard.py)
     send_stall_s: float = 1.0  # a connection is cut once an answer has waited this long for it and not one byte
     # reached it meanwhile (flow-control window 0, or a peer that does not read)
     ban_s: float = 10.0  # after a flood, resets or stalled answers, new connections from that address are cut for

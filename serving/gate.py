@@ -51,7 +51,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from serving.errors import BodyTimeout, InvalidInput, Overloaded, ServingError, Unauthenticated
-from serving.guard import Guard, peer_of
+from serving.guard import PREMATURE_S, Guard, peer_of
 from serving.memory import Reclaimer
 from serving.metrics import Metrics
 
@@ -529,8 +529,10 @@ class _Call:
             yield
         except grpc.RpcError:
             code = "CANCELLED"  # the client went away: gRPC raised this itself and ends the call quietly
-            if guard is not None:
-                guard.cancelled(peer)
+            if guard is not None:  # premature: cancelled by its client soon after its start, not by its deadline
+                left = context.time_remaining()
+                soon = time.perf_counter() - start < PREMATURE_S
+                guard.cancelled(peer, premature=soon and (left is None or left > 0))
             raise
         except ServingError as e:
             code = e.code

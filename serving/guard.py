@@ -21,8 +21,10 @@ the calls it cancelled and the answers it leaves unread. A connection is **cut**
     run the bucket into debt by up to the largest message, and a stream gRPC has started that the gate has not
     heard of yet adds STREAM_CREDIT, and a message gRPC has received that the gate has not read yet the largest
     message allowed (gRPC's channelz, looked at only when a bucket runs empty);
-  - **resets**: it cancels more than `max_cancels_per_s` of its calls in a second (rapid reset of calls that
-    reached the server);
+  - **resets**: it cancels more than `max_cancels_per_s` of its calls in a second, or at least a quarter of that
+    many within PREMATURE_S of their start when they are more than half of the calls it started in that second
+    (rapid reset of calls that reached the server; the ratio is Envoy's premature-reset rule: a client whose
+    calls mostly complete is not cut for cancelling some, and a reset flood is cut at a quarter of the count);
   - **stalled answers**: an answer has waited `send_stall_s` for it and not one byte reached it meanwhile;
   - **limit**: it is one more than `max_connections_per_peer` from its address (the newest are cut), or it comes
     from an address banned for `ban_s` after one of the three offences above (or after gRPC closed one of its
@@ -35,11 +37,11 @@ and FIN still pass, so the close completes) and shuts the socket down both ways,
 descriptor whose inode it has checked first: gRPC reads what was already queued, sees the end, and closes the
 connection and its calls itself, within a tick or two. The peer sees its connection end.
 
-What it costs: one scan of the process' descriptors and a few system calls per gRPC connection every TICK_S,
-channelz only for a connection whose bucket runs empty, and nothing on the request path but a few dictionary
-updates per call. What it does
-not see: frames themselves (TLS hides them from it, and it never reads the bytes), so a flood within the allowance
-of the calls a peer keeps open is not recognised (docs/RELIABILITY.md, "Known limits").
+What it costs: one scan of the process' descriptors and a few system calls per gRPC connection every TICK_S (and at
+once when a connection's premature resets reach their limit), channelz only for a connection whose bucket runs
+empty, and nothing on the request path but a few dictionary updates per call. What it does not see: frames
+themselves (TLS hides them from it, and it never reads the bytes), so a flood within the allowance of the calls a
+peer keeps open is not recognised (docs/RELIABILITY.md, "Known limits").
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ STREAM_CREDIT = REFUSED_CREDIT + CALL_CREDIT  # a stream gRPC started that the g
 # message, once gRPC has all of it, adds up to the largest message allowed: gRPC widens a stream's window to take a
 # whole message before any thread reads it)
 BUCKET_SECONDS = 4.0  # the flood bucket holds this many seconds of max_control_bytes_per_s
+PREMATURE_S = 1.0  # a call its client cancels within this long of its start is a premature reset (Envoy's term)
 FLOOD_PERSIST_S = 0.5  # a connection is a flood once its bucket has stayed empty this long: the bodies of a burst
 # of calls can arrive a tick or two before the gate has read (and credited) them
 _LOG_EVERY_S = 10.0  # one log line per peer address and reason per this long
@@ -160,7 +163,9 @@ class _Calls:
     """What the gate reported for one connection since the last tick."""
 
     credit: int = 0
+    started: int = 0  # calls that reached the gate
     cancels: int = 0
+    premature: int = 0  # of the cancels, calls cancelled within PREMATURE_S of their start
     waiting: int = 0  # calls waiting for their request message now
     held: dict[int, float] = field(default_factory=dict)  # answer id -> time.monotonic() it was built
 
@@ -177,6 +182,8 @@ class _Connection:
     acked: int = -1  # tcpi_bytes_acked at the last tick
     acked_moved: float = 0.0  # time.monotonic() tcpi_bytes_acked last grew
     cancels: list[float] = field(default_factory=list)  # times of recent cancellations
+    premature: list[float] = field(default_factory=list)  # times of recent premature ones
+    started: list[float] = field(default_factory=list)  # times of its recent calls
     streams: int = -1  # streams gRPC had started on it at the last look into channelz (-1: never looked)
     messages: int = -1  # messages gRPC had received on it then
     empty_since: float | None = None  # time.monotonic() its flood bucket went below its floor
@@ -197,6 +204,7 @@ class Guard:
         self.rate = float(max_control_bytes_per_s)
         self.capacity = BUCKET_SECONDS * self.rate
         self.max_cancels = max_cancels_per_s
+        self.max_premature = max(1, max_cancels_per_s // 4)  # premature resets in 1 s that cut (when most calls)
         self.send_stall_s, self.ban_s = send_stall_s, ban_s
         self.max_message_bytes = max_message_bytes
         self.connections: dict[int, _Connection] = {}  # inode -> connection
@@ -209,11 +217,13 @@ class Guard:
         self._filtered: frozenset[str] = frozenset()  # the addresses the listeners' filter drops now
         self._logged: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a tick now rather than at the next TICK_S: a peer's resets past the limit
         self._thread = threading.Thread(target=self._run, name="connection-guard", daemon=True)
 
     # ----------------------------------------------------------------------------------- reports from the gate
 
-    def _report(self, context_peer: str, credit: int = 0, cancels: int = 0, waiting: int = 0) -> None:
+    def _report(self, context_peer: str, credit: int = 0, cancels: int = 0, waiting: int = 0, started: int = 0,
+                premature: int = 0) -> None:
         peer = peer_of(context_peer)
         if peer is None:
             return
@@ -223,10 +233,14 @@ class Guard:
                 calls = self._calls[peer] = _Calls()
             calls.credit += credit
             calls.cancels += cancels
+            calls.premature += premature
+            calls.started += started
+            if premature and calls.premature == self.max_premature:  # a reset flood: judged now, not at the tick
+                self._wake.set()
             calls.waiting += waiting
 
     def call(self, peer: str) -> None:
-        self._report(peer, credit=CALL_CREDIT)
+        self._report(peer, credit=CALL_CREDIT, started=1)
 
     def message(self, peer: str, size: int) -> None:
         self._report(peer, credit=size + 5)  # + gRPC's length prefix
@@ -237,8 +251,9 @@ class Guard:
     def waiting(self, peer: str, delta: int) -> None:
         self._report(peer, waiting=delta)
 
-    def cancelled(self, peer: str) -> None:
-        self._report(peer, cancels=1)
+    def cancelled(self, peer: str, premature: bool = False) -> None:
+        """A call of `peer` was cancelled by its client; premature: within PREMATURE_S of its start."""
+        self._report(peer, cancels=1, premature=int(premature))
 
     def hold(self, peer: str) -> int | None:
         """An answer was built for `peer` and waits to be delivered; returns its id for `release` (None: not
@@ -277,11 +292,16 @@ class Guard:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(5)
 
     def _run(self) -> None:
-        while not self._stop.wait(TICK_S):
+        while True:
+            self._wake.wait(TICK_S)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.tick()
             except Exception:  # a bug here must not stop the guard for good
@@ -328,6 +348,8 @@ class Guard:
         self.metrics.connections.set(sum(c.cut is None for c in seen.values()))
 
     def _judge(self, conn: _Connection, calls: _Calls, now: float) -> None:
+        if self._resets(conn, calls, now):  # from the gate's reports alone: judged at first sight too
+            return
         received, read_at = conn.received, conn.read_at
         if not self._read_counters(conn, now):
             return
@@ -357,12 +379,6 @@ class Guard:
             self._offence(conn, "flood", f"{-conn.bucket:.0f} bytes in {now - conn.empty_since:.1f} s beyond what "
                                          f"its calls explain (max_control_bytes_per_s={self.rate:.0f})")
             return
-        # resets: calls cancelled by the peer in the last second
-        conn.cancels = [t for t in conn.cancels if now - t < 1.0] + [now] * calls.cancels
-        if len(conn.cancels) > self.max_cancels:
-            self._offence(conn, "resets", f"{len(conn.cancels)} calls cancelled in 1 s "
-                                          f"(max_cancels_per_s={self.max_cancels})")
-            return
         # stalled answers: one has waited send_stall_s and not one byte reached the peer meanwhile
         if calls.held:
             oldest = min(calls.held.values())
@@ -381,6 +397,24 @@ class Guard:
         spent = self.capacity - min(self.capacity, conn.bucket + credit + self.rate * (now - conn.read_at))
         watched = max(0.0, now - conn.opened)
         return spent >= self.capacity / 2 or (spent >= self.rate / 2 and spent > 2 * self.rate * watched)
+
+    def _resets(self, conn: _Connection, calls: _Calls, now: float) -> bool:
+        """Calls cancelled by the peer in the last second: too many, or too many premature ones (cut: True)."""
+        conn.cancels = [t for t in conn.cancels if now - t < 1.0] + [now] * calls.cancels
+        conn.premature = [t for t in conn.premature if now - t < 1.0] + [now] * calls.premature
+        conn.started = [t for t in conn.started if now - t < 1.0] + [now] * calls.started
+        early = len(conn.premature)
+        started = max(early, len(conn.started))  # calls started before the guard first saw it are not counted
+        if len(conn.cancels) > self.max_cancels:
+            self._offence(conn, "resets", f"{len(conn.cancels)} calls cancelled in 1 s "
+                                          f"(max_cancels_per_s={self.max_cancels})")
+            return True
+        if early >= self.max_premature and 2 * early > started:
+            self._offence(conn, "resets", f"{early} of its {started} calls in 1 s cancelled within {PREMATURE_S} s "
+                                          f"of their start (more than half, and max_cancels_per_s/4="
+                                          f"{self.max_premature} or more)")
+            return True
+        return False
 
     def _offence(self, conn: _Connection, reason: str, detail: str) -> None:
         if self.ban_s > 0:

@@ -80,3 +80,32 @@ def test_a_request_read_after_the_last_look_is_credited_when_its_connection_ends
         server_end.close()
         guard.tick()
         assert not guard.banned
+
+
+def _calls(guard: Guard, peer: socket.socket, started: int, cancelled: int, premature: bool) -> None:
+    """What the gate reports for `started` calls of the peer's connection, `cancelled` of them by their client."""
+    address, port = peer.getsockname()
+    for _ in range(started):
+        guard.call(f"ipv4:{address}:{port}")
+    for _ in range(cancelled):
+        guard.cancelled(f"ipv4:{address}:{port}", premature=premature)
+
+
+def test_a_connection_whose_calls_are_mostly_reset_at_once_is_cut_at_a_quarter_of_the_cancel_limit() -> None:
+    """Rapid reset with a valid token: 60 calls, all cancelled by the client within a second of their start. Before,
+    only more than max_cancels_per_s (200) cancels in a second cut, which a reset flood reached after 0.55 s, and
+    an authorised client's calls beside it waited up to 190 ms."""
+    with watched_connection() as (guard, peer, _server_end):
+        _calls(guard, peer, started=60, cancelled=60, premature=True)
+        guard.tick()
+        assert "127.0.0.2" in guard.banned
+        assert guard.metrics.registry.get_sample_value("sentiment_connections_cut_total", {"reason": "resets"}) == 1
+
+
+def test_a_client_whose_calls_mostly_complete_or_end_late_is_not_cut_for_its_cancels() -> None:
+    with watched_connection() as (guard, peer, _server_end):
+        _calls(guard, peer, started=300, cancelled=60, premature=True)  # a fifth of its calls
+        guard.tick()
+        _calls(guard, peer, started=60, cancelled=60, premature=False)  # cancelled after a second (or by deadline)
+        guard.tick()
+        assert not guard.banned
