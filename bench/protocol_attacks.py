@@ -30,6 +30,8 @@ the authorised client's p50/p99/max and refusals. Attacks:
                   20 ms, one text, its own process and connection): how fast a call that will not be served is
                   refused, seen from outside the server, and apart from the load generator's own queueing
   window-overflow WINDOW_UPDATE on the connection past 2^31-1 (RFC 9113 6.9.1: a FLOW_CONTROL_ERROR GOAWAY)
+  none            no attack: the server's CPU with the authorised client alone (what an attack's CPU adds is the
+                  difference)
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ TOKEN = "protocol-attack-token-0123456789"
 CLASSIFY = "/sentiment.v1.SentimentService/Classify"
 ATTACKER = "127.0.0.2"
 ATTACKS = ["ping-flood", "rapid-reset", "zero-window", "wrong-tokens", "idle", "overload", "overload-rate",
-           "window-overflow"]
+           "window-overflow", "none"]
 
 
 # ------------------------------------------------------------------------------------- processes
@@ -319,6 +321,12 @@ def window_overflow(port: int, seconds: float, tls_ca: Path | None) -> dict:
     return _outcome(c, start)
 
 
+def no_attack(port: int, seconds: float, tls_ca: Path | None) -> dict:
+    """The authorised client alone: the server's CPU without an attacker, to subtract from the attacks' figures."""
+    time.sleep(seconds)
+    return {}
+
+
 def _outcome(c, start: float, **counts: object) -> dict:
     closed = c.closed_at - start if c.closed_at is not None else None
     goaway = c.goaway_at - start if c.goaway_at is not None else None
@@ -359,7 +367,8 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
             outcome = json.loads(load.communicate(timeout=seconds + 120)[0])
         else:
             outcome = {"ping-flood": ping_flood, "rapid-reset": rapid_reset, "zero-window": zero_window,
-                       "wrong-tokens": wrong_tokens, "idle": idle, "window-overflow": window_overflow}[name](
+                       "wrong-tokens": wrong_tokens, "idle": idle, "window-overflow": window_overflow,
+                       "none": no_attack}[name](
                 server.port, seconds, tls_ca)
         time.sleep(max(0.0, seconds - (time.monotonic() - t0)))  # CPU over the whole window, after a cut too
         wall = time.monotonic() - t0
@@ -386,6 +395,8 @@ def summary(r: dict) -> str:
                 + (f", {others}" if others else "")
                 + f"; the authorised client's refusals p50/p99 {who.get('refused_p50_ms')}/"
                 f"{who.get('refused_p99_ms')} ms")
+    elif r["attack"] == "none":
+        cell = "no attack (the authorised client alone)"
     elif r["attack"] == "wrong-tokens":
         cell = f"{a['answered']} refusals in {a['elapsed_s']} s ({a['answers_per_s']}/s)" + (
             f", then {a['connections_refused']} connections not accepted (banned)" if a.get("connections_refused")
