@@ -468,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.bundle is None:
         p.error("--bundle is required")
+    from contract.bundle import verify_bundle
+
+    try:
+        verify_bundle(args.bundle)  # a missing or damaged bundle: one line, exit 2, before any server starts
+    except ValueError as e:
+        p.error(f"--bundle: {e}")
     certs = None
     with tempfile.TemporaryDirectory() as tmp:
         if args.tls:

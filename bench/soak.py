@@ -415,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.bundle:
         ap.error("--bundle is required (or --make-bundle DIR first)")
+    from contract.bundle import verify_bundle
+
+    try:
+        verify_bundle(args.bundle)  # a missing or damaged bundle: one line, exit 2, before any process starts
+    except ValueError as e:
+        ap.error(f"--bundle: {e}")
     for name in ("seconds", "warmup", "window", "timeout"):
         if getattr(args, name) < 0 or (name != "warmup" and getattr(args, name) == 0):
             ap.error(f"--{name} must be > 0, got {getattr(args, name)}")

@@ -1,11 +1,11 @@
 """The soak (bench/soak.py) in short: the same script, a real server subprocess, 20 s of load.
 
-The full soak (10 minutes at concurrency 128, docs/RELIABILITY.md) is run by hand; this wrapper keeps the script
-working and checks its refusal accounting: with a queue of 16 texts and 48 callers sending 2 texts each, the
-queue overflows, and every refusal must be a queue refusal past that limit while every answer stays right.
-RSS growth is reported but not judged here: 20 s measure no steady state (the full soak warms up 3 minutes); what is
-judged is that the client's counts agree with the server's own and that the RSS is the server's, sampled during the
-load.
+The missing-bundle check runs in the default suite; the rest is slow. The full soak (10 minutes at concurrency 128,
+docs/RELIABILITY.md) is run by hand; this wrapper keeps the script working and checks its refusal accounting: with a
+queue of 16 texts and 48 callers sending 2 texts each, the queue overflows, and every refusal must be a queue
+refusal past that limit while every answer stays right. RSS growth is reported but not judged here: 20 s measure no
+steady state (the full soak warms up 3 minutes); what is judged is that the client's counts agree with the server's
+own and that the RSS is the server's, sampled during the load.
 """
 
 from __future__ import annotations
@@ -50,3 +50,14 @@ def test_soak_script_short_run(tiny_bundle: Path, data_dir: Path, tmp_path: Path
     times = [t for t, _ in r["rss_samples_mib"]]
     assert len(times) >= 6 and times == sorted(times) and times[-1] <= 25 + 5, times
     assert "| window |" in run.stdout
+
+
+@pytest.mark.parametrize("script", ["bench/soak.py", "bench/protocol_attacks.py"])
+def test_a_missing_bundle_is_one_line_before_any_process_starts(script: str, tmp_path: Path) -> None:
+    """Before, the soak died in a traceback from the predictor, and the attacks script in one of its own
+    (RuntimeError: server did not start) after starting a server."""
+    missing = tmp_path / "no-bundle"
+    p = subprocess.run([sys.executable, script, "--bundle", str(missing)], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.splitlines()[-1].endswith(f"error: --bundle: {missing}: bundle folder not found")

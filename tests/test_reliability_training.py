@@ -38,6 +38,7 @@ from procs import BIN, REPO, env, free_port
 from safetensors.torch import load_file
 
 from trainer.engine import checkpoint as ckpt
+from trainer.engine.distributed import hold_run
 
 # 2 ranks x micro 7 x accumulation 2, ZeRO-2, dropout on, warmup + cosine: the resume must replay all of it exactly.
 # Checkpoints at steps 4, 8, 12, 16 (the last one also holds done=True).
@@ -397,6 +398,29 @@ def test_out_under_a_file_or_on_a_read_only_mount(base: list[str], tmp_path: Pat
                                      "system")
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+HOLD = ("import sys, time; from pathlib import Path; from trainer.engine.distributed import hold_run; "
+        "assert hold_run(Path(sys.argv[1])) == ''; print('held', flush=True); time.sleep(600)")
+
+
+def test_a_second_run_into_a_folder_being_written_stops_before_writing(base: list[str], tmp_path: Path) -> None:
+    """Two runs into one --out (a job started twice, a replacement pod while the old one still runs): before, both
+    trained and wrote one checkpoints/ folder and one `latest`; now the second stops with one line naming the run
+    that holds the folder, and writes nothing there. The lock goes with its process, however it ends."""
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = procs.popen([str(BIN / "python"), "-c", HOLD, str(out)], stdout=subprocess.PIPE, cwd=REPO, env=env())
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        for stage in ("pretrain", "finetune"):
+            line = one_error_line(trainer_cli([stage, *base, "--out", str(out)]))
+            assert line.startswith(f"error: {out} is being written by another run (pid {holder.pid} on "), line
+            assert line.endswith("wait for it to end or stop it, then --resume, or choose another --out"), line
+            assert [f.name for f in out.iterdir()] == [".run.lock"]
+    finally:
+        procs.kill_group(holder)  # SIGKILL: nothing of it runs on the way out
+    assert hold_run(out) == ""  # free at once
 
 
 # ---------------------------------------------------------------------------------------------- randomized (slow)

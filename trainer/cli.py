@@ -28,7 +28,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, tokenizer_help: str) -> N
     """The options of `pretrain` and `finetune` (loop.RunOptions)."""
     g = parser.add_argument_group("run")
     g.add_argument("--out", required=True, metavar="RUN_DIR",
-                   help="run folder: config.json, env.json, metrics.csv, tb/, checkpoints/, artifact/")
+                   help="run folder: config.json, env.json, metrics.csv, tb/, checkpoints/, artifact/ (one run at "
+                        "a time: a second run into it stops before writing)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
                    help="continue from RUN_DIR/checkpoints: the latest complete checkpoint, or TAG (e.g. "
                         "step00000500); 'auto': continue the run RUN_DIR holds, or start it when it holds none (one "

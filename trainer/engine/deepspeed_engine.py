@@ -44,6 +44,7 @@ from trainer.engine.distributed import (  # noqa: F401  (re-exported: the stages
     device_type,
     dist_info,
     free_port,
+    hold_run,
     is_main,
     prepare_env,
     process_defaults,

@@ -12,6 +12,7 @@ group).
   node stops all of them with the same line instead of leaving the others waiting for a peer that has exited.
 - `file_lock()`: one process at a time in a folder, across the ranks of a node or of every node that shares it,
   with no process group and so no collective timeout, however long the holder works.
+- `hold_run()`: one run at a time in a run folder, for the whole run (taken by rank 0, released when it exits).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +247,40 @@ def agree(problem: str) -> str:
     for p in all_gather_bytes(problem.encode("utf-8")):
         if p:
             return p.decode("utf-8", errors="replace")
+    return ""
+
+
+RUN_LOCK = ".run.lock"  # in a run folder: held by the rank 0 of the run that writes it
+_held_runs: dict[Path, int] = {}  # run folders whose lock this process holds -> the descriptor holding it
+
+
+def hold_run(run_dir: Path) -> str:
+    """Lock `run_dir` for this process' lifetime (rank 0 of a run calls it before writing anything there); "" when
+    held, else the one line why not, naming the process that holds it. Two runs in one folder (a job started twice,
+    a replacement pod while the old one still runs) would interleave their checkpoints, `latest` and logs: the second
+    stops before writing. A POSIX lock, as `file_lock`: it works over NFS and goes when its process dies, so a killed
+    run never leaves it stale and `--resume` continues at once."""
+    path = (run_dir / RUN_LOCK).resolve()
+    if path in _held_runs:
+        return ""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.read(fd, 512).decode("utf-8", "replace").strip() or "a process that has not said which"
+        os.close(fd)
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            return (f"{run_dir} is being written by another run ({holder}): two runs in one folder would overwrite "
+                    "each other's checkpoints; wait for it to end or stop it, then --resume, or choose another --out")
+        if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            print(f"warning: {run_dir}: this filesystem does not support file locks ({e.strerror}): a second run "
+                  "into this folder would not be noticed", file=sys.stderr)
+            return ""
+        raise
+    os.ftruncate(fd, 0)  # the holder, for the message of a run that finds it taken
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
+             .encode())
+    _held_runs[path] = fd  # never closed: closing any descriptor of the file would release the lock
     return ""
 
 

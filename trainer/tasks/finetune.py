@@ -175,6 +175,9 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
                                                opts.resume), strict=True))
     ds, plan = eng.ds_config(cfg, "finetune", info.world_size, opts.deepspeed_config or cfg.engine.deepspeed_config)
     cli.check_out(run_dir)  # every rank writes its checkpoint shards there
+    problem = eng.agree(eng.hold_run(run_dir) if eng.is_main() else "")  # one run at a time in a folder
+    if problem:
+        raise ConfigError(problem)
     data = labelled.load(cfg)
 
     if pretrained is not None:

@@ -250,9 +250,11 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
                           "or a prepared folder (--set data.prepared=DIR)")
     monitor.note(f"data: prepared: {cfg.data.prepared}" if cfg.data.prepared else
                  f"data: pretrain: {', '.join(str(cfg.data.path(p)) for p in cfg.data.pretrain)}")
-    problem, tok, folder = "", None, Path()
+    tok, folder = None, Path()
+    problem = eng.hold_run(run_dir) if local.rank == 0 else ""  # one run at a time in a folder
     try:
-        tok, folder = ready_data(cfg, opts, run_dir)
+        if not problem:
+            tok, folder = ready_data(cfg, opts, run_dir)
     except cli.INPUT_ERRORS as e:  # told to every rank below, so none waits for a peer that has left
         problem = f"{local.node}: {e}"
     info = eng.init_distributed()
