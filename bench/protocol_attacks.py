@@ -30,6 +30,8 @@ the authorised client's p50/p99/max and refusals. Attacks:
                   20 ms, one text, its own process and connection): how fast a call that will not be served is
                   refused, seen from outside the server, and apart from the load generator's own queueing
   window-overflow WINDOW_UPDATE on the connection past 2^31-1 (RFC 9113 6.9.1: a FLOW_CONTROL_ERROR GOAWAY)
+  idle-many       1,000 connections from 10 addresses (127.0.0.2-11, 100 each: the per-address limit) that finish
+                  the HTTP/2 handshake and idle: what watching max_connections costs the server
   none            no attack: the server's CPU with the authorised client alone (what an attack's CPU adds is the
                   difference)
 """
@@ -60,7 +62,7 @@ TOKEN = "protocol-attack-token-0123456789"
 CLASSIFY = "/sentiment.v1.SentimentService/Classify"
 ATTACKER = "127.0.0.2"
 ATTACKS = ["ping-flood", "rapid-reset", "zero-window", "wrong-tokens", "idle", "overload", "overload-rate",
-           "window-overflow", "none"]
+           "window-overflow", "idle-many", "none"]
 
 
 # ------------------------------------------------------------------------------------- processes
@@ -310,6 +312,25 @@ def idle(port: int, seconds: float, tls_ca: Path | None) -> dict:
     return {"opened": len(conns), "kept_after_s": round(time.monotonic() - start, 1), "kept": kept}
 
 
+def idle_many(port: int, seconds: float, tls_ca: Path | None) -> dict:
+    """1,000 idle connections (the default max_connections) from 10 addresses, 100 each (max_connections_per_peer):
+    what watching that many connections costs the server (the connection guard reads each one every 0.1 s)."""
+    from hostile import Raw
+
+    start = time.monotonic()
+    conns = []
+    for i in range(1000):
+        try:
+            conns.append(Raw(port, tls_ca=tls_ca, source=f"127.0.0.{2 + i // 100}"))
+        except OSError:
+            break
+    time.sleep(seconds)
+    kept = sum(not c.closed.is_set() for c in conns)
+    for c in conns:
+        c.close()
+    return {"opened": len(conns), "kept_after_s": round(time.monotonic() - start, 1), "kept": kept}
+
+
 def window_overflow(port: int, seconds: float, tls_ca: Path | None) -> dict:
     from hostile import WINDOW_UPDATE, Raw, frame
 
@@ -368,7 +389,7 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
         else:
             outcome = {"ping-flood": ping_flood, "rapid-reset": rapid_reset, "zero-window": zero_window,
                        "wrong-tokens": wrong_tokens, "idle": idle, "window-overflow": window_overflow,
-                       "none": no_attack}[name](
+                       "none": no_attack, "idle-many": idle_many}[name](
                 server.port, seconds, tls_ca)
         time.sleep(max(0.0, seconds - (time.monotonic() - t0)))  # CPU over the whole window, after a cut too
         wall = time.monotonic() - t0
@@ -401,7 +422,7 @@ def summary(r: dict) -> str:
         cell = f"{a['answered']} refusals in {a['elapsed_s']} s ({a['answers_per_s']}/s)" + (
             f", then {a['connections_refused']} connections not accepted (banned)" if a.get("connections_refused")
             else "")
-    elif r["attack"] == "idle":
+    elif r["attack"] in ("idle", "idle-many"):
         cell = f"{a['kept']} of {a['opened']} connections kept after {a['kept_after_s']} s"
     elif r["attack"] == "zero-window":
         cell = f"{a['connections_ended']} of {a['of']} connections ended within {a['elapsed_s']} s"
@@ -474,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
         verify_bundle(args.bundle)  # a missing or damaged bundle: one line, exit 2, before any server starts
     except ValueError as e:
         p.error(f"--bundle: {e}")
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # idle-many holds 1,000 sockets here and in the server
+    wanted = 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
     certs = None
     with tempfile.TemporaryDirectory() as tmp:
         if args.tls:
