@@ -29,13 +29,11 @@ the calls it cancelled and the answers it leaves unread. A connection is **cut**
   - **limit**: it is one more than `max_connections_per_peer` from its address (the newest are cut), or it comes
     from an address banned for `ban_s` after one of the three offences above (or after gRPC closed one of its
     connections itself, as it does after GOAWAY too_many_pings, once it had spent half its flood bucket, or spent
-    it three times faster than the bucket refills: `_flooded`). A ban
-    also gives the listening sockets a filter that drops the address' packets: its SYNs go unanswered, so a
-    banned peer cannot even open the next connection.
-To cut, the guard attaches a socket filter that drops every incoming segment that carries data (acknowledgements
-and FIN still pass, so the close completes) and shuts the socket down both ways, on a duplicate of gRPC's
-descriptor whose inode it has checked first: gRPC reads what was already queued, sees the end, and closes the
-connection and its calls itself, within a tick or two. The peer sees its connection end.
+    it three times faster than the bucket refills: `_flooded`). A ban also gives the listening sockets a filter
+    that drops the address' packets: its SYNs go unanswered, so a banned peer cannot even open the next connection.
+How it reads and cuts a socket it does not own is serving/sockets.py: a cut drops the data the peer still sends and
+shuts the socket down; gRPC then closes the connection and its calls itself, within a tick or two, and the peer
+sees its connection end.
 
 What it costs: one scan of the process' descriptors and a few system calls per gRPC connection every TICK_S (and at
 once when a connection's premature resets reach their limit), channelz only for a connection whose bucket runs
@@ -46,12 +44,9 @@ peer keeps open is not recognised (docs/RELIABILITY.md, "Known limits").
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
-import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -59,6 +54,7 @@ from dataclasses import dataclass, field
 from grpc._cython import cygrpc  # channelz: the streams gRPC started on a connection (no public Python API)
 
 from serving.metrics import Metrics
+from serving.sockets import LISTENING, ban_program, counters, cut_socket, filter_listener, peer_on
 
 log = logging.getLogger(__name__)
 
@@ -74,80 +70,6 @@ PREMATURE_S = 1.0  # a call its client cancels within this long of its start is 
 FLOOD_PERSIST_S = 0.5  # a connection is a flood once its bucket has stayed empty this long: the bodies of a burst
 # of calls can arrive a tick or two before the gate has read (and credited) them
 _LOG_EVERY_S = 10.0  # one log line per peer address and reason per this long
-
-# struct tcp_info (linux/tcp.h): tcpi_state is byte 0; tcpi_bytes_acked and tcpi_bytes_received are the u64s at
-# byte 120 (Linux >= 4.1).
-_TCP_INFO_LEN = 136
-_ESTABLISHED = 1
-
-# Classic BPF (linux/filter.h), run by the kernel on each segment before it reaches the socket; the packet starts at
-# the TCP header. Accept a segment without payload (ACK, FIN, RST), drop one that carries data.
-_DROP_DATA = [
-    (0x80, 0, 0, 0),  # A = segment length                    BPF_LD | BPF_W | BPF_LEN
-    (0x07, 0, 0, 0),  # X = A                                 BPF_MISC | BPF_TAX
-    (0x30, 0, 0, 12),  # A = TCP header byte 12 (data offset) BPF_LD | BPF_B | BPF_ABS
-    (0x74, 0, 0, 4),  # A >>= 4                               BPF_ALU | BPF_RSH | BPF_K
-    (0x64, 0, 0, 2),  # A <<= 2: the header's length          BPF_ALU | BPF_LSH | BPF_K
-    (0x1D, 1, 0, 0),  # header only: accept                   BPF_JMP | BPF_JEQ | BPF_X
-    (0x06, 0, 0, 0),  # drop                                  BPF_RET | BPF_K
-    (0x06, 0, 0, 0xFFFFFFFF),  # accept
-]
-_SO_ATTACH_FILTER, _SO_DETACH_FILTER = 26, 27
-_NET = 0xFFF00000  # SKF_NET_OFF: offsets from the IP header (the packet starts at the TCP header)
-_MAX_FILTERED = 40  # banned addresses the listeners' filter can name (a jump spans at most 255 instructions)
-_FILTER = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in _DROP_DATA))
-_PROGRAM = struct.pack("HxxxxxxP", len(_DROP_DATA), ctypes.addressof(_FILTER))  # struct sock_fprog
-
-
-def ban_program(addresses: list[str]) -> tuple[bytes, ctypes.Array] | None:
-    """A classic BPF program (struct sock_fprog, and the buffer it points to) that drops IPv4 and IPv6 packets
-    from `addresses` (at most _MAX_FILTERED; IPv4 ones also as IPv4-mapped IPv6) and accepts all others; None for
-    none."""
-    v4 = [socket.inet_aton(a) for a in addresses if ":" not in a][:_MAX_FILTERED]
-    v6 = [socket.inet_pton(socket.AF_INET6, a) for a in addresses if ":" in a][:_MAX_FILTERED // 4]
-    if not v4 and not v6:
-        return None
-    drop, accept = "drop", "accept"
-    ops: list[tuple[int, int | str, int | str, int]] = [
-        (0x30, 0, 0, _NET),  # A = the IP header's first byte       BPF_LD | BPF_B | BPF_ABS
-        (0x74, 0, 0, 4),  # A >>= 4: the IP version
-        (0x15, 0, "v6", 4),  # IPv4?                                  BPF_JMP | BPF_JEQ | BPF_K
-        (0x20, 0, 0, _NET + 12),  # A = IPv4 source                 BPF_LD | BPF_W | BPF_ABS
-        *[(0x15, drop, 0, struct.unpack(">I", a)[0]) for a in v4],
-        (0x05, 0, 0, accept),  # BPF_JMP | BPF_JA
-    ]
-    ops.append(("v6",))  # label
-    ops.append((0x15, 0, accept, 6))
-    for a in v6:
-        words = struct.unpack(">4I", a)
-        for i, w in enumerate(words):  # source: bytes 8-23 of the IPv6 header
-            ops.append((0x20, 0, 0, _NET + 8 + 4 * i))
-            ops.append((0x15, 0 if i < 3 else drop, "next", w))
-        ops.append(("next",))
-    ops += [("accept",), (0x06, 0, 0, 0xFFFFFFFF), ("drop",), (0x06, 0, 0, 0)]
-    # resolve labels into relative jumps ("next": the label after this address' words)
-    code: list[tuple[int, int | str, int | str, int | str]] = []
-    labels: dict[str, int] = {}
-    nexts: list[int] = []
-    for op in ops:
-        if len(op) == 1:
-            if op[0] == "next":
-                nexts.append(len(code))
-            else:
-                labels[op[0]] = len(code)
-        else:
-            code.append(op)
-    out = []
-    next_index = 0
-    for i, (kind, jt, jf, k) in enumerate(code):
-        while next_index < len(nexts) and nexts[next_index] <= i:
-            next_index += 1
-        here = {**labels, "next": nexts[next_index] if next_index < len(nexts) else 0}
-        jt, jf, k = (here[x] - i - 1 if isinstance(x, str) else x for x in (jt, jf, k))  # BPF_JA: the offset is k
-        out.append(struct.pack("HBBI", kind, jt, jf, k))
-    buffer = ctypes.create_string_buffer(b"".join(out))
-    return struct.pack("HxxxxxxP", len(out), ctypes.addressof(buffer)), buffer
-
 
 def peer_of(context_peer: str) -> tuple[str, int] | None:
     """gRPC's peer string ('ipv4:1.2.3.4:5678', 'ipv6:[::1]:5678') as (address, port); None for others (unix)."""
@@ -431,19 +353,8 @@ class Guard:
             return
         program = ban_program(sorted(banned))
         for fd, inode in list(self._listeners.items()):
-            sock = _dup(fd, inode)
-            if sock is None:
+            if not filter_listener(fd, inode, program):
                 del self._listeners[fd]
-                continue
-            try:
-                if program is None:
-                    sock.setsockopt(socket.SOL_SOCKET, _SO_DETACH_FILTER, 0)
-                else:
-                    sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, program[0])
-            except OSError:
-                pass  # no filter attached (detaching none), or filters refused: the ticks still cut
-            finally:
-                sock.close()
         self._filtered = banned
         self._program = program  # keeps the filter's buffer alive while it is attached
 
@@ -488,18 +399,18 @@ class Guard:
                 continue
             if inode in self._listeners.values():
                 continue
-            peer = _peer_on(fd, self.ports)
-            if peer == _LISTENING:
+            peer = peer_on(fd, self.ports)
+            if peer == LISTENING:
                 self._listeners[fd] = inode
             elif peer is not None:
                 found[inode] = _Connection(fd, inode, peer, now, bucket=self.capacity, acked_moved=now)
         return found
 
     def _read_counters(self, conn: _Connection, now: float) -> bool:
-        info = _tcp_info(conn.fd, conn.inode)
-        if info is None or info[0] != _ESTABLISHED:
+        read = counters(conn.fd, conn.inode)
+        if read is None:
             return False
-        acked, received = struct.unpack_from("=QQ", info, 120)
+        acked, received = read
         if acked != conn.acked:
             conn.acked_moved = now
         conn.acked, conn.received, conn.read_at = acked, received, now
@@ -523,72 +434,3 @@ def core_counts(peer: tuple[str, int]) -> tuple[int, int] | None:
     except (ValueError, KeyError, TypeError):
         return None
     return None
-
-
-def _dup(fd: int, inode: int | None) -> socket.socket | None:
-    """A socket object on a duplicate of `fd` (closing it leaves `fd` open); None when `fd` is no longer the
-    socket `inode` (gRPC closed it, and the number may be another file's now)."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        if inode is not None and os.fstat(dup).st_ino != inode:
-            os.close(dup)
-            return None
-        return socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
-        return None
-
-
-_LISTENING = ("", 0)
-
-
-def _peer_on(fd: int, ports: set[int]) -> tuple[str, int] | None:
-    """(address, port) of the peer when `fd` is a connected TCP socket whose local port is in `ports`; _LISTENING
-    when it is the listening socket of one of them."""
-    sock = _dup(fd, None)
-    if sock is None:
-        return None
-    try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-            return None
-        if sock.getsockname()[1] not in ports:
-            return None
-        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            return _LISTENING
-        host, port = sock.getpeername()[:2]
-        return host.removeprefix("::ffff:"), port
-    except OSError:
-        return None  # already gone
-    finally:
-        sock.close()
-
-
-def _tcp_info(fd: int, inode: int) -> bytes | None:
-    sock = _dup(fd, inode)
-    if sock is None:
-        return None
-    try:
-        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-    except OSError:
-        return None
-    finally:
-        sock.close()
-
-
-def cut_socket(fd: int, inode: int) -> bool:
-    """Stop a connection that gRPC owns: drop the data it still sends, shut it down both ways (see the module
-    docstring). False when `fd` is no longer that socket."""
-    sock = _dup(fd, inode)
-    if sock is None:
-        return False
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, _PROGRAM)
-        sock.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.close()
