@@ -32,8 +32,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "tests"))
 
-from soak import DEFAULT_DATA, ServerProcess, rss_bytes  # noqa: E402
+from serving_fixtures import ServerProcess  # noqa: E402
+from soak import DEFAULT_DATA, rss_bytes  # noqa: E402
 
 
 def metric(server: ServerProcess, name: str) -> float:
@@ -92,10 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     lines = (args.data / "cls-books-fr" / "test.review.txt").read_text(encoding="utf-8").split("\n")
     texts = random.Random(0).sample([t for t in lines if t.strip()], 500)
     common = ["--max-texts", str(args.texts), "--max-queue", str(4 * args.concurrency * args.texts)]
-    servers = {"reclaims": ServerProcess(args.bundle, common),
-               "never": ServerProcess(args.bundle, [*common, "--memory-reclaim-idle-s", "0"])}
+    server_args = ["--host", "127.0.0.1", "--metrics-port", "0", "--device", "cpu", *common]
+    servers = {"reclaims": ServerProcess(args.bundle, *server_args),
+               "never": ServerProcess(args.bundle, *server_args, "--memory-reclaim-idle-s", "0")}
     rates: dict[str, list[float]] = {name: [] for name in servers}
     try:
+        for s in servers.values():
+            s.wait_listening()
         for s in servers.values():  # warm-up: threads, arenas and onnxruntime at their working size
             burst(s.port, texts, args.burst // 2, args.concurrency, args.texts)
         time.sleep(args.gap)
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(min {ratios[0]:.3f}, max {ratios[-1]:.3f})")
     finally:
         for s in servers.values():
-            s.kill()
+            s.close()
     return 0
 
 

@@ -43,8 +43,6 @@ import asyncio
 import json
 import os
 import platform
-import re
-import signal
 import struct
 import subprocess
 import sys
@@ -66,43 +64,6 @@ ATTACKS = ["ping-flood", "rapid-reset", "zero-window", "wrong-tokens", "idle", "
 
 
 # ------------------------------------------------------------------------------------- processes
-
-
-class Server:
-    """`python -m serving.server` from `repo`, token auth (TLS when `certs`), metrics on; its log kept."""
-
-    def __init__(self, repo: Path, bundle: Path, certs: dict[str, Path] | None, extra: list[str]) -> None:
-        tls = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server_key"])] if certs else []
-        cmd = [sys.executable, "-m", "serving.server", str(bundle), "--port", "0", "--metrics-port", "0",
-               "--device", "cpu", *tls, *extra]
-        self.proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "SENTIMENT_AUTH_TOKEN": TOKEN})
-        self.lines: list[str] = []
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = re.search(r"listening on [\d.]+:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-                break
-        else:
-            raise RuntimeError("server did not start:\n" + "".join(self.lines))
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
-
-    def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def threads(self) -> int:
-        return int(re.search(r"Threads:\s+(\d+)", Path(f"/proc/{self.proc.pid}/status").read_text()).group(1))
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -361,7 +322,12 @@ def _outcome(c, start: float, **counts: object) -> dict:
 
 
 def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | None) -> dict:
-    server = Server(args.server_repo, args.bundle, certs, args.server_args.split())
+    tls = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server_key"])] if certs else []
+    from serving_fixtures import ServerProcess
+
+    server = ServerProcess(args.bundle, "--metrics-port", "0", "--device", "cpu", *tls, *args.server_args.split(),
+                           repo=args.server_repo, env={"SENTIMENT_AUTH_TOKEN": TOKEN})
+    server.wait_listening()
     tls_ca = certs["ca"] if certs else None
     try:
         seconds = args.seconds
@@ -402,7 +368,10 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
                 "server_cpu_cores": round(cpu / wall, 2), "server_threads_max": max(threads),
                 "server_alive": alive, "attacker": outcome, "authorised": authorised, "guard_log": cuts[:3]}
     finally:
-        server.stop()
+        try:
+            server.stop(30)
+        finally:
+            server.close()
 
 
 def summary(r: dict) -> str:

@@ -29,18 +29,16 @@ import os
 import platform
 import random
 import re
-import signal
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 
 DEFAULT_DATA = Path(os.environ.get("TS_DATA") or REPO.parent / "shared" / "data")
 RSS_GROWTH_LIMIT = 0.05  # end RSS may exceed the post-warm-up RSS by less than this fraction
@@ -89,47 +87,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-class ServerProcess:
-    """`python -m serving.server` on a free loopback port with metrics on another; the log is kept."""
-
-    def __init__(self, bundle: Path, args: list[str]) -> None:
-        cmd = [sys.executable, "-m", "serving.server", str(bundle), "--host", "127.0.0.1", "--port", "0",
-               "--metrics-port", "0", "--device", "cpu", *args]
-        self.cmd = cmd
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = re.search(r"listening on 127\.0\.0\.1:(\d+).*metrics on [\d.]*:(\d+)", line)
-            if m:
-                self.port, self.metrics_port = int(m.group(1)), int(m.group(2))
-                break
-        else:
-            raise RuntimeError(f"server did not start: {' '.join(cmd)}\n{''.join(self.lines)}")
-        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self._reader.start()
-
-    def codes(self) -> dict[str, float]:
-        """The server's own count of answered RPCs by status code (all methods)."""
-        page = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-        out: dict[str, float] = {}
-        for code, value in re.findall(r'^sentiment_requests_total\{code="(\w+)",method="[^"]*"\} (\S+)$', page, re.M):
-            out[code] = out.get(code, 0.0) + float(value)
-        return out
-
-    def stop(self, timeout: float = 60.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout)
-        self._reader.join(5)
-        return rc
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 class Recorder:
@@ -247,6 +204,8 @@ def percentile_ms(values: list[float], q: float) -> float:
 
 
 def soak(args: argparse.Namespace) -> dict:
+    from serving_fixtures import ServerProcess
+
     from serving.predictor import Predictor
 
     lines = (args.data / "cls-books-fr" / "test.review.txt").read_text(encoding="utf-8").split("\n")
@@ -262,7 +221,9 @@ def soak(args: argparse.Namespace) -> dict:
     max_queue = 512  # ServerConfig's default, unless --server-args sets it
     if "--max-queue" in server_args:
         max_queue = int(server_args[server_args.index("--max-queue") + 1])
-    server = ServerProcess(args.bundle, server_args)
+    server = ServerProcess(args.bundle, "--host", "127.0.0.1", "--metrics-port", "0", "--device", "cpu",
+                           *server_args)
+    server.wait_listening()
     rec = Recorder(args.window)
     rss_at_warmup: list[int] = []
     try:
@@ -288,7 +249,7 @@ def soak(args: argparse.Namespace) -> dict:
         alive_before_stop = server.proc.poll() is None
         rc = server.stop()
     finally:
-        server.kill()
+        server.close()
 
     log = "".join(server.lines)
     log_errors = [line.rstrip() for line in server.lines if " ERROR " in line or "Traceback" in line]

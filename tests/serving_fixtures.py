@@ -10,6 +10,7 @@ import datetime as dt
 import ipaddress
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -118,13 +119,16 @@ def wait_ready(channel: grpc.Channel, timeout: float = 10.0) -> None:
 
 
 class ServerProcess:
-    """`python -m serving.server BUNDLE --port 0 ...` as a subprocess; its log is collected in `lines`."""
+    """`python -m serving.server BUNDLE --port 0 ...` as a subprocess; its log is collected in `lines`. The tests'
+    and the bench scripts' (bench/soak.py, bench/protocol_attacks.py) one way to run the server apart."""
 
-    def __init__(self, bundle: Path | str, *args: str, env: dict[str, str] | None = None) -> None:
-        """Metrics are off unless `args` name a --metrics-port."""
+    def __init__(self, bundle: Path | str, *args: str, env: dict[str, str] | None = None,
+                 repo: Path = REPO_ROOT) -> None:
+        """Metrics are off unless `args` name a --metrics-port. repo: the tree whose server runs (another one for a
+        benchmark's "before" column)."""
         metrics = [] if any(a.startswith("--metrics-port") for a in args) else ["--no-metrics"]
-        cmd = [sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics, *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        self.cmd = cmd = [sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics, *args]
+        self.proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self.port: int | None = None
@@ -170,6 +174,30 @@ class ServerProcess:
                 if sample.name == name and sample.labels == (labels or {}):
                     return sample.value
         return None
+
+    def codes(self) -> dict[str, float]:
+        """The server's own count of answered RPCs by status code, all methods; needs --metrics-port."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            page = r.read().decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                if sample.name == "sentiment_requests_total":
+                    out[sample.labels["code"]] = out.get(sample.labels["code"], 0.0) + sample.value
+        return out
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the server so far (/proc)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def threads(self) -> int:
+        return int(re.search(r"Threads:\s+(\d+)", Path(f"/proc/{self.proc.pid}/status").read_text()).group(1))
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then its exit code (subprocess.TimeoutExpired past `timeout`: `close()` in a finally)."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.wait_exit(timeout)
 
     def close(self) -> None:
         if self.proc.poll() is None:
