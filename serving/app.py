@@ -130,8 +130,10 @@ class SentimentServer:
         # The gate counts a call until its behaviour returns; the thread then still sends the answer, so a caller
         # that sends its next request at once can need a second thread. Without spare threads, 128 closed-loop
         # callers at max_workers 128 were refused 184 times in 159k requests (bench/soak.py, docs/RELIABILITY.md):
-        # the pool gets a headroom of a quarter (at least 8).
-        threads = cfg.max_workers + max(8, limit // 4)
+        # the pool gets a headroom of a quarter (at least 8). And a thread for every model slot: a unary model call
+        # takes its slot at admission (serving/gate.py), and must then never wait in the pool's queue, also when
+        # max_concurrent_rpcs is above max_workers.
+        threads = max(cfg.max_workers, limit) + max(8, limit // 4)
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
             interceptors=[self.gate], options=transport_options(cfg, shared_port),

@@ -57,7 +57,8 @@ class ServerConfig:
     max_workers: int = 128  # gRPC handler threads: each in-progress request holds one while it waits
     max_concurrent_rpcs: int | None = None  # authenticated calls in progress at once (None = max_workers); past
     # it a call is refused at once with RESOURCE_EXHAUSTED instead of queueing unseen in front of the batcher.
-    # Health has its own threads and limit (health_workers), and never counts here
+    # Above max_workers, the pool gets a thread for each. Health has its own threads and limit (health_workers),
+    # and never counts here
     max_response_bytes_in_flight: int = 64 * 1024 * 1024  # bytes of answers built and not yet taken by their
     # clients (a client that does not read keeps its answer in the server); past it, calls are refused with
     # RESOURCE_EXHAUSTED (before computing when the budget is already spent)

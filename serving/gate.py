@@ -12,9 +12,9 @@ So every handler is re-made here as request-streaming: a call without a valid to
 before its body is read, and so is a model call when every model slot is taken, the answers in flight fill their
 budget or the batching queue is full; both refusals are made in gRPC's polling thread, where the call arrives,
 never after a wait for a thread. A unary model call takes its slot there too, before gRPC queues it for its pool,
-so that no admitted call waits in the pool's queue (under 500 closed-loop callers, calls admitted while slots were
-free queued there for seconds, to be refused or served late). Every other call takes a slot when its thread starts
-(its own limit for model calls, another for health). Then a call reads its message under a watchdog that cancels
+so that no admitted call can wait in the pool's queue (a burst admitted while slots were free would be refused
+there, after the wait). Every other call takes a slot when its thread starts (its own limit for model calls,
+another for health). Then a call reads its message under a watchdog that cancels
 it when the body has not arrived within `body_timeout_s`.
 
 The bounds themselves (slots, the answers' budget, the body watchdog, the auth throttle) are serving/limits.py.
