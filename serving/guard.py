@@ -49,6 +49,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from grpc._cython import cygrpc  # channelz: the streams gRPC started on a connection (no public Python API)
@@ -103,9 +104,8 @@ class _Connection:
     received: int = -1  # tcpi_bytes_received at the last tick (-1: not read yet)
     acked: int = -1  # tcpi_bytes_acked at the last tick
     acked_moved: float = 0.0  # time.monotonic() tcpi_bytes_acked last grew
-    cancels: list[float] = field(default_factory=list)  # times of recent cancellations
-    premature: list[float] = field(default_factory=list)  # times of recent premature ones
-    started: list[float] = field(default_factory=list)  # times of its recent calls
+    recent: deque[tuple[float, int, int, int]] = field(default_factory=deque)  # per tick of the last second: (time,
+    # calls cancelled, of them premature, calls started)
     streams: int = -1  # streams gRPC had started on it at the last look into channelz (-1: never looked)
     messages: int = -1  # messages gRPC had received on it then
     empty_since: float | None = None  # time.monotonic() its flood bucket went below its floor
@@ -322,14 +322,13 @@ class Guard:
 
     def _resets(self, conn: _Connection, calls: _Calls, now: float) -> bool:
         """Calls cancelled by the peer in the last second: too many, or too many premature ones (cut: True)."""
-        conn.cancels = [t for t in conn.cancels if now - t < 1.0] + [now] * calls.cancels
-        conn.premature = [t for t in conn.premature if now - t < 1.0] + [now] * calls.premature
-        conn.started = [t for t in conn.started if now - t < 1.0] + [now] * calls.started
-        early = len(conn.premature)
-        started = max(early, len(conn.started))  # calls started before the guard first saw it are not counted
-        if len(conn.cancels) > self.max_cancels:
-            self._offence(conn, "resets", f"{len(conn.cancels)} calls cancelled in 1 s "
-                                          f"(max_cancels_per_s={self.max_cancels})")
+        conn.recent.append((now, calls.cancels, calls.premature, calls.started))
+        while now - conn.recent[0][0] >= 1.0:
+            conn.recent.popleft()
+        cancels, early, started = (sum(tick[i] for tick in conn.recent) for i in (1, 2, 3))
+        started = max(early, started)  # calls started before the guard first saw it are not counted
+        if cancels > self.max_cancels:
+            self._offence(conn, "resets", f"{cancels} calls cancelled in 1 s (max_cancels_per_s={self.max_cancels})")
             return True
         if early >= self.max_premature and 2 * early > started:
             self._offence(conn, "resets", f"{early} of its {started} calls in 1 s cancelled within {PREMATURE_S} s "
