@@ -6,6 +6,7 @@ Imported by tests/test_serving_*.py and tests/test_reliability_*.py; the `tiny_b
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import ipaddress
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -186,13 +188,27 @@ class ServerProcess:
                     out[sample.labels["code"]] = out.get(sample.labels["code"], 0.0) + sample.value
         return out
 
+    def _tree(self) -> list[psutil.Process]:
+        """The server and its worker processes (--workers)."""
+        top = psutil.Process(self.proc.pid)
+        return [top, *top.children(recursive=True)]
+
     def cpu_seconds(self) -> float:
-        """User + system CPU seconds of the server so far (/proc)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU seconds of the server and its workers so far."""
+        total = 0.0
+        for p in self._tree():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = p.cpu_times()
+                total += times.user + times.system
+        return total
 
     def threads(self) -> int:
-        return int(re.search(r"Threads:\s+(\d+)", Path(f"/proc/{self.proc.pid}/status").read_text()).group(1))
+        """Threads of the server and its workers."""
+        total = 0
+        for p in self._tree():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += p.num_threads()
+        return total
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, then its exit code (subprocess.TimeoutExpired past `timeout`: `close()` in a finally)."""
