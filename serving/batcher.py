@@ -106,10 +106,9 @@ class Batcher:
         with self._cond:
             if self._closing:
                 raise NotReady("server is shutting down: no new requests")
-            waiting = len(self._pending) if self.enabled else self._in_flight
-            if waiting + len(rows) > self.max_queue:
-                raise Overloaded(f"queue full: {waiting} texts waiting + {len(rows)} new > max_queue "
-                                 f"{self.max_queue}; retry later")
+            full = self.no_room(len(rows))  # under the lock: exact
+            if full:
+                raise Overloaded(full)
             if not self.enabled:
                 self._in_flight += len(rows)
             else:
@@ -143,8 +142,8 @@ class Batcher:
         return f"queue full: {waiting} texts waiting, no room for one more (max_queue {self.max_queue}); retry later"
 
     def no_room(self, texts: int) -> str | None:
-        """Why `texts` more texts would be refused now, or None: `submit`'s refusal, read without the lock (an
-        estimate, for a call that has not tokenized its texts yet; `submit` decides)."""
+        """Why `texts` more texts would be refused now, or None. Without the lock an estimate (for a call that has
+        not tokenized its texts yet); `submit` asks it under the lock and decides."""
         waiting = len(self._pending) if self.enabled else self._in_flight
         if waiting + texts <= self.max_queue:
             return None
