@@ -221,7 +221,13 @@ class _Parent:
         serving = ready == len(self.slots) or (self._serving and ready > 0)
         if serving == self._serving:
             return
-        if serving and not self._announced:  # the line scripts wait for, as from one process
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", *services):
+            health.set(service, status)
+        self._serving = serving
+        # After the health status, as from one process (serving/app.py): a script that waits for the line and then
+        # asks health must read SERVING. Printed first, the line raced the status (a test saw NOT_SERVING after it).
+        if serving and not self._announced:  # the line scripts wait for
             self._announced = True
             c = self.cfg
             log.info("listening on %s:%d (%d workers, pids %s; %s%s), %s", c.host, c.port, len(self.slots),
@@ -230,10 +236,6 @@ class _Parent:
                      ", token auth" if c.auth_token else "", where)
         elif not serving:
             log.warning("no worker is ready: NOT_SERVING until one is")
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", *services):
-            health.set(service, status)
-        self._serving = serving
 
     def _drain(self, health: Health) -> int:
         """SIGTERM every worker and wait for all: 0 when each exited 0."""

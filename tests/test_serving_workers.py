@@ -11,6 +11,7 @@ each with its own connection (a local subchannel pool): 16 connections all on on
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -26,9 +27,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from procs import free_port
 from serving_fixtures import ServerProcess, certs, reviews, wait_until  # noqa: F401 (certs: a fixture)
 
+from serving.config import ServerConfig
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
+from serving.health import Health
 from serving.predictor import Predictor
+from serving.workers import _Parent
 
 CHANNELS = 16
 STARTED = re.compile(r"worker (\d+) started \(pid (\d+)\)")
@@ -92,6 +96,34 @@ def test_two_workers_answer_like_the_predictor_share_the_calls_and_sum_their_met
     finally:
         server.close()
     assert not os.path.exists(folder)  # the metrics files are removed
+
+
+def test_the_parent_says_listening_only_once_its_health_says_serving(tiny_bundle: Path) -> None:
+    """The parent's "listening on" line is what scripts wait for: when it is logged, health must already read
+    SERVING. It was logged first, and a test that asked health right after the line read NOT_SERVING (once, in a
+    full `make test`). Here the parent's readiness report runs in-process, its workers marked ready by hand."""
+    parent = _Parent(tiny_bundle, ServerConfig(workers=2), "INFO")
+    health = Health()
+    health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    seen: list[int] = []
+
+    class AtTheLine(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("listening on"):
+                seen.append(health.statuses()[""])
+
+    handler, logger = AtTheLine(), logging.getLogger("serving.workers")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        for slot in parent.slots:
+            slot.ready = True
+        parent._report(health, (), "health port off")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert seen == [health_pb2.HealthCheckResponse.SERVING]
 
 
 def test_health_is_not_serving_until_every_worker_is_ready(tiny_bundle: Path) -> None:
