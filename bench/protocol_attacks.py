@@ -256,14 +256,17 @@ def wrong_tokens(port: int, seconds: float, tls_ca: Path | None) -> dict:
             "answers_per_s": round(answered / elapsed), "connections_refused": refused_connections}
 
 
-def idle(port: int, seconds: float, tls_ca: Path | None) -> dict:
+def idle(port: int, seconds: float, tls_ca: Path | None, count: int = 500, sources: list[str] | None = None) -> dict:
+    """`count` connections that finish the handshake and idle for `seconds`, from `sources` in turn (100 from each
+    before the next: max_connections_per_peer); how many the server kept."""
     from hostile import Raw
 
+    sources = sources or [ATTACKER]
     start = time.monotonic()
     conns = []
-    for _ in range(500):
+    for i in range(count):
         try:
-            conns.append(Raw(port, tls_ca=tls_ca, source=ATTACKER))
+            conns.append(Raw(port, tls_ca=tls_ca, source=sources[min(i // 100, len(sources) - 1)]))
         except OSError:
             break
     time.sleep(seconds)
@@ -276,20 +279,7 @@ def idle(port: int, seconds: float, tls_ca: Path | None) -> dict:
 def idle_many(port: int, seconds: float, tls_ca: Path | None) -> dict:
     """1,000 idle connections (the default max_connections) from 10 addresses, 100 each (max_connections_per_peer):
     what watching that many connections costs the server (the connection guard reads each one every 0.1 s)."""
-    from hostile import Raw
-
-    start = time.monotonic()
-    conns = []
-    for i in range(1000):
-        try:
-            conns.append(Raw(port, tls_ca=tls_ca, source=f"127.0.0.{2 + i // 100}"))
-        except OSError:
-            break
-    time.sleep(seconds)
-    kept = sum(not c.closed.is_set() for c in conns)
-    for c in conns:
-        c.close()
-    return {"opened": len(conns), "kept_after_s": round(time.monotonic() - start, 1), "kept": kept}
+    return idle(port, seconds, tls_ca, 1000, [f"127.0.0.{2 + k}" for k in range(10)])
 
 
 def window_overflow(port: int, seconds: float, tls_ca: Path | None) -> dict:

@@ -22,8 +22,8 @@ FLOPs per token and
 achieved FLOP/s, and the utilisation against a matrix-multiply peak measured in the same process (bf16 on GPU, fp32
 on CPU).
 
-Data: cls-books-fr train reviews (`data.train`) with the tokenizer of the --preset's config. LM: the reviews
-prepared as pretraining prepares them and read as packed next-token windows of --seq-len tokens
+Data: the training reviews the config names (`data.train`), tokenized as the config says (`tokenizer.*`). LM: the
+reviews prepared as pretraining prepares them and read as packed next-token windows of --seq-len tokens
 (trainer/data/windows.py + trainer/tasks/pretrain.py's WindowBatcher, objective clm: full windows, no padding).
 Classifier: the reviews cut to --seq-len ids (tokenizer.max_len), labels from train.label.
 

@@ -315,9 +315,8 @@ class _Call:
         except grpc.RpcError:
             code = "CANCELLED"  # the client went away: gRPC raised this itself and ends the call quietly
             if guard is not None:  # premature: cancelled by its client soon after its start, not by its deadline
-                left = context.time_remaining()
                 soon = time.perf_counter() - start < PREMATURE_S
-                guard.cancelled(peer, premature=soon and (left is None or left > 0))
+                guard.cancelled(peer, premature=soon and context.time_remaining() > 0)
             raise
         except ServingError as e:
             code = e.code

@@ -423,6 +423,20 @@ def test_a_second_run_into_a_folder_being_written_stops_before_writing(base: lis
     assert hold_run(out) == ""  # free at once
 
 
+def test_a_lock_held_by_a_stranger_is_named_in_one_line(tmp_path: Path) -> None:
+    """Whatever the holder wrote into the lock file (here two lines and 1,000 bytes), the refusal stays one line."""
+    junk = "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); " \
+        "os.write(fd, b'first line\\nsecond line\\n' + b'x' * 1000); fcntl.lockf(fd, fcntl.LOCK_EX); " \
+        "print('held', flush=True); time.sleep(600)"
+    holder = procs.popen([str(BIN / "python"), "-c", junk, str(tmp_path / ".run.lock")], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        line = hold_run(tmp_path)
+        assert line.startswith(f"{tmp_path} is being written by another run (first line): ") and "\n" not in line
+    finally:
+        procs.kill_group(holder)
+
+
 # ---------------------------------------------------------------------------------------------- randomized (slow)
 
 

@@ -267,7 +267,8 @@ def hold_run(run_dir: Path) -> str:
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        holder = os.read(fd, 512).decode("utf-8", "replace").strip() or "a process that has not said which"
+        said = os.read(fd, 512).decode("utf-8", "replace").splitlines()  # ours, or whatever is in the file
+        holder = (said[0].strip()[:200] if said else "") or "a process that has not said which"
         os.close(fd)
         if e.errno in (errno.EACCES, errno.EAGAIN):
             return (f"{run_dir} is being written by another run ({holder}): two runs in one folder would overwrite "
