@@ -15,6 +15,7 @@
 #
 #   bash bench/gpu_check.sh                       # all parts
 #   bash bench/gpu_check.sh --parts ratio,mfu     # some parts (a rerun on the same machine)
+#   bash bench/gpu_check.sh --box lab=400         # a part's time box in seconds (repeatable)
 #   bash bench/gpu_check.sh --dry-run             # the plan: parts, time boxes, commands; runs nothing (any machine)
 #   bash bench/gpu_check.sh --smoke               # every part's plumbing on a CPU at tiny sizes (minutes)
 #
@@ -26,13 +27,15 @@ cd "$(dirname "$0")/.." || exit 2
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
 parts_all="tests,ratio,mfu,lab,sdpa"
-parts=$parts_all budget=525 dry=0 smoke=0
+parts=$parts_all budget=525 dry=0 smoke=0 box_set=()
 while [ $# -gt 0 ]; do
   case $1 in
     --parts) [ $# -ge 2 ] || { echo "error: --parts needs a list (of $parts_all)" >&2; exit 2; }; parts=$2; shift ;;
     --parts=*) parts=${1#*=} ;;
     --budget) [ $# -ge 2 ] || { echo "error: --budget needs seconds" >&2; exit 2; }; budget=$2; shift ;;
     --budget=*) budget=${1#*=} ;;
+    --box) [ $# -ge 2 ] || { echo "error: --box needs PART=SECONDS" >&2; exit 2; }; box_set+=("$2"); shift ;;
+    --box=*) box_set+=("${1#*=}") ;;
     --dry-run) dry=1 ;;
     --smoke) smoke=1 ;;
     -h|--help) usage; exit 0 ;;
@@ -80,9 +83,16 @@ else
   mfu_args=(--preset gpu --micro-batch 32 --seq-len 1024 --warmup 2 --windows 4 --steps 3
             --loops "plain,deepspeed,plain-compiled,deepspeed-compiled")
   lab_set=(--preset lab --set engine.precision=bf16)
-  boxes=(tests=170 lab=230 ratio=60 mfu=140 sdpa=25)
+  # Seen on one H200 (2026-11-27, docs/BENCHMARKS.md "GPU"): setup ~20 s, tests 281 s and the lab 316 s side by
+  # side (both wait ~50 s for FusedAdam's build first), ratio 31 s, mfu 91 s, sdpa 16 s.
+  boxes=(tests=290 lab=330 ratio=40 mfu=100 sdpa=25)
 fi
-box() { local kv; for kv in "${boxes[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
+for kv in "${box_set[@]}"; do
+  [[ $kv =~ ^([a-z]+)=([0-9]+)$ ]] && [[ ,$parts_all, == *,"${BASH_REMATCH[1]}",* ]] \
+    || { echo "error: --box takes PART=SECONDS with PART among $parts_all, got '$kv'" >&2; exit 2; }
+  boxes+=("$kv")  # later entries win: box() prints the last match
+done
+box() { local kv b=; for kv in "${boxes[@]}"; do [ "${kv%%=*}" = "$1" ] && b=${kv#*=}; done; echo "$b"; }
 stages=("tests lab" ratio mfu sdpa)  # run in this order; the parts of a stage side by side
 stage_parts() { local p; for p in $1; do [[ ,$parts, == *,"$p",* ]] && echo "$p"; done; }
 stage_box() { local p b=0; for p in "$@"; do [ "$(box "$p")" -gt "$b" ] && b=$(box "$p"); done; echo "$b"; }
@@ -93,7 +103,7 @@ gpu_tok=.data/gpu-tokenizer
 
 plan() {  # part -> the commands it runs (printed by --dry-run, run by run_part)
   case $1 in
-    tests) echo "$py -m pytest -q -p no:cacheprovider -m gpu tests/test_training.py tests/test_export.py" \
+    tests) echo "$py -m pytest -v --durations=5 -p no:cacheprovider -m gpu tests/test_training.py tests/test_export.py" \
                 "tests/test_bundle_format.py tests/test_serving_predictor.py"
            echo "$py -m pytest -q -p no:cacheprovider" \
                 "'tests/test_engine.py::test_a_ds_accelerator_naming_another_device_stops_with_one_line'" ;;
@@ -172,7 +182,8 @@ run_part() {
   local name=$1 left=$2 b t0 rc=0 status
   b=$(box "$name")
   [ "$left" -lt "$b" ] && b=$left
-  if [ "$b" -lt 30 ]; then
+  # Skipped when cut below its own box and below 30 s (a short box, such as sdpa's, still runs in full).
+  if [ "$b" -lt "$(box "$name")" ] && [ "$b" -lt 30 ]; then
     printf '%s\tskipped (budget)\t0\n' "$name" >>"$out/parts.tsv"; echo "== $name: skipped, ${left}s left"; return
   fi
   echo "== $name (up to ${b}s) $(date -u +%T)"
@@ -191,7 +202,7 @@ part_tests() {
   # device decision's test is not marked gpu (it runs on every machine): its own pytest call.
   local rc=0
   wait_fused_adam
-  $py -m pytest -q -p no:cacheprovider -m gpu tests/test_training.py tests/test_export.py tests/test_bundle_format.py \
+  $py -m pytest -v --durations=5 -p no:cacheprovider -m gpu tests/test_training.py tests/test_export.py tests/test_bundle_format.py \
     tests/test_serving_predictor.py || rc=$?
   $py -m pytest -q -p no:cacheprovider \
     'tests/test_engine.py::test_a_ds_accelerator_naming_another_device_stops_with_one_line' || rc=$?

@@ -17,6 +17,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the virtualenv's bin: python, deepspeed
+# Why a CUDA test of onnxruntime skips: a GPU alone is not enough (a bare CUDA image has onnxruntime's CPU build).
+NO_ORT_CUDA = ("needs onnxruntime's CUDA provider (onnxruntime-gpu) and the NVIDIA driver "
+               "(contract.runtime.cuda_driver_present)")
 
 
 def env() -> dict[str, str]:

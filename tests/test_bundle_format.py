@@ -17,7 +17,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from bundles import as_format_2, edit_manifest, reseal
-from procs import REPO
+from procs import NO_ORT_CUDA, REPO
 from serving_fixtures import reviews
 
 from contract.bundle import verify_bundle
@@ -213,7 +213,7 @@ def test_the_same_artifact_gives_the_same_bytes(default_bundle: Path, tiny_class
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not cuda_driver_present(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not cuda_driver_present(), reason=NO_ORT_CUDA)
 def test_cuda_runs_the_cuda_graph(default_bundle: Path, tiny_classifier_artifact: Path, tmp_path: Path) -> None:
     gpu = Predictor(default_bundle, device="cuda")
     assert (gpu.graph, gpu.precision, gpu.provider) == ("model.onnx", "fp32", "CUDAExecutionProvider")

@@ -23,7 +23,7 @@ import onnx
 import pytest
 import torch
 from bundles import edit_manifest
-from procs import REPO
+from procs import NO_ORT_CUDA, REPO
 
 from contract.bundle import verify_bundle
 from contract.errors import BundleError
@@ -453,7 +453,7 @@ def test_check_reports_accuracy_and_agreement_with_pytorch(default_bundle, tiny_
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not cuda_driver_present(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not cuda_driver_present(), reason=NO_ORT_CUDA)
 def test_fp16_bundle_runs_on_cuda(tiny_classifier_artifact, tmp_path):
     out = export_bundle(tiny_classifier_artifact, tmp_path / "fp16", ExportOptions(precision="fp16"))
     session = open_session(out / "model.onnx")

@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from bundles import edit_manifest
-from procs import REPO
+from procs import NO_ORT_CUDA, REPO
 from serving_fixtures import reviews
 
 from contract.runtime import CPU, CUDA, CUDA_PROVIDER_LIBRARY, DRIVER_LIBRARY, cuda_driver_present
@@ -171,7 +171,7 @@ def test_auto_on_a_driver_without_the_cuda_libraries_warns_naming_the_missing_on
 @pytest.mark.gpu
 def test_cuda_provider_gives_the_cpu_answers(predictor: Predictor, tiny_bundle: Path) -> None:
     if not cuda_driver_present():
-        pytest.skip("no CUDA GPU")
+        pytest.skip(NO_ORT_CUDA)
     gpu = Predictor(tiny_bundle, device="cuda")
     assert gpu.provider == CUDA
     texts = ["Un chef-d'oeuvre.", "Ennuyeux et trop long."]
