@@ -2,10 +2,11 @@
 # The GPU training checks in one call of under 9 minutes, for a CUDA node or a bare GPU machine. Parts, each in its
 # own time box, all within --budget seconds (a part that no longer fits is skipped, and says so); tests and lab run
 # side by side on the GPU first (neither is timed, and neither fills the GPU), then the timed parts one at a time:
-#   tests  the GPU tests: bf16 ZeRO 1 and 2 on NCCL, checkpoint, resume == uninterrupted (pytest -m gpu), and the
-#          device decision (DS_ACCELERATOR=cpu on a GPU machine: one line, exit 2)
-#   ratio  our DeepSpeed engine against the plain PyTorch loop, lab size, bf16, LM and classifier; DeepSpeed with
-#          torch.autocast beside its bf16 mode; one step of each profiled (bench/train_throughput.py --profile)
+#   tests  the GPU tests, 3 at a time: bf16 ZeRO 1 and 2 on NCCL, checkpoint, resume == uninterrupted, compiled
+#          training against eager (pytest -m gpu -n 3), and the device decision (DS_ACCELERATOR=cpu on a GPU
+#          machine: one line, exit 2)
+#   ratio  our DeepSpeed engine (torch.autocast over fp32 weights) against the plain PyTorch loop, lab size, bf16, LM
+#          and classifier; DeepSpeed's own bf16 mode beside them; one step of each profiled (--profile)
 #   mfu    the gpu preset's LM (110 M parameters, windows of 1,024): MFU against the timed bf16 matmul peak, engine
 #          and plain loop side by side, each eager and compiled (torch.compile on/off)
 #   lab    the lab end to end: lab-preset pretraining for a fixed token budget (LAB_STEPS steps of 16 x 512 tokens),
@@ -80,7 +81,7 @@ if [ "$smoke" = 1 ]; then
 else
   lab_steps=${LAB_STEPS:-1200}  # 9.8 M tokens: about 3/4 of a pass over the lab corpus's 12.67 M ids
   ratio_args=(--preset lab --micro-batch 8 --seq-len 128)
-  mfu_args=(--preset gpu --micro-batch 32 --seq-len 1024 --warmup 2 --windows 4 --steps 3
+  mfu_args=(--preset gpu --micro-batch 32 --seq-len 1024 --warmup 2 --windows 4 --steps 3 --profile
             --loops "plain,deepspeed,plain-compiled,deepspeed-compiled")
   lab_set=(--preset lab --set engine.precision=bf16)
   # Seen on one H200 (2026-11-27, docs/BENCHMARKS.md "GPU"): setup ~20 s, tests 281 s and the lab 316 s side by
@@ -103,11 +104,11 @@ gpu_tok=.data/gpu-tokenizer
 
 plan() {  # part -> the commands it runs (printed by --dry-run, run by run_part)
   case $1 in
-    tests) echo "$py -m pytest -v --durations=5 -p no:cacheprovider -m gpu tests/test_training.py tests/test_export.py" \
+    tests) echo "$py -m pytest -v -n 3 --durations=5 -p no:cacheprovider -m gpu tests/test_training.py tests/test_export.py" \
                 "tests/test_bundle_format.py tests/test_serving_predictor.py"
            echo "$py -m pytest -q -p no:cacheprovider" \
                 "'tests/test_engine.py::test_a_ds_accelerator_naming_another_device_stops_with_one_line'" ;;
-    ratio) echo "$py bench/train_throughput.py --task both ${ratio_args[*]} --loops plain,deepspeed,deepspeed-autocast" \
+    ratio) echo "$py bench/train_throughput.py --task both ${ratio_args[*]} --loops plain,deepspeed,deepspeed-bf16" \
                 "--profile --json $out/ratio.json" ;;
     mfu) echo "$py bench/train_throughput.py --task lm ${mfu_args[*]} --tokenizer $gpu_tok --json $out/mfu.json" ;;
     lab) echo "${ds[*]} --num_gpus $gpus launch/pretrain.sh ${lab_set[*]} --set data.prepared=$lab_data" \
@@ -202,7 +203,7 @@ part_tests() {
   # device decision's test is not marked gpu (it runs on every machine): its own pytest call.
   local rc=0
   wait_fused_adam
-  $py -m pytest -v --durations=5 -p no:cacheprovider -m gpu tests/test_training.py tests/test_export.py tests/test_bundle_format.py \
+  $py -m pytest -v -n 3 --durations=5 -p no:cacheprovider -m gpu tests/test_training.py tests/test_export.py tests/test_bundle_format.py \
     tests/test_serving_predictor.py || rc=$?
   $py -m pytest -q -p no:cacheprovider \
     'tests/test_engine.py::test_a_ds_accelerator_naming_another_device_stops_with_one_line' || rc=$?
@@ -210,9 +211,9 @@ part_tests() {
 }
 part_ratio() {
   # shellcheck disable=SC2086  # word splitting of the exported argument list is intended
-  # (deepspeed-autocast runs in bf16 only: not on a CPU's fp32)
+  # (deepspeed-bf16 runs in bf16 only: not on a CPU's fp32)
   $py bench/train_throughput.py --task both $ratio_args_s --set "data.root=$data" \
-    --loops plain,deepspeed,deepspeed-autocast --profile --json "$out/ratio.json"
+    --loops plain,deepspeed,deepspeed-bf16 --profile --json "$out/ratio.json"
 }
 part_mfu() {
   local tok=()

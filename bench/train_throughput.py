@@ -10,8 +10,10 @@ One run, one process or several (`deepspeed --num_gpus 2 bench/train_throughput.
       (trainer/engine/loop.py's optimizer_step).
   --compile adds plain-compiled and deepspeed-compiled: (a) with the module compiled in place (Module.compile(),
   inductor) and (b) with engine.compile=on (DeepSpeed's engine.compile(), which does the same to its module); their
-  compile time falls in the warm-up windows. deepspeed-autocast (bf16 only): (b) with DeepSpeed's torch_autocast
-  (fp32 weights, bf16 autocast: the plain loop's arithmetic) instead of its bf16 mode. `--loops` picks any of these.
+  compile time falls in the warm-up windows. In bf16 (b) runs the plain loop's arithmetic (torch.autocast over fp32
+  weights: DeepSpeed's torch_autocast, as the trainers do); deepspeed-bf16 (bf16 only) runs DeepSpeed's own bf16 mode
+  instead (bf16 weights, fp32 masters in its optimizer wrapper: what the trainers ran before 2026-11-27, and what a
+  user's JSON enabling "bf16" gets). `--loops` picks any of these.
 Both start from the same weights (same seed) and see the same global batches in the same order: window k of (a) and
 window k of (b) train on identical batches. Windows of --steps optimizer steps alternate between (a) and (b) in the
 same process (a-b, then b-a, ...) so that load from other processes hits both alike; the first --warmup windows of
@@ -89,10 +91,10 @@ from trainer.tasks.pretrain import LMObjective, WindowBatcher
 
 LOOPS = ("plain", "deepspeed")  # the default; --compile adds COMPILED, --loops picks any of ALL
 COMPILED = ("plain-compiled", "deepspeed-compiled")
-# bf16 only: DeepSpeed with torch.autocast over fp32 weights ("torch_autocast" in its JSON) instead of its bf16 mode
-# (bf16 weights, fp32 masters in an optimizer wrapper): the plain loop's arithmetic inside the engine.
-AUTOCAST = "deepspeed-autocast"
-ALL = (*LOOPS, *COMPILED, AUTOCAST)
+# bf16 only: DeepSpeed's own bf16 mode (bf16 weights, fp32 masters in an optimizer wrapper) instead of the
+# trainers' torch_autocast (fp32 weights under torch.autocast).
+DS_BF16 = "deepspeed-bf16"
+ALL = (*LOOPS, *COMPILED, DS_BF16)
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -198,8 +200,8 @@ class Loop:
         torch.manual_seed(cfg.seed)  # both loops start from the same weights (as pretrain.py / finetune.py seed)
         model = task.new_model()
         compiled = kind.endswith("-compiled")
-        if kind == AUTOCAST:
-            ds = {**ds, "bf16": {"enabled": False}, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+        if kind == DS_BF16:
+            ds = {**ds, "bf16": {**ds["bf16"], "enabled": True}, "torch_autocast": {"enabled": False}}
         if kind.startswith("deepspeed"):
             self.engine = eng.initialize(model, ds, task.optim, total_steps,
                                          dataclasses.replace(cfg.engine, compile="on" if compiled else "off"))
@@ -220,7 +222,7 @@ class Loop:
                        **fused)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: eng.lr_factor(s, o, total_steps))
         bf16 = cfg.engine.precision == "bf16"
-        # bf16 here: autocast over fp32 weights (DeepSpeed's bf16 keeps bf16 weights and fp32 masters instead).
+        # bf16 here: autocast over fp32 weights, as the engine's torch_autocast does.
         self.autocast = (lambda: torch.autocast(info.device.type, dtype=torch.bfloat16)) if bf16 \
             else contextlib.nullcontext
 
@@ -331,7 +333,7 @@ def measure(task: Task, variants: dict[str, tuple[RunConfig, dict[str, Any]]], p
     """Alternate windows of every loop in every precision (`variants`: precision -> its config and DeepSpeed JSON);
     returns every window (warm-up first) per (loop, precision), and with --profile each loop's profiled step."""
     n_windows = args.warmup + args.windows
-    keys = [(k, p) for k in kinds_of(args) for p in variants if not (k == AUTOCAST and p != "bf16")]
+    keys = [(k, p) for k in kinds_of(args) for p in variants if not (k == DS_BF16 and p != "bf16")]
     loops = {(k, p): Loop(k, task, variants[p][0], variants[p][1], plan, info, n_windows * args.steps + 1)
              for k, p in keys}
     out: dict[tuple[str, str], list[Window]] = {key: [] for key in keys}

@@ -40,7 +40,12 @@ def test_derived_config_follows_run_config() -> None:
     assert ds["train_micro_batch_size_per_gpu"] == 13 and ds["gradient_accumulation_steps"] == 3
     assert "train_batch_size" not in ds  # DeepSpeed infers it
     assert plan == eng.BatchPlan(13, 3, 2) and plan.global_batch == 78
-    assert ds["zero_optimization"] == {"stage": 2} and ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    assert ds["zero_optimization"] == {"stage": 2}
+    # bf16: autocast over fp32 weights (DeepSpeed's torch_autocast), not DeepSpeed's bf16 weights
+    assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and not ds["bf16"]["enabled"]
+    assert eng.precision_of(ds) == "bf16-autocast"
+    fp32, _ = eng.ds_config(override(cfg, {"engine.precision": "fp32"}), "pretrain", world=2, cuda=False)
+    assert not fp32["torch_autocast"]["enabled"] and eng.precision_of(fp32) == "fp32"
     params = ds["optimizer"]["params"]
     # DeepSpeed's "Adam" silently means AdamW unless adam_w_mode is false; torch_adam avoids FusedAdam's JIT on CPU.
     assert ds["optimizer"]["type"] == "Adam" and params["adam_w_mode"] is False and params["torch_adam"] is True
@@ -58,6 +63,13 @@ def test_user_json_overrides_keys(tmp_path: Path) -> None:
     assert ds["gradient_clipping"] == 1.0 and ds["zero_optimization"]["stage"] == 1
     assert ds["optimizer"]["type"] == "Adam"  # untouched keys keep the derived values
     assert plan.micro_batch == 26 and plan.global_batch == 52  # the global batch fixed the micro-batch
+    # DeepSpeed's own bf16 or fp16 mode, asked for by the user's JSON, replaces our autocast (never both)
+    bf16 = override(tiny(), {"engine.precision": "bf16"})
+    for mode in ("bf16", "fp16"):
+        ds, _ = eng.ds_config(bf16, "pretrain", 1, user_json=write(tmp_path, {mode: {"enabled": True}}), cuda=False)
+        assert ds[mode]["enabled"] and not ds["torch_autocast"]["enabled"] and eng.precision_of(ds) == mode
+    ds, _ = eng.ds_config(bf16, "pretrain", 1, user_json=write(tmp_path, {"bf16": {"enabled": False}}), cuda=False)
+    assert ds["torch_autocast"]["enabled"] and eng.precision_of(ds) == "bf16-autocast"
 
 
 @pytest.mark.parametrize(
@@ -279,4 +291,4 @@ def test_precision_auto_reads_the_cpu_flags(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="engine.precision must be fp32, bf16 or auto"):
         precision.resolve("fp16", cuda=False)
     ds, _ = eng.ds_config(override(tiny(), {"engine.precision": "auto"}), "pretrain", 1, cuda=False)
-    assert ds["bf16"]["enabled"] is here
+    assert ds["torch_autocast"]["enabled"] is here

@@ -77,6 +77,26 @@ def test_plain_and_deepspeed_loops_train_the_same_batches(tmp_path: Path, data_d
     assert by[("classifier", "plain")]["flops_per_token"] == 135744 - 6 * 32 * 99
 
 
+def test_in_bf16_the_engine_computes_what_the_plain_autocast_loop_computes(tmp_path: Path, data_dir: Path) -> None:
+    """bf16 is torch.autocast over fp32 weights in the engine as in the plain loop (DeepSpeed's torch_autocast): the
+    same losses, window by window. DeepSpeed's own bf16 mode (bf16 weights: deepspeed-bf16) drifts from them."""
+    out = tmp_path / "bf16.json"
+    cmd = [sys.executable, str(REPO / "bench" / "train_throughput.py"), "--preset", "tiny", "--task", "both",
+           "--micro-batch", "13", "--seq-len", "40", "--warmup", "1", "--windows", "2", "--steps", "2",
+           "--set", "engine.precision=bf16", "--loops", "plain,deepspeed,deepspeed-bf16", "--json", str(out)]
+    env = {**os.environ, "TS_DATA": str(data_dir)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    p = procs.run(cmd, 180, cwd=REPO, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    by = {(r["task"], r["loop"]): r["loss_windows"] for r in json.loads(out.read_text(encoding="utf-8"))["rows"]}
+    for task in ("lm", "classifier"):
+        plain, ours, theirs = by[(task, "plain")], by[(task, "deepspeed")], by[(task, "deepspeed-bf16")]
+        assert all(math.isfinite(x) for x in plain) and len(plain) == len(ours) == 3
+        assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(plain, ours, strict=True)), (task, plain, ours)
+        assert not all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(plain[1:], theirs[1:], strict=True)), theirs
+
+
 def tokens_and_positions(data_dir: Path, steps: int, windows: int) -> dict[str, tuple[list[int], list[int]]]:
     """Per window of `steps` global batches of 13, as the bench orders them: the real input tokens, and the input
     positions with padding (13 x the longest). The tiny preset's tokenizer cut at 40 ids, cls-books-fr train

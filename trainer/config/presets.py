@@ -131,8 +131,8 @@ def gpu() -> RunConfig:
     PyTorch's flash, memory-efficient and cuDNN attention kernels all take it (the lab's 100 lets only flash run).
     A 16,384-id tokenizer (16,380 pieces + 4 specials: a multiple of 64, so the LM head's matmul tiles evenly)
     trained on the pretraining text: eltec-fr, then the cls-books train reviews, the valid reviews last (held out
-    for the eval loss, as in the demo). Windows of 1,024 ids, 32 per rank per micro-step; bf16 weights and
-    activations with fp32 masters; compiled on CUDA (engine.compile=auto). The recipe of GPT-2-small-sized models
+    for the eval loss, as in the demo). Windows of 1,024 ids, 32 per rank per micro-step; bf16 (autocast over fp32
+    weights); compiled on CUDA (engine.compile=auto). The recipe of GPT-2-small-sized models
     (nanoGPT): AdamW with betas 0.9/0.95, weight decay 0.1, warm-up then cosine, clipping at 1.0, no dropout while
     pretraining; fine-tuning as in the demo (mean pooling, dropout 0.1)."""
     return RunConfig(

@@ -158,8 +158,8 @@ class EngineConfig:
     """How DeepSpeed runs the model (trainer/engine/deepspeed_engine.py derives its JSON from this)."""
 
     zero_stage: Annotated[int, Field(ge=0, le=2)] = 0  # ZeRO 0, 1 or 2
-    # Number format: fp32; bf16 (bf16 weights and activations, fp32 master weights); auto: bf16 where the device
-    # has native bf16 units (trainer/engine/precision.py), fp32 elsewhere
+    # Number format: fp32; bf16 (torch.autocast over fp32 weights: bf16 matrix multiplies, fp32 weights, gradients
+    # and optimizer); auto: bf16 where the device has native bf16 units (trainer/engine/precision.py), fp32 elsewhere
     precision: Literal["fp32", "bf16", "auto"] = "fp32"
     grad_accum: Size = 1  # micro-batches per optimizer step
     deepspeed_config: str = ""  # a user's DeepSpeed JSON whose keys override the derived ones

@@ -217,11 +217,10 @@ def load(engine: Any, ckpt_dir: str | Path, tag: str) -> tuple[LoopState, dict[s
             f"{Path(ckpt_dir) / tag / MARKER}: written by {marker.get('world_size')} ranks, this run has "
             f"{eng.world_size()}; resume with the same number of processes (the global batch depends on it)"
         )
-    if marker.get("precision", _precision(engine)) != _precision(engine):  # engine.precision=auto on other hardware
-        raise CheckpointError(
-            f"{Path(ckpt_dir) / tag / MARKER}: written in {marker['precision']}, this run trains in "
-            f"{_precision(engine)}; set engine.precision={marker['precision']} to resume it"
-        )
+    written, now = marker.get("precision", _precision(engine)), _precision(engine)
+    if written != now:  # engine.precision=auto on other hardware, or a checkpoint of DeepSpeed's own bf16 mode
+        raise CheckpointError(f"{Path(ckpt_dir) / tag / MARKER}: written in {written}, this run trains in {now}; "
+                              f"{_how_to_train_in(written)} to resume it")
     for name in marker["files"]:
         if name.endswith(".pt"):
             refuse_unsafe_pickle(Path(ckpt_dir) / tag / name)
@@ -237,4 +236,19 @@ def load(engine: Any, ckpt_dir: str | Path, tag: str) -> tuple[LoopState, dict[s
 
 
 def _precision(engine: Any) -> str:
-    return "bf16" if engine.bfloat16_enabled() else "fp32"
+    """What the engine trains in, named as deepspeed_engine.precision_of names its JSON (checkpoints before
+    2026-11-27 wrote "bf16" for DeepSpeed's bf16 mode, which was then the trainer's bf16: the same name)."""
+    if engine.bfloat16_enabled():
+        return "bf16"
+    if engine.fp16_enabled():
+        return "fp16"
+    return "bf16-autocast" if engine.torch_autocast_enabled() else "fp32"
+
+
+def _how_to_train_in(precision: str) -> str:
+    if precision == "fp32":
+        return "set engine.precision=fp32"
+    if precision == "bf16-autocast":
+        return "set engine.precision=bf16"
+    return (f'pass --deepspeed-config with {{"{precision}": {{"enabled": true}}}} (DeepSpeed\'s own {precision} mode, '
+            f"which wrote it)")

@@ -191,6 +191,7 @@ def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = 
     agree. Returns the merged JSON and the batch plan the data loader must follow.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
+    bf16 = precision.resolve(cfg.engine.precision, cuda) == "bf16"
     micro = cfg.pretrain.micro_batch if stage == "pretrain" else cfg.finetune.micro_batch
     optim = cfg.pretrain.optim if stage == "pretrain" else cfg.finetune.optim
     derived: dict[str, Any] = {
@@ -198,11 +199,18 @@ def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = 
         "gradient_accumulation_steps": cfg.engine.grad_accum,
         "gradient_clipping": optim.grad_clip,
         "zero_optimization": {"stage": cfg.engine.zero_stage},
+        # bf16 is torch.autocast over fp32 weights inside the engine (DeepSpeed's torch_autocast): the plain PyTorch
+        # loop's arithmetic, fp32 weights, gradients and optimizer, and the optimizer used bare. DeepSpeed's bf16
+        # mode (bf16 weights and gradients, fp32 masters in a wrapper) measured 0.50-0.65x of the plain loop on an
+        # H200 against 0.75-0.76x for this (docs/BENCHMARKS.md, GPU): at ZeRO 0 its wrapper checks every gradient
+        # for inf/NaN with a device sync per tensor. A user's JSON that enables "bf16" (or "fp16") gets that mode
+        # instead (below).
+        "torch_autocast": {"enabled": bf16, "dtype": "bfloat16"},
         # bf16 has fp32's exponent range: no loss scale, so no step to skip. DeepSpeed's per-step overflow check
         # (ZeRO 1/2: an all-reduce and a host-device sync every step) would skip a step with a non-finite gradient
         # and carry on; without it the loop's own checks stop the run instead (loop.refuse_diverged: the loss at
         # every log row, the weights before every checkpoint), and `latest` keeps the last finite weights.
-        "bf16": {"enabled": precision.resolve(cfg.engine.precision, cuda) == "bf16", "check_grad_overflow": False},
+        "bf16": {"enabled": False, "check_grad_overflow": False},
         "optimizer": {
             # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false: say which one we mean.
             "type": "AdamW" if optim.name == "adamw" else "Adam",
@@ -222,6 +230,8 @@ def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = 
     source = user_json or ""
     user = read_json(user_json, "DeepSpeed config") if user_json else {}
     merged = _merge(derived, user)
+    if any(_enabled(user, k) for k in ("bf16", "fp16")) and "torch_autocast" not in user:
+        merged["torch_autocast"]["enabled"] = False  # the user chose DeepSpeed's own low-precision weights
     check_keys(user, source)
     plan = _batch_plan(merged, user, world, source)
     merged["train_micro_batch_size_per_gpu"] = plan.micro_batch
@@ -232,6 +242,19 @@ def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = 
     except Exception as e:  # pydantic ValidationError, AssertionError, DeepSpeedConfigError...
         raise EngineConfigError(f"{source or 'derived DeepSpeed config'}: {type(e).__name__}: {e}") from None
     return merged, plan
+
+
+def _enabled(ds: dict[str, Any], section: str) -> bool:
+    return isinstance(ds.get(section), dict) and ds[section].get("enabled") is True
+
+
+def precision_of(ds: dict[str, Any]) -> str:
+    """What a DeepSpeed JSON trains in, as logs and checkpoints name it: fp32, bf16-autocast (ours), or DeepSpeed's
+    bf16 / fp16 modes (low-precision weights, fp32 masters in its optimizer wrapper)."""
+    for section in ("bf16", "fp16"):
+        if _enabled(ds, section):
+            return section
+    return "bf16-autocast" if _enabled(ds, "torch_autocast") else "fp32"
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -379,9 +402,10 @@ def current_lr(engine: Any) -> float:
 def fp32_state_dict(engine: Any, ckpt_dir: str | Path | None = None, tag: str | None = None) -> dict[str, torch.Tensor]:
     """The model's fp32 weights, for the artifact (call on every rank; use the result on rank 0).
 
-    fp32 training: every rank's module holds the full fp32 weights under ZeRO 0/1/2 (ZeRO 1/2 partition optimizer
-    state and gradients, not parameters), so they are read directly: exact. bf16: the module holds bf16 copies and
-    the fp32 master weights live in the optimizer. ZeRO 1/2 partition them across ranks: consolidated from the
+    fp32 and bf16 (autocast over fp32 weights): every rank's module holds the full fp32 weights under ZeRO 0/1/2
+    (ZeRO 1/2 partition optimizer state and gradients, not parameters), so they are read directly: exact.
+    DeepSpeed's own bf16 mode (a user's JSON enabling "bf16"): the module holds bf16 copies and the fp32 master
+    weights live in the optimizer. ZeRO 1/2 partition them across ranks: consolidated from the
     checkpoint `tag` with deepspeed.utils.zero_to_fp32 (in-process: its CLI needs huggingface_hub). ZeRO 0 keeps
     them whole in its FP16 optimizer wrapper (which zero_to_fp32 does not read): taken from there.
     """

@@ -8,8 +8,9 @@ stay from fp32's, is what `bench/train_throughput.py --precisions fp32,bf16` mea
 (docs/BENCHMARKS.md, Precision). The rule reads only the hardware, so every rank of a node, and a resumed run on the
 same machines, resolve it alike.
 
-DeepSpeed's bf16 engine keeps fp32 master weights in its optimizer; the artifact always holds fp32 weights
-(trainer/engine/deepspeed_engine.py fp32_state_dict). No torch import at module level: trainer/config/schema.py-level
+bf16 training is torch.autocast over fp32 weights, in the plain loop and in the DeepSpeed engine alike (its
+torch_autocast: trainer/engine/deepspeed_engine.py ds_config says why not DeepSpeed's bf16 mode); the artifact always
+holds fp32 weights (fp32_state_dict there). No torch import at module level: trainer/config/schema.py-level
 code may ask.
 """
 
@@ -57,8 +58,8 @@ def resolve(setting: str, cuda: bool) -> Precision:
 
 
 def autocast(prec: Precision, device: torch.device) -> contextlib.AbstractContextManager:
-    """For a plain PyTorch loop over fp32 weights: bf16 autocast, or nothing (DeepSpeed's bf16 engine casts the
-    weights instead)."""
+    """For a plain PyTorch loop over fp32 weights: bf16 autocast, or nothing (the DeepSpeed engine applies the same
+    autocast itself, from its JSON's torch_autocast)."""
     import torch
 
     if prec == "bf16":

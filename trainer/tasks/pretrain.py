@@ -291,7 +291,7 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
               f"{corpus.n_tokens:,} tokens in {folder}, {len(train_w):,} training windows of {pc.seq_len} "
               f"({per_epoch:,} global batches of {plan.global_batch}/epoch), "
               f"{total:,} steps, world {info.world_size}, ZeRO {cfg.engine.zero_stage}, "
-              f"{'bf16' if ds['bf16']['enabled'] else 'fp32'}"
+              f"{eng.precision_of(ds)}"
               + (f", resumed at step {state.step}" if resume_tag else ""))
 
     t0 = time.perf_counter()
