@@ -50,6 +50,7 @@ def test_derived_config_follows_run_config() -> None:
     # DeepSpeed's "Adam" silently means AdamW unless adam_w_mode is false; torch_adam avoids FusedAdam's JIT on CPU.
     assert ds["optimizer"]["type"] == "Adam" and params["adam_w_mode"] is False and params["torch_adam"] is True
     assert params["lr"] == cfg.pretrain.optim.lr and ds["gradient_clipping"] == 0.5
+    assert ds["timers"] == {"throughput": {"enabled": False}}  # DeepSpeed's timer syncs the device twice a step
 
     ft, _ = eng.ds_config(override(lab(), {"finetune.optim.name": "adamw"}), "finetune", world=1, cuda=True)
     assert ft["train_micro_batch_size_per_gpu"] == 8 and ft["optimizer"]["type"] == "AdamW"
