@@ -71,6 +71,11 @@ def test_user_json_overrides_keys(tmp_path: Path) -> None:
         assert ds[mode]["enabled"] and not ds["torch_autocast"]["enabled"] and eng.precision_of(ds) == mode
     ds, _ = eng.ds_config(bf16, "pretrain", 1, user_json=write(tmp_path, {"bf16": {"enabled": False}}), cuda=False)
     assert ds["torch_autocast"]["enabled"] and eng.precision_of(ds) == "bf16-autocast"
+    half = write(tmp_path, {"torch_autocast": {"enabled": True, "dtype": "float16"}})
+    assert eng.precision_of(eng.ds_config(bf16, "pretrain", 1, user_json=half, cuda=False)[0]) == "fp16-autocast"
+    both = write(tmp_path, {"bf16": {"enabled": True}, "torch_autocast": {"enabled": True}})
+    with pytest.raises(eng.EngineConfigError, match=r"ds\.json: bf16 and torch_autocast are both enabled: choose one"):
+        eng.ds_config(bf16, "pretrain", 1, user_json=both, cuda=False)
 
 
 @pytest.mark.parametrize(

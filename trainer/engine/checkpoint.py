@@ -242,7 +242,9 @@ def _precision(engine: Any) -> str:
         return "bf16"
     if engine.fp16_enabled():
         return "fp16"
-    return "bf16-autocast" if engine.torch_autocast_enabled() else "fp32"
+    if not engine.torch_autocast_enabled():
+        return "fp32"
+    return ("bf16" if engine.torch_autocast_dtype() == torch.bfloat16 else "fp16") + "-autocast"
 
 
 def _how_to_train_in(precision: str) -> str:
@@ -250,5 +252,7 @@ def _how_to_train_in(precision: str) -> str:
         return "set engine.precision=fp32"
     if precision == "bf16-autocast":
         return "set engine.precision=bf16"
+    if precision.endswith("-autocast"):
+        return 'pass --deepspeed-config with {"torch_autocast": {"enabled": true, "dtype": "float16"}}'
     return (f'pass --deepspeed-config with {{"{precision}": {{"enabled": true}}}} (DeepSpeed\'s own {precision} mode, '
             f"which wrote it)")

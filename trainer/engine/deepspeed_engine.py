@@ -237,6 +237,12 @@ def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = 
     if any(_enabled(user, k) for k in ("bf16", "fp16")) and "torch_autocast" not in user:
         merged["torch_autocast"]["enabled"] = False  # the user chose DeepSpeed's own low-precision weights
     check_keys(user, source)
+    modes = [k for k in ("bf16", "fp16", "torch_autocast") if _enabled(merged, k)]
+    if len(modes) > 1:  # DeepSpeed accepts any mix and then runs something nobody asked for
+        raise EngineConfigError(
+            f"{source or 'derived DeepSpeed config'}: {' and '.join(modes)} are "
+            f"{'both' if len(modes) == 2 else 'all'} enabled: choose one (torch_autocast: fp32 weights under "
+            "autocast, the trainer's bf16; bf16 or fp16: DeepSpeed's low-precision weights with fp32 masters)")
     plan = _batch_plan(merged, user, world, source)
     merged["train_micro_batch_size_per_gpu"] = plan.micro_batch
     merged["gradient_accumulation_steps"] = plan.grad_accum
@@ -258,7 +264,10 @@ def precision_of(ds: dict[str, Any]) -> str:
     for section in ("bf16", "fp16"):
         if _enabled(ds, section):
             return section
-    return "bf16-autocast" if _enabled(ds, "torch_autocast") else "fp32"
+    if not _enabled(ds, "torch_autocast"):
+        return "fp32"
+    return ("bf16" if str(ds["torch_autocast"].get("dtype", "bfloat16")) in ("bfloat16", "bf16") else "fp16") + \
+        "-autocast"
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
