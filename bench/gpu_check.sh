@@ -2,7 +2,7 @@
 # The GPU training checks in one call of under 9 minutes, for a CUDA node or a bare GPU machine. Parts, each in its
 # own time box, all within --budget seconds (a part that no longer fits is skipped, and says so); tests and lab run
 # side by side on the GPU first (neither is timed, and neither fills the GPU), then the timed parts one at a time:
-#   tests  the GPU tests, 3 at a time: bf16 ZeRO 1 and 2 on NCCL, checkpoint, resume == uninterrupted, compiled
+#   tests  the GPU tests, 3 at a time: bf16 ZeRO 1, 2 and 3 on NCCL, checkpoint, resume == uninterrupted, compiled
 #          training against eager (pytest -m gpu -n 3), and the device decision (DS_ACCELERATOR=cpu on a GPU
 #          machine: one line, exit 2)
 #   ratio  our DeepSpeed engine (torch.autocast over fp32 weights) against the plain PyTorch loop, lab size, bf16, LM

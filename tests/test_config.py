@@ -44,8 +44,8 @@ def test_unknown_key_suggests_the_closest_one(key: str, closest: str) -> None:
 def test_bad_values_name_the_field_and_value():
     with pytest.raises(ConfigError, match="model.n_heads=3 must divide model.d_model=32"):
         override(preset("tiny"), ["model.n_heads=3"])
-    with pytest.raises(ConfigError, match="engine.zero_stage must be <= 2, got 3"):
-        override(preset("tiny"), ["engine.zero_stage=3"])
+    with pytest.raises(ConfigError, match="engine.zero_stage must be <= 3, got 4"):
+        override(preset("tiny"), ["engine.zero_stage=4"])
     with pytest.raises(ConfigError, match="engine.keep_checkpoints must be >= 1, got 0"):
         override(preset("tiny"), ["engine.keep_checkpoints=0"])
     with pytest.raises(ConfigError, match="engine.checkpoint_every must be >= 0"):

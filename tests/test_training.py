@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,6 +121,44 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(runs: dict[str, Path], ba
     init = LanguageModel(tiny().model).state_dict()
     assert max_diff(one, init) > 1e-4
     assert json.loads((runs[f"two{zero}"] / "env.json").read_text())["world_size"] == 2
+
+
+def test_zero3_partitions_every_weight_and_trains_like_zero2(runs: dict[str, Path], base: list[str],
+                                                            tmp_path: Path) -> None:
+    """ZeRO 3 on 2 ranks with every weight partitioned (persistence threshold 0: at this size DeepSpeed would keep them
+    all whole): the same weights as ZeRO 2's 2 ranks after a step, and an artifact gathered whole (its writer's own
+    check refused the empty shares before)."""
+    ds = tmp_path / "z3.json"
+    ds.write_text('{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}')
+    out = tmp_path / "z3"
+    deepspeed([*base, *ONE_STEP, "--set", "pretrain.micro_batch=7", "--set", "engine.zero_stage=3",
+               "--deepspeed-config", str(ds), "--out", str(out)])
+    shares = torch.load(next((out / "checkpoints" / "step00000001").glob("*model_states.pt")), weights_only=False,
+                        map_location="cpu")["module"]
+    assert any(v.numel() == 0 for v in shares.values())  # the module held shares, not weights
+    assert max_diff(weights(out), weights(two_ranks_7(runs, base, 2))) < 1e-5
+    # Fine-tuning evaluates each epoch on every rank's share of the batches: 30 valid reviews are one batch, rank 1
+    # has none. Each ZeRO 3 forward gathers its layers with a collective, so rank 0 waited for ever (before
+    # deepspeed_engine.whole_weights); now the weights are whole during the evaluation.
+    ft = tmp_path / "z3-finetune"
+    p = deepspeed([*base, "--set", "engine.zero_stage=3", "--set", "finetune.epochs=1", "--set",
+                   "data.max_train_examples=40", "--set", "data.max_valid_examples=30", "--set",
+                   "data.max_test_examples=30", "--deepspeed-config", str(ds), "--pretrained", str(out / "artifact"),
+                   "--out", str(ft)], script="launch/finetune.sh", timeout=240)
+    assert "kept epoch 1 of 1" in p.stdout + p.stderr, p.stderr[-2000:]
+    from trainer import artifact
+
+    assert artifact.load(ft / "artifact").meta and all(v.numel() > 0 for v in weights(ft).values())
+
+
+def test_every_rank_says_its_error_on_a_line_of_its_own(base: list[str], tmp_path: Path) -> None:
+    """Both ranks refuse the same input at once (the launcher may kill the second before it speaks): each line that
+    gets out is whole (two ranks' lines once ran into one: "...jsonerror: [rank 1] ...")."""
+    p = deepspeed([*base, "--deepspeed-config", str(tmp_path / "missing.json"), "--out", str(tmp_path / "run")],
+                  ok=False)
+    lines = [ln for ln in p.stderr.splitlines() + p.stdout.splitlines() if "error:" in ln and "missing.json" in ln]
+    assert p.returncode != 0 and lines and all(re.fullmatch(r"error: \[rank [01]\] DeepSpeed config file not found: "
+                                                            r"\S+missing\.json", ln) for ln in lines), lines
 
 
 def test_simulated_two_nodes_equal_one_node(runs: dict[str, Path], base: list[str], tmp_path: Path) -> None:
@@ -449,10 +488,10 @@ GPU = ["--set", "engine.precision=bf16", "--set", "engine.deterministic=true", "
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_gpu_bf16_two_ranks_nccl(base: list[str], tmp_path: Path, zero: int) -> None:
     """On a GPU machine (2 ranks where it has 2 GPUs): NCCL for CUDA tensors beside gloo for CPU ones, DeepSpeed's
-    accelerator on CUDA, bf16 (autocast over fp32 weights) with FusedAdam (no torch_adam), ZeRO 1 and 2; a run
+    accelerator on CUDA, bf16 (autocast over fp32 weights) with FusedAdam (no torch_adam), ZeRO 1, 2 and 3; a run
     stopped at step 4 and resumed equals the uninterrupted one, and both write the artifact contract (fp32 weights).
     (The same on 2 CPU ranks over gloo passed by hand, 2026-11-27: 150-200 s each, too slow for the default suite.)"""
     ranks = min(2, torch.cuda.device_count())

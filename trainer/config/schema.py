@@ -157,7 +157,9 @@ class OptimConfig:
 class EngineConfig:
     """How DeepSpeed runs the model (trainer/engine/deepspeed_engine.py derives its JSON from this)."""
 
-    zero_stage: Annotated[int, Field(ge=0, le=2)] = 0  # ZeRO 0, 1 or 2
+    # ZeRO 0-3: 1 partitions the optimizer state over the ranks, 2 the gradients too, 3 the weights too (each rank
+    # then holds a share of every weight and gathers a layer's whole for its forward and backward)
+    zero_stage: Annotated[int, Field(ge=0, le=3)] = 0
     # Number format: fp32; bf16 (torch.autocast over fp32 weights: bf16 matrix multiplies, fp32 weights, gradients
     # and optimizer); auto: bf16 where the device has native bf16 units (trainer/engine/precision.py), fp32 elsewhere
     precision: Literal["fp32", "bf16", "auto"] = "fp32"

@@ -19,6 +19,7 @@ environment.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -411,9 +412,20 @@ def deterministic() -> None:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
+def whole_weights(engine: Any) -> contextlib.AbstractContextManager:
+    """Around an evaluation (call on every rank): under ZeRO 3 every weight gathered whole on every rank for the
+    block, so that each rank can score its own share of the batches, however many: a ZeRO 3 forward otherwise
+    gathers each layer with a collective that every rank must join, and a rank with one batch more waits for ever.
+    Elsewhere nothing (the module holds the whole weights already)."""
+    if engine.zero_optimization_stage() != 3:
+        return contextlib.nullcontext()
+    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()))
+
+
 def weights_finite(engine: Any) -> bool:
-    """Every parameter of the engine's module is finite on every rank (call on every rank: one all-reduce)."""
-    ok = torch.stack([p.detach().isfinite().all() for p in engine.module.parameters()]).all()
+    """Every parameter of the engine's module is finite on every rank (call on every rank: one all-reduce). Under
+    ZeRO 3 each rank checks its own share of every weight (`ds_tensor`; the module's tensors are empty there)."""
+    ok = torch.stack([getattr(p, "ds_tensor", p).detach().isfinite().all() for p in engine.module.parameters()]).all()
     return all_reduce_sum([0.0 if bool(ok) else 1.0])[0] == 0.0
 
 
@@ -425,18 +437,24 @@ def fp32_state_dict(engine: Any, ckpt_dir: str | Path | None = None, tag: str | 
     """The model's fp32 weights, for the artifact (call on every rank; use the result on rank 0).
 
     fp32 and bf16 (autocast over fp32 weights): every rank's module holds the full fp32 weights under ZeRO 0/1/2
-    (ZeRO 1/2 partition optimizer state and gradients, not parameters), so they are read directly: exact.
+    (ZeRO 1/2 partition optimizer state and gradients, not parameters), so they are read directly: exact; ZeRO 3
+    gathers them first.
     DeepSpeed's own bf16 mode (a user's JSON enabling "bf16"): the module holds bf16 copies and the fp32 master
     weights live in the optimizer. ZeRO 1/2 partition them across ranks: consolidated from the
     checkpoint `tag` with deepspeed.utils.zero_to_fp32 (in-process: its CLI needs huggingface_hub). ZeRO 0 keeps
     them whole in its FP16 optimizer wrapper (which zero_to_fp32 does not read): taken from there.
     """
+    if not engine.bfloat16_enabled() and engine.zero_optimization_stage() == 3:
+        # ZeRO 3 partitions the weights themselves: gathered whole on every rank for the copy (exact: they are the
+        # fp32 weights), released at the end of the block.
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            return {k: v.detach().to("cpu", torch.float32).clone() for k, v in engine.module.state_dict().items()}
     own = engine.module.state_dict()
     if not engine.bfloat16_enabled():
         return {k: v.detach().to("cpu", torch.float32).clone() for k, v in own.items()}
     if engine.zero_optimization_stage() >= 1:
         if ckpt_dir is None or tag is None:
-            raise ValueError("bf16 under ZeRO 1/2: the fp32 weights are consolidated from a checkpoint; pass its tag")
+            raise ValueError("bf16 under ZeRO 1-3: the fp32 weights are consolidated from a checkpoint; pass its tag")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with weights_only_loads():  # reads the checkpoint's files (a finished run's on --resume)

@@ -29,7 +29,9 @@ def on_every_rank(stage: Callable[[], object]) -> NoReturn:
         if os.environ.get("TS_TRACEBACK"):
             traceback.print_exc()
         where = f"[rank {eng.rank()}] " if eng.world_size() > 1 else ""  # which rank, when there are several
-        print(f"error: {where}{e}", file=sys.stderr)
+        # One write, newline included: under the launcher (python -u) print's two writes let the ranks' lines run
+        # into each other ("...jsonerror: [rank 1] ...", seen with 2 ranks).
+        sys.stderr.write(f"error: {where}{e}\n")
         code = 2
     except KeyboardInterrupt as e:
         code = getattr(e, "code", 143 if str(e) == "SIGTERM" else 130)

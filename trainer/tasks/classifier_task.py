@@ -73,8 +73,9 @@ class ClassifierTask:
                                "examples_per_s": interval.examples_per_s, "elapsed_s": interval.elapsed_s}
         if evaluate:  # the end of an epoch
             names, metric = self.cfg.data.names, self.cfg.finetune.select_metric
-            valid = summarize(confusion_of(engine, self.sets.valid, self.info, len(names)), names)
-            test = summarize(confusion_of(engine, self.sets.test_epoch, self.info, len(names)), names)
+            with eng.whole_weights(engine):  # each rank scores its share of the batches
+                valid = summarize(confusion_of(engine, self.sets.valid, self.info, len(names)), names)
+                test = summarize(confusion_of(engine, self.sets.test_epoch, self.info, len(names)), names)
             row.update(valid_accuracy=valid["accuracy"], valid_macro_f1=valid["macro_f1"],
                        test_accuracy=test["accuracy"])
             state.history.append({"epoch": state.epoch + 1, "step": state.step, "valid": valid, "test": test,

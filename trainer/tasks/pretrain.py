@@ -222,7 +222,8 @@ class PretrainTask:
                                "lr": eng.current_lr(engine), "tokens_per_s": interval.tokens_per_s,
                                "elapsed_s": interval.elapsed_s}
         if evaluate:
-            row["eval_loss"] = eval_loss(engine, self.held_out, self.plan, self.info)
+            with eng.whole_weights(engine):  # each rank scores its share of the windows
+                row["eval_loss"] = eval_loss(engine, self.held_out, self.plan, self.info)
             row["eval_ppl"] = _ppl(row["eval_loss"])
             state.history.append({"step": state.step, "loss": interval.loss, "eval_loss": row["eval_loss"]})
         return row
