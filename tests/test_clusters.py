@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,6 +115,41 @@ def test_deepspeed_run_stopped_by_sigterm_then_the_same_command_ends_as_uninterr
     # Once more after the end: nothing is trained or lost, the artifact is the same.
     done = procs.run(cmd, 300, cwd=REPO, env=env())
     assert done.returncode == 0 and "resumed at step 30" in done.stderr and sha256(out) == reference
+
+
+# The shell a container's first process should be (README, Clusters): DeepSpeed's runner forwards a signal sent to it
+# alone only to pdsh launches, so it forwards the signal to the process group itself.
+FORWARDING_SHELL = 'trap "trap \\"\\" TERM; kill -TERM 0" TERM; "$@" & pid=$!; wait $pid; wait $pid'
+
+
+@pytest.mark.slow  # 30 s: the DeepSpeed runner's behaviour and the README's way around it
+def test_sigterm_to_the_deepspeed_command_alone_reaches_the_ranks_only_through_the_forwarding_shell(
+        volumes: Path, tmp_path: Path) -> None:
+    """A SIGTERM to the `deepspeed` command alone (a container runtime signals its first process; `kill PID`) ends
+    the runner and leaves its ranks training; under the README's forwarding shell every rank checkpoints and the
+    job exits 143."""
+    assert f"sh -c '{FORWARDING_SHELL}' sh deepspeed" in (REPO / "README.md").read_text(encoding="utf-8")
+    long = ["--set=pretrain.max_steps=100000"]  # after SETTINGS: the later --set wins
+    bare = procs.popen(deepspeed([*run_args(volumes, tmp_path / "bare"), *long], free_port()), cwd=REPO, env=env(),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        started(tmp_path / "bare", bare, rows=2)
+        ranks = [c for c in psutil.Process(bare.pid).children(recursive=True)
+                 if "--local_rank=" in " ".join(c.cmdline())]
+        bare.send_signal(signal.SIGTERM)
+        bare.wait(timeout=30)
+        time.sleep(2)
+        assert ranks and all(r.is_running() for r in ranks)  # DeepSpeed 0.19.8: the ranks train on, unseen
+    finally:
+        procs.kill_group(bare)
+    out = tmp_path / "wrapped"
+    p = procs.popen(["sh", "-c", FORWARDING_SHELL, "sh", *deepspeed([*run_args(volumes, out), *long], free_port())],
+                    cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    started(out, p, rows=2)
+    p.send_signal(signal.SIGTERM)  # to the shell alone
+    output = finish(p)
+    assert p.returncode == 143 and "interrupted by SIGTERM after step " in output, output[-3000:]
+    assert (out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() / "complete.json").is_file()
 
 
 def test_resume_auto_never_starts_over_silently(volumes: Path, reference: str, tmp_path: Path) -> None:
