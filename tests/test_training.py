@@ -486,6 +486,23 @@ GPU = ["--set", "engine.precision=bf16", "--set", "engine.deterministic=true", "
        "--set", "engine.checkpoint_every=4", "--set", "engine.log_every=1"]
 
 
+@pytest.mark.slow  # 150-200 s each on 2 cores: deterministic kernels and bf16 on a CPU
+@pytest.mark.parametrize("zero", [1, 2])
+def test_bf16_autocast_on_two_cpu_ranks_resumes_exactly(base: list[str], tmp_path: Path, zero: int) -> None:
+    """The GPU test's run on 2 CPU ranks over gloo: bf16 as autocast over fp32 weights under ZeRO 1 and 2, stopped at
+    step 4 and resumed, equals the uninterrupted run."""
+    args = [*base, *GPU, "--set", f"engine.zero_stage={zero}"]
+    full, halves = tmp_path / "full", tmp_path / "halves"
+    deepspeed([*args, "--out", str(full)], timeout=600)
+    assert json.loads((full / "deepspeed_config.json").read_text())["torch_autocast"]["enabled"]
+    deepspeed([*args, "--out", str(halves), "--stop-at", "4"], timeout=600)
+    p = deepspeed([*args, "--out", str(halves), "--resume"], timeout=600)
+    assert "resumed at step 4" in p.stderr and ", bf16-autocast" in p.stderr
+    assert len(losses(full)) == 12 and np.allclose(losses(halves), losses(full), rtol=0, atol=1e-6), \
+        (losses(halves), losses(full))
+    assert max_diff(weights(halves), weights(full)) < 1e-6
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("zero", [1, 2, 3])
@@ -493,7 +510,7 @@ def test_gpu_bf16_two_ranks_nccl(base: list[str], tmp_path: Path, zero: int) -> 
     """On a GPU machine (2 ranks where it has 2 GPUs): NCCL for CUDA tensors beside gloo for CPU ones, DeepSpeed's
     accelerator on CUDA, bf16 (autocast over fp32 weights) with FusedAdam (no torch_adam), ZeRO 1, 2 and 3; a run
     stopped at step 4 and resumed equals the uninterrupted one, and both write the artifact contract (fp32 weights).
-    (The same on 2 CPU ranks over gloo passed by hand, 2026-11-27: 150-200 s each, too slow for the default suite.)"""
+    (The same on 2 CPU ranks: test_bf16_autocast_on_two_cpu_ranks_resumes_exactly, in make test-slow.)"""
     ranks = min(2, torch.cuda.device_count())
     args = [*base, *GPU, "--set", f"engine.zero_stage={zero}"]
     full, halves = tmp_path / "full", tmp_path / "halves"
