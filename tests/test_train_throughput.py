@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,16 +23,23 @@ KEYS = {"task", "loop", "processes", "threads_per_process", "device", "precision
         "tokens_per_window", "loss_windows"}
 
 
-def test_plain_and_deepspeed_loops_train_the_same_batches(tmp_path: Path, data_dir: Path) -> None:
-    out = tmp_path / "tt.json"
+def bench(data_dir: Path, out: Path, *extra: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """bench/train_throughput.py at the tiny preset's odd sizes (both tasks, 1 warm-up + 2 windows of 2 steps), its
+    JSON into `out`; one process on loopback, whatever rank variables the test session holds."""
     cmd = [sys.executable, str(REPO / "bench" / "train_throughput.py"), "--preset", "tiny", "--task", "both",
-           "--micro-batch", "13", "--seq-len", "40", "--warmup", "1", "--windows", "2", "--steps", "2",
-           "--profile", "--json", str(out)]
+           "--micro-batch", "13", "--seq-len", "40", "--warmup", "1", "--windows", "2", "--steps", "2", *extra,
+           "--json", str(out)]
     env = {**os.environ, "TS_DATA": str(data_dir)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)  # one process on loopback, whatever the test session holds
-    p = procs.run(cmd, 120, cwd=REPO, env=env)
+        env.pop(name, None)
+    p = procs.run(cmd, timeout, cwd=REPO, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def test_plain_and_deepspeed_loops_train_the_same_batches(tmp_path: Path, data_dir: Path) -> None:
+    out = tmp_path / "tt.json"
+    p = bench(data_dir, out, "--profile", timeout=120)
     assert "| lm | deepspeed |" in p.stdout and "| classifier | plain |" in p.stdout  # the markdown table
     rows = json.loads(out.read_text(encoding="utf-8"))["rows"]
     assert [(r["task"], r["loop"]) for r in rows] == [("lm", "plain"), ("lm", "deepspeed"),
@@ -83,14 +91,7 @@ def test_in_bf16_the_engine_computes_what_the_plain_autocast_loop_computes(tmp_p
     """bf16 is torch.autocast over fp32 weights in the engine as in the plain loop (DeepSpeed's torch_autocast): the
     same losses, window by window. DeepSpeed's own bf16 mode (bf16 weights: deepspeed-bf16) drifts from them."""
     out = tmp_path / "bf16.json"
-    cmd = [sys.executable, str(REPO / "bench" / "train_throughput.py"), "--preset", "tiny", "--task", "both",
-           "--micro-batch", "13", "--seq-len", "40", "--warmup", "1", "--windows", "2", "--steps", "2",
-           "--set", "engine.precision=bf16", "--loops", "plain,deepspeed,deepspeed-bf16", "--json", str(out)]
-    env = {**os.environ, "TS_DATA": str(data_dir)}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    p = procs.run(cmd, 180, cwd=REPO, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
+    bench(data_dir, out, "--set", "engine.precision=bf16", "--loops", "plain,deepspeed,deepspeed-bf16", timeout=180)
     by = {(r["task"], r["loop"]): r["loss_windows"] for r in json.loads(out.read_text(encoding="utf-8"))["rows"]}
     for task in ("lm", "classifier"):
         plain, ours, theirs = by[(task, "plain")], by[(task, "deepspeed")], by[(task, "deepspeed-bf16")]

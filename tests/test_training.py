@@ -486,6 +486,19 @@ GPU = ["--set", "engine.precision=bf16", "--set", "engine.deterministic=true", "
        "--set", "engine.checkpoint_every=4", "--set", "engine.log_every=1"]
 
 
+def resumed_equals(full: Path, halves: Path, args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    """`args` run into `halves`, stopped at step 4, then resumed there, equals `full` (the same run uninterrupted):
+    losses to 1e-6 at each of its 12 steps, weights to 1e-6. Returns the resumed launch."""
+    deepspeed([*args, "--out", str(halves), "--stop-at", "4"], **kw)
+    assert (halves / "checkpoints" / "latest").read_text().strip() == "step00000004"
+    p = deepspeed([*args, "--out", str(halves), "--resume"], **kw)
+    assert "resumed at step 4" in p.stderr
+    assert len(losses(full)) == 12 and np.allclose(losses(halves), losses(full), rtol=0, atol=1e-6), \
+        (losses(halves), losses(full))
+    assert max_diff(weights(halves), weights(full)) < 1e-6
+    return p
+
+
 @pytest.mark.slow  # 150-200 s each on 2 cores: deterministic kernels and bf16 on a CPU
 @pytest.mark.parametrize("zero", [1, 2])
 def test_bf16_autocast_on_two_cpu_ranks_resumes_exactly(base: list[str], tmp_path: Path, zero: int) -> None:
@@ -495,12 +508,7 @@ def test_bf16_autocast_on_two_cpu_ranks_resumes_exactly(base: list[str], tmp_pat
     full, halves = tmp_path / "full", tmp_path / "halves"
     deepspeed([*args, "--out", str(full)], timeout=600)
     assert json.loads((full / "deepspeed_config.json").read_text())["torch_autocast"]["enabled"]
-    deepspeed([*args, "--out", str(halves), "--stop-at", "4"], timeout=600)
-    p = deepspeed([*args, "--out", str(halves), "--resume"], timeout=600)
-    assert "resumed at step 4" in p.stderr and ", bf16-autocast" in p.stderr
-    assert len(losses(full)) == 12 and np.allclose(losses(halves), losses(full), rtol=0, atol=1e-6), \
-        (losses(halves), losses(full))
-    assert max_diff(weights(halves), weights(full)) < 1e-6
+    assert ", bf16-autocast" in resumed_equals(full, halves, args, timeout=600).stderr
 
 
 @pytest.mark.gpu
@@ -521,13 +529,7 @@ def test_gpu_bf16_two_ranks_nccl(base: list[str], tmp_path: Path, zero: int) -> 
     assert "torch_adam" not in ds["optimizer"]["params"] and ds["torch_autocast"]["enabled"]
     assert ds["zero_optimization"]["stage"] == zero
     assert all(v.dtype == torch.float32 for v in weights(full).values())
-    deepspeed([*args, "--out", str(halves), "--stop-at", "4"], ranks=ranks)
-    assert (halves / "checkpoints" / "latest").read_text().strip() == "step00000004"
-    p = deepspeed([*args, "--out", str(halves), "--resume"], ranks=ranks)
-    assert "resumed at step 4" in p.stderr
-    assert len(losses(full)) == 12 and np.allclose(losses(halves), losses(full), rtol=0, atol=1e-6), \
-        (losses(halves), losses(full))
-    assert max_diff(weights(halves), weights(full)) < 1e-6
+    resumed_equals(full, halves, args, ranks=ranks)
 
 
 @pytest.mark.gpu
@@ -543,10 +545,7 @@ def test_gpu_compiled_training_follows_eager_and_resumes_exactly(base: list[str]
     deepspeed([*compiled, "--out", str(full)], ranks=1)
     assert len(losses(full)) == 12 and np.allclose(losses(full), losses(eager), rtol=2e-2, atol=0), \
         (losses(full), losses(eager))
-    deepspeed([*compiled, "--out", str(halves), "--stop-at", "4"], ranks=1)
-    deepspeed([*compiled, "--out", str(halves), "--resume"], ranks=1)
-    assert np.allclose(losses(halves), losses(full), rtol=0, atol=1e-6), (losses(halves), losses(full))
-    assert max_diff(weights(halves), weights(full)) < 1e-6
+    resumed_equals(full, halves, compiled, ranks=1)
 
 
 def test_a_test_sample_taken_from_an_encoded_extra_set_equals_the_one_loaded_alone(tiny_tokenizer, data_dir) -> None:

@@ -236,15 +236,9 @@ def load(engine: Any, ckpt_dir: str | Path, tag: str) -> tuple[LoopState, dict[s
 
 
 def _precision(engine: Any) -> str:
-    """What the engine trains in, named as deepspeed_engine.precision_of names its JSON (checkpoints before
-    2026-11-27 wrote "bf16" for DeepSpeed's bf16 mode, which was then the trainer's bf16: the same name)."""
-    if engine.bfloat16_enabled():
-        return "bf16"
-    if engine.fp16_enabled():
-        return "fp16"
-    if not engine.torch_autocast_enabled():
-        return "fp32"
-    return ("bf16" if engine.torch_autocast_dtype() == torch.bfloat16 else "fp16") + "-autocast"
+    """What the engine trains in, as deepspeed_engine.precision_of names the JSON it was built from (checkpoints
+    before 2026-11-27 wrote "bf16" for DeepSpeed's bf16 mode, which was then the trainer's bf16: the same name)."""
+    return eng.precision_of(engine.config)
 
 
 def _how_to_train_in(precision: str) -> str:
