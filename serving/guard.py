@@ -15,9 +15,10 @@ port), reads each one's kernel counters (TCP_INFO: bytes received, bytes deliver
 (serving/gate.py) what each connection's calls explain: the calls it started, the bytes of the messages it sent,
 the calls it cancelled and the answers it leaves unread. A connection is **cut** when
   - **flood**: for FLOOD_PERSIST_S it has sent bytes that none of its calls explain, beyond a bucket of
-    `max_control_bytes_per_s` (4 seconds' worth, refilled at that rate): PING, SETTINGS, WINDOW_UPDATE or
-    RST_STREAM floods. Each call adds CALL_CREDIT for its headers, each request message its size, each call refused
-    or failed before its message was read REFUSED_CREDIT (one stream window); a call waiting for its message may
+    `max_control_bytes_per_s` (4 seconds' worth, refilled at that rate; every byte since the connection opened
+    counts, those before the guard's first look too): PING, SETTINGS, WINDOW_UPDATE or RST_STREAM floods. Each
+    call adds CALL_CREDIT for its headers, each request message its size, each call refused or failed before its
+    message was read REFUSED_CREDIT (one stream window); a call waiting for its message may
     run the bucket into debt by up to the largest message, and a stream gRPC has started that the gate has not
     heard of yet adds STREAM_CREDIT, and a message gRPC has received that the gate has not read yet the largest
     message allowed (gRPC's channelz, looked at only when a bucket runs empty);
@@ -31,9 +32,9 @@ the calls it cancelled and the answers it leaves unread. A connection is **cut**
     connections itself, as it does after GOAWAY too_many_pings, once it had spent half its flood bucket, or spent
     it three times faster than the bucket refills: `_flooded`). A ban also gives the listening sockets a filter
     that drops the address' packets: its SYNs go unanswered, so a banned peer cannot even open the next connection.
-How it reads and cuts a socket it does not own is serving/sockets.py: a cut drops the data the peer still sends and
-shuts the socket down; gRPC then closes the connection and its calls itself, within a tick or two, and the peer
-sees its connection end.
+How it reads and cuts a socket it does not own is serving/sockets.py: a cut drops the data the peer still sends,
+shuts the socket down and discards what the kernel had queued for gRPC; gRPC then closes the connection and its
+calls itself, within a tick or two, and the peer sees its connection end.
 
 What it costs: one scan of the process' descriptors and a few system calls per gRPC connection every TICK_S (and at
 once when a connection's premature resets reach their limit), channelz only for a connection whose bucket runs
@@ -68,8 +69,10 @@ STREAM_CREDIT = REFUSED_CREDIT + CALL_CREDIT  # a stream gRPC started that the g
 # whole message before any thread reads it)
 BUCKET_SECONDS = 4.0  # the flood bucket holds this many seconds of max_control_bytes_per_s
 PREMATURE_S = 1.0  # a call its client cancels within this long of its start is a premature reset (Envoy's term)
-FLOOD_PERSIST_S = 0.5  # a connection is a flood once its bucket has stayed empty this long: the bodies of a burst
-# of calls can arrive a tick or two before the gate has read (and credited) them
+FLOOD_PERSIST_S = 0.2  # a connection is a flood once its bucket has stayed empty this long (two ticks): the bodies
+# of a burst of calls can arrive a tick before the gate has read (and credited) them, and channelz's count of them
+# is read only once the bucket runs empty. Each tenth of a second here is about a tenth of a core's second for a
+# PING flood: gRPC reads one as fast as it can answer it (0.5 s cut a flood 0.7 s after it began)
 _LOG_EVERY_S = 10.0  # one log line per peer address and reason per this long
 
 def peer_of(context_peer: str) -> tuple[str, int] | None:
@@ -275,8 +278,8 @@ class Guard:
         received, read_at = conn.received, conn.read_at
         if not self._read_counters(conn, now):
             return
-        if received < 0:
-            return  # first sight: the counters are the baseline
+        if received < 0:  # first sight: every byte since the connection opened counts, so that a flood that starts
+            received, read_at = 0, now  # at once is judged a tick sooner (a TLS handshake is a few KiB of it)
         # flood: bytes no call explains, drawn from a bucket refilled at max_control_bytes_per_s. A call waiting for
         # its message may run it into debt by up to the largest message, repaid by the message's size once read.
         got = conn.received - received

@@ -5,8 +5,9 @@ kernel's side, with no policy. Every action works on a duplicate of gRPC's descr
 - `peer_on(fd, ports)`: whose connection a descriptor is (or that it is a listening socket of `ports`);
 - `counters(fd, inode)`: TCP_INFO's bytes the peer took and bytes received, of an established connection;
 - `cut_socket(fd, inode)`: a socket filter that drops every incoming segment carrying data (acknowledgements and
-  FIN still pass, so the close completes), then shutdown both ways: gRPC reads what was queued, sees the end and
-  closes the connection and its calls itself;
+  FIN still pass, so the close completes), shutdown both ways, then what the kernel had queued for gRPC discarded
+  unread (a flood's backlog: up to the receive buffer, megabytes, that gRPC would otherwise still read, decrypt and
+  answer): gRPC sees the end and closes the connection and its calls itself;
 - `ban_program(addresses)` and `filter_listener(fd, inode, program)`: a classic BPF program on a listening socket
   that drops the packets of banned addresses (their SYNs: no new connection from them reaches gRPC).
 Linux only (/proc, TCP_INFO, SO_ATTACH_FILTER).
@@ -171,16 +172,36 @@ def filter_listener(fd: int, inode: int, program: tuple[bytes, ctypes.Array] | N
 
 
 def cut_socket(fd: int, inode: int) -> bool:
-    """Stop a connection that gRPC owns: drop the data it still sends, shut it down both ways (the module
-    docstring). False when `fd` is no longer that socket."""
+    """Stop a connection that gRPC owns: drop the data it still sends, shut it down both ways, discard what is
+    queued (the module docstring). False when `fd` is no longer that socket."""
     sock = dup_socket(fd, inode)
     if sock is None:
         return False
     try:
         sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, _PROGRAM)
         sock.shutdown(socket.SHUT_RDWR)
+        discard_queued(sock)
         return True
     except OSError:
         return False
     finally:
         sock.close()
+
+
+_SCRATCH = bytearray(1 << 20)  # recv's buffer (Python wants one as long as the read), never written: MSG_TRUNC
+# discards without copying, so its pages are never touched
+
+
+def discard_queued(sock: socket.socket) -> int:
+    """Drop the bytes queued in `sock`'s receive buffer without reading them (TCP's MSG_TRUNC: the kernel frees
+    them and copies nothing); returns how many. After a shutdown the queue no longer grows and a read past it
+    returns 0."""
+    dropped = 0
+    while True:
+        try:
+            n = sock.recv_into(_SCRATCH, len(_SCRATCH), socket.MSG_TRUNC | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return dropped
+        if n <= 0:
+            return dropped
+        dropped += n

@@ -9,20 +9,22 @@ connection at once. A client that sent a request and hung up must not be banned 
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from serving.guard import Guard
+from serving.guard import FLOOD_PERSIST_S, Guard
 from serving.metrics import Metrics
+from serving.sockets import cut_socket
 
 RATE = 16 * 1024  # max_control_bytes_per_s, the default
 
 
 @contextmanager
-def watched_connection() -> Iterator[tuple[Guard, socket.socket, socket.socket]]:
-    """(guard, the peer's socket, the server's end of its connection), the guard having seen it once."""
+def connection() -> Iterator[tuple[Guard, socket.socket, socket.socket]]:
+    """(guard, the peer's socket, the server's end of its connection), the guard not having looked yet."""
     listener = socket.create_server(("127.0.0.1", 0))
     guard = Guard([listener.getsockname()[1]], Metrics(), max_connections_per_peer=100, max_control_bytes_per_s=RATE,
                   max_cancels_per_s=200, send_stall_s=1.0, ban_s=10.0, max_message_bytes=4 * 1024 * 1024)
@@ -31,12 +33,19 @@ def watched_connection() -> Iterator[tuple[Guard, socket.socket, socket.socket]]
     peer.connect(listener.getsockname())
     server_end, _ = listener.accept()
     try:
-        guard.tick()  # first sight: its counters are the baseline
-        assert len(guard.connections) == 1
         yield guard, peer, server_end
     finally:
         for s in (peer, server_end, listener):
             s.close()
+
+
+@contextmanager
+def watched_connection() -> Iterator[tuple[Guard, socket.socket, socket.socket]]:
+    """`connection()`, the guard having seen it once (nothing sent yet)."""
+    with connection() as (guard, peer, server_end):
+        guard.tick()  # first sight
+        assert len(guard.connections) == 1
+        yield guard, peer, server_end
 
 
 def _arrived(server_end: socket.socket, size: int) -> None:
@@ -109,3 +118,30 @@ def test_a_client_whose_calls_mostly_complete_or_end_late_is_not_cut_for_its_can
         _calls(guard, peer, started=60, cancelled=60, premature=False)  # cancelled after a second (or by deadline)
         guard.tick()
         assert not guard.banned
+
+
+def test_a_flood_from_its_first_byte_is_judged_at_first_sight() -> None:
+    """Bytes a connection sent before the guard first looked at it count: they were the baseline, and a PING flood
+    that started at once was judged a tick later (cut 0.6-0.8 s after it began, about a core busy meanwhile)."""
+    with connection() as (guard, peer, server_end):
+        peer.sendall(b"\0" * 100_000)  # more than the bucket (64 KiB) before the guard's first look
+        _arrived(server_end, 100_000)
+        guard.tick()
+        assert len(guard.connections) == 1
+        (conn,) = guard.connections.values()
+        assert conn.empty_since is not None, "the bytes before the first look were not counted"
+        time.sleep(FLOOD_PERSIST_S)
+        guard.tick()
+        assert conn.cut == "flood"
+        assert "127.0.0.2" in guard.banned
+
+
+def test_a_cut_discards_what_the_kernel_queued_for_the_server() -> None:
+    """What the peer sent before the cut and the server had not read yet is dropped: gRPC read, decrypted and
+    answered that backlog (megabytes of PINGs: a core busy for a second after the cut, over TLS)."""
+    with connection() as (_guard, peer, server_end):
+        peer.sendall(b"\0" * 100_000)
+        _arrived(server_end, 100_000)
+        assert cut_socket(server_end.fileno(), os.fstat(server_end.fileno()).st_ino)
+        server_end.settimeout(1)
+        assert server_end.recv(65536) == b"", "the queued bytes were still there to be read"
