@@ -3,7 +3,7 @@ beside it: what each attack costs the server and that client. The table of docs/
 attacks") comes from this script.
 
     python bench/protocol_attacks.py --bundle BUNDLE [--attacks ping-flood,rapid-reset,...] [--seconds 5] [--tls]
-        [--server-repo DIR] [--json out.json]
+        [--server-repo DIR] [--server-cpus 0 --client-cpus 1] [--json out.json]
     python bench/protocol_attacks.py --table before.json after.json     # the rows of docs/RELIABILITY.md
     python bench/soak.py --make-bundle BUNDLE --size tiny      # once: a bundle to attack (random weights)
 
@@ -34,6 +34,9 @@ the authorised client's p50/p99/max and refusals. Attacks:
                   the HTTP/2 handshake and idle: what watching max_connections costs the server
   none            no attack: the server's CPU with the authorised client alone (what an attack's CPU adds is the
                   difference)
+`--server-cpus` and `--client-cpus` pin the server and everything else (this process, the authorised client, the
+load generator) to cores of their own (Linux CPU affinity): on a machine with few cores the attackers otherwise take
+the server's cores, and an attacker on another machine would not.
 """
 
 from __future__ import annotations
@@ -316,7 +319,7 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
     from serving_fixtures import ServerProcess
 
     server = ServerProcess(args.bundle, "--metrics-port", "0", "--device", "cpu", *tls, *args.server_args.split(),
-                           repo=args.server_repo, env={"SENTIMENT_AUTH_TOKEN": TOKEN})
+                           repo=args.server_repo, env={"SENTIMENT_AUTH_TOKEN": TOKEN}, cpus=args.server_cpus)
     server.wait_listening()
     tls_ca = certs["ca"] if certs else None
     try:
@@ -411,6 +414,15 @@ def table(before: Path, after: Path) -> str:
     return "\n".join(rows)
 
 
+def cpu_list(text: str) -> set[int]:
+    """'0', '0-3', '0,2-3' (taskset's list) as a set of core numbers."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cores.update(range(int(low), int(high or low) + 1))
+    return cores
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bundle", type=Path, help="the bundle the server serves (bench/soak.py --make-bundle makes one)")
@@ -426,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="calls of 64 texts per second in the overload-rate attack (default: 200)")
     p.add_argument("--probe-interval", type=float, default=0.0,
                    help="seconds between the authorised client's calls (default: 0.1, and 0.02 in the overloads)")
+    p.add_argument("--server-cpus", help="cores the server runs on, e.g. '0' or '0-3' (taskset's list; default: all)")
+    p.add_argument("--client-cpus", help="cores this script, the authorised client and the load generator run on "
+                                         "(default: all)")
     p.add_argument("--json", type=Path, help="write the report of every attack to this JSON file")
     p.add_argument("--table", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
                    help="print markdown rows from two --json reports, and exit")
@@ -460,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    if args.client_cpus:  # inherited by the helper processes started from here
+        os.sched_setaffinity(0, cpu_list(args.client_cpus))
     certs = None
     with tempfile.TemporaryDirectory() as tmp:
         if args.tls:
@@ -473,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": platform.machine(),
               "cores": os.cpu_count(), "load_average": os.getloadavg(), "server_repo": str(args.server_repo),
+              "server_args": args.server_args, "server_cpus": args.server_cpus, "client_cpus": args.client_cpus,
               "results": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -125,11 +125,13 @@ class ServerProcess:
     and the bench scripts' (bench/soak.py, bench/protocol_attacks.py) one way to run the server apart."""
 
     def __init__(self, bundle: Path | str, *args: str, env: dict[str, str] | None = None,
-                 repo: Path = REPO_ROOT) -> None:
+                 repo: Path = REPO_ROOT, cpus: str | None = None) -> None:
         """Metrics are off unless `args` name a --metrics-port. repo: the tree whose server runs (another one for a
-        benchmark's "before" column)."""
+        benchmark's "before" column). cpus: the cores it may run on (taskset's list, e.g. '0-3')."""
         metrics = [] if any(a.startswith("--metrics-port") for a in args) else ["--no-metrics"]
-        self.cmd = cmd = [sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics, *args]
+        pinned = ["taskset", "-c", cpus] if cpus else []
+        self.cmd = cmd = [*pinned, sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics,
+                          *args]
         self.proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
