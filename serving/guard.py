@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -107,8 +108,9 @@ class _Connection:
     received: int = -1  # tcpi_bytes_received at the last tick (-1: not read yet)
     acked: int = -1  # tcpi_bytes_acked at the last tick
     acked_moved: float = 0.0  # time.monotonic() tcpi_bytes_acked last grew
-    recent: deque[tuple[float, int, int, int]] = field(default_factory=deque)  # per tick of the last second: (time,
-    # calls cancelled, of them premature, calls started)
+    recent: deque[tuple[float, int, int, int]] = field(default_factory=deque)  # per tick of the last second in
+    # which something happened: (time, calls cancelled, of them premature, calls started)
+    in_second: list[int] = field(default_factory=lambda: [0, 0, 0])  # the sums of `recent`'s three counts
     streams: int = -1  # streams gRPC had started on it at the last look into channelz (-1: never looked)
     messages: int = -1  # messages gRPC had received on it then
     empty_since: float | None = None  # time.monotonic() its flood bucket went below its floor
@@ -139,6 +141,7 @@ class Guard:
         self._answers = 0
         self._bans: list[tuple[str, float, str]] = []  # asked for by the gate, applied at the next tick
         self._listeners: dict[int, int] = {}  # listening sockets of `ports`: fd -> inode
+        self._others: set[int] = set()  # inodes of this process' other sockets (other ports, UDP, unix)
         self._filtered: frozenset[str] = frozenset()  # the addresses the listeners' filter drops now
         self._logged: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()
@@ -325,10 +328,20 @@ class Guard:
 
     def _resets(self, conn: _Connection, calls: _Calls, now: float) -> bool:
         """Calls cancelled by the peer in the last second: too many, or too many premature ones (cut: True)."""
-        conn.recent.append((now, calls.cancels, calls.premature, calls.started))
-        while now - conn.recent[0][0] >= 1.0:
-            conn.recent.popleft()
-        cancels, early, started = (sum(tick[i] for tick in conn.recent) for i in (1, 2, 3))
+        # running sums, and nothing kept for a tick without calls: summing every connection's window again at each
+        # tick took 22 of the 36 ms a tick took with 1,000 idle connections
+        sums = conn.in_second
+        if calls.cancels or calls.premature or calls.started:
+            conn.recent.append((now, calls.cancels, calls.premature, calls.started))
+            sums[0] += calls.cancels
+            sums[1] += calls.premature
+            sums[2] += calls.started
+        while conn.recent and now - conn.recent[0][0] >= 1.0:
+            _, old_cancels, old_premature, old_started = conn.recent.popleft()
+            sums[0] -= old_cancels
+            sums[1] -= old_premature
+            sums[2] -= old_started
+        cancels, early, started = sums
         started = max(early, started)  # calls started before the guard first saw it are not counted
         if cancels > self.max_cancels:
             self._offence(conn, "resets", f"{cancels} calls cancelled in 1 s (max_cancels_per_s={self.max_cancels})")
@@ -386,26 +399,32 @@ class Guard:
         except OSError:
             return found
         known = {c.fd: c for c in self.connections.values()}
+        listeners = set(self._listeners.values())
+        others: set[int] = set()
         for name in fds:
             fd = int(name)
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
+            try:  # fstat rather than readlink: one system call and no path to walk (a tick reads every descriptor)
+                st = os.fstat(fd)
             except OSError:
                 continue
-            if not target.startswith("socket:["):
+            if not stat.S_ISSOCK(st.st_mode):
                 continue
-            inode = int(target[8:-1])
+            inode = st.st_ino
             old = known.get(fd)
             if old is not None and old.inode == inode:
                 found[inode] = old
                 continue
-            if inode in self._listeners.values():
+            if inode in listeners or inode in self._others:
+                others.add(inode)
                 continue
             peer = peer_on(fd, self.ports)
             if peer == LISTENING:
                 self._listeners[fd] = inode
             elif peer is not None:
                 found[inode] = _Connection(fd, inode, peer, now, bucket=self.capacity, acked_moved=now)
+            else:
+                others.add(inode)
+        self._others = others  # sockets not watched (other ports, other kinds): not looked at again while open
         return found
 
     def _read_counters(self, conn: _Connection, now: float) -> bool:

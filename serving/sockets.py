@@ -96,7 +96,9 @@ def ban_program(addresses: list[str]) -> tuple[bytes, ctypes.Array] | None:
 
 def dup_socket(fd: int, inode: int | None) -> socket.socket | None:
     """A socket object on a duplicate of `fd` (closing it leaves `fd` open); None when `fd` is no longer the
-    socket `inode` (gRPC closed it, and the number may be another file's now)."""
+    socket `inode` (gRPC closed it, and the number may be another file's now). With `inode` (a TCP socket seen
+    before) the object is made as an AF_INET one whatever its family, which socket options and shutdown do not
+    look at: asking the kernel the family, type and protocol is three system calls per connection and tick."""
     try:
         dup = os.dup(fd)
     except OSError:
@@ -105,6 +107,8 @@ def dup_socket(fd: int, inode: int | None) -> socket.socket | None:
         if inode is not None and os.fstat(dup).st_ino != inode:
             os.close(dup)
             return None
+        if inode is not None:
+            return socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, fileno=dup)
         return socket.socket(fileno=dup)
     except OSError:
         os.close(dup)
