@@ -23,6 +23,7 @@ from urllib.parse import unquote
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 import h2.settings
 
 
@@ -116,17 +117,30 @@ class _Connection:
 
     def send_message(self, sid: int, message: bytes, timeout: float = 60.0) -> None:
         """The gRPC body: one length-prefixed message, then the end of the stream (as fast as the server's
-        flow-control windows allow: the reader thread applies its WINDOW_UPDATEs)."""
+        flow-control windows allow: the reader thread applies its WINDOW_UPDATEs). A stream the server ends first
+        (a refusal at admission, answered before the body is read) gets no more of it, as a gRPC client does."""
         body = b"\x00" + struct.pack(">I", len(message)) + message
         while body:
             with self.lock:
-                n = min(len(body), self.h2.local_flow_control_window(sid), self.h2.max_outbound_frame_size)
-                if n:
-                    self.h2.send_data(sid, body[:n], end_stream=n == len(body))
-                    body = body[n:]
-                    self._flush()
-            if not n and not self.wait(lambda: self.h2.local_flow_control_window(sid) > 0, timeout):
+                if sid in self.ended:  # h2 may keep a closed stream's window (0) until it cleans it up
+                    return  # answered: its status is in its trailers
+                try:
+                    n = min(len(body), self.h2.local_flow_control_window(sid), self.h2.max_outbound_frame_size)
+                    if n:
+                        self.h2.send_data(sid, body[:n], end_stream=n == len(body))
+                        body = body[n:]
+                        self._flush()
+                except h2.exceptions.StreamClosedError:
+                    return  # answered: its status is in its trailers
+            if not n and not self.wait(lambda: self._window_opened(sid), timeout):
                 raise TimeoutError(f"stream {sid}: the server's flow-control window stayed closed")
+
+    def _window_opened(self, sid: int) -> bool:
+        """Whether stream `sid` may send again: its window opened, or the server ended it (the loop then stops)."""
+        try:
+            return sid in self.ended or self.h2.local_flow_control_window(sid) > 0
+        except h2.exceptions.StreamClosedError:
+            return True
 
     def wait(self, condition, timeout: float) -> bool:
         with self._changed:

@@ -276,6 +276,31 @@ def test_a_full_queue_refuses_at_admission_before_the_body_is_read(tiny_bundle: 
         assert len(running.result().results) == 1 and len(queued.result().results) == 4
 
 
+
+def test_a_call_refused_while_its_body_is_on_its_way_ends_at_once(tiny_bundle: Path) -> None:
+    """The queue full, a call whose body is larger than a stream's window (64 KiB) is refused at admission while its
+    client still sends it: its stream ends RESOURCE_EXHAUSTED with the rest of the body unsent, the connection stays
+    open. The hostile client of the memory test (tests/hostile.py `send_message`) once raised StreamClosedError here,
+    waiting for a window on a stream the server had already ended (make test, 2026-11-27)."""
+    with running_server(tiny_bundle, device="cpu", batch_workers=1, max_queue=4, max_texts=4) as s, \
+            grpc.insecure_channel(target(s)) as channel:
+        stub = pb_grpc.SentimentServiceStub(channel)
+        with HeldRuns(s) as held:
+            running = stub.Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60)
+            assert held.wait_entered()
+            queued = stub.Classify.future(pb.ClassifyRequest(texts=["a", "b", "c", "d"]), timeout=60)
+            wait_until(lambda: s.batcher.queued == 4, what="the queue full")
+            client = Unread(s.port)
+            try:
+                big = pb.ClassifyRequest(texts=["mot " * 12_000] * 4).SerializeToString()  # 192 KB: 3 windows
+                sid = client.call(CLASSIFY, big)
+                assert client.wait(lambda: sid in client.ended, 10), "the call was not answered"
+                assert client.ended[sid] == "8"  # RESOURCE_EXHAUSTED
+                assert not client.closed.is_set()
+            finally:
+                client.close()
+        assert len(running.result().results) == 1 and len(queued.result().results) == 4
+
 def test_a_call_the_queue_cannot_take_is_refused_before_its_texts_are_tokenized(tiny_bundle: Path) -> None:
     """3 texts wait (max_queue 4, the one worker held inside a run): a call of 2 texts passes admission (there is
     room for one text) but not the queue. It is refused with the batcher's figures before its texts are tokenized;
