@@ -122,6 +122,7 @@ def load_main(args: argparse.Namespace) -> None:
         request = pb.ClassifyRequest(texts=[f"Un livre {i}, assez long pour compter." for i in range(args.texts)])
         metadata = [("authorization", f"Bearer {TOKEN}")]
         times: dict[str, list[float]] = {}
+        messages: dict[str, str] = {}  # the first message of each code but OK: why the load was refused
         end = time.monotonic() + args.seconds
 
         async def call(stub: pb_grpc.SentimentServiceStub) -> None:
@@ -131,6 +132,7 @@ def load_main(args: argparse.Namespace) -> None:
                 code = "OK"
             except grpc.RpcError as e:
                 code = e.code().name
+                messages.setdefault(code, (e.details() or "")[:200])
             times.setdefault(code, []).append(time.perf_counter() - start)
 
         async def caller(i: int) -> None:
@@ -150,7 +152,8 @@ def load_main(args: argparse.Namespace) -> None:
         await (open_loop() if args.rate else asyncio.gather(*(caller(i) for i in range(args.callers))))
         for c in channels:
             await c.close()
-        return {code: {"calls": len(v), **percentiles(v)} for code, v in times.items()}
+        return {code: {"calls": len(v), **percentiles(v), **({"message": messages[code]} if code in messages else {})}
+                for code, v in times.items()}
 
     print(json.dumps(asyncio.run(run())))
 
