@@ -3,7 +3,7 @@ beside it: what each attack costs the server and that client. The table of docs/
 attacks") comes from this script.
 
     python bench/protocol_attacks.py --bundle BUNDLE [--attacks ping-flood,rapid-reset,...] [--seconds 5] [--tls]
-        [--server-repo DIR] [--server-cpus 0 --client-cpus 1] [--json out.json]
+        [--server-repo DIR] [--server-cpus 0 --client-cpus 1] [--via-haproxy MAXCONN] [--json out.json]
     python bench/protocol_attacks.py --table before.json after.json     # the rows of docs/RELIABILITY.md
     python bench/soak.py --make-bundle BUNDLE --size tiny      # once: a bundle to attack (random weights)
 
@@ -36,7 +36,8 @@ the authorised client's p50/p99/max and refusals. Attacks:
                   difference)
 `--server-cpus` and `--client-cpus` pin the server and everything else (this process, the authorised client, the
 load generator) to cores of their own (Linux CPU affinity): on a machine with few cores the attackers otherwise take
-the server's cores, and an attacker on another machine would not.
+the server's cores, and an attacker on another machine would not. `--via-haproxy MAXCONN` puts HAProxy in front of
+the server (HAPROXY_CONFIG below): the clients and attackers then talk to it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ import asyncio
 import json
 import os
 import platform
+import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -317,6 +320,57 @@ def _outcome(c, start: float, **counts: object) -> dict:
 # ------------------------------------------------------------------------------------- the run
 
 
+# --via-haproxy: the server behind HAProxy (Debian's haproxy package), which admits at most MAXCONN calls at once to
+# it and refuses a call that waited 1 ms for a slot, with RESOURCE_EXHAUSTED (a trailers-only gRPC answer); health
+# bypasses the limit. An experiment for the overload target (docs/RELIABILITY.md, "Overload, third pass"), not a
+# deployment: behind it every client has the proxy's address, and the server's per-address limits and bans with it.
+HAPROXY_CONFIG = """
+global
+  maxconn 4000
+  nbthread 1
+defaults
+  mode http
+  timeout connect 1s
+  timeout client 60s
+  timeout server 60s
+  timeout queue 1ms
+frontend grpc
+  bind 127.0.0.1:{port} proto h2
+  acl health path_beg /grpc.health.v1.Health/
+  use_backend health if health
+  default_backend model
+backend model
+  server s1 127.0.0.1:{backend} proto h2 maxconn {maxconn}
+  errorfile 503 {overloaded}
+backend health
+  server s1 127.0.0.1:{backend} proto h2
+"""
+OVERLOADED = ("HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ngrpc-status: 8\r\n"
+              "grpc-message: overloaded: every model slot is busy (proxy); retry later\r\ncontent-length: 0\r\n\r\n")
+
+
+def start_haproxy(backend: int, maxconn: int, folder: Path, cpus: str | None) -> tuple[subprocess.Popen, int]:
+    """HAProxy in front of the server's `backend` port (HAPROXY_CONFIG), on the server's cores; (process, port)."""
+    from procs import free_port
+
+    port = free_port()
+    (folder / "overloaded.http").write_text(OVERLOADED)
+    (folder / "haproxy.cfg").write_text(HAPROXY_CONFIG.format(port=port, backend=backend, maxconn=maxconn,
+                                                              overloaded=folder / "overloaded.http"))
+    pinned = ["taskset", "-c", cpus] if cpus else []
+    proc = subprocess.Popen([*pinned, "haproxy", "-f", str(folder / "haproxy.cfg"), "-db"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 10
+    while True:  # listening once a connection is accepted
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > end:
+                raise SystemExit(f"haproxy did not start: {proc.stderr.read() if proc.stderr else ''}") from None
+            time.sleep(0.05)
+
+
 def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | None) -> dict:
     tls = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server_key"])] if certs else []
     from serving_fixtures import ServerProcess
@@ -325,17 +379,21 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
                            repo=args.server_repo, env={"SENTIMENT_AUTH_TOKEN": TOKEN}, cpus=args.server_cpus)
     server.wait_listening()
     tls_ca = certs["ca"] if certs else None
+    proxy = None
     try:
+        port = server.port
+        if args.via_haproxy:
+            proxy, port = start_haproxy(server.port, args.via_haproxy, Path(args.tmp), args.server_cpus)
         seconds = args.seconds
         overload = name.startswith("overload")
         interval = str(args.probe_interval or (0.02 if overload else 0.1))  # overload: enough refusals for a p99
-        probe_args = ["--probe", str(server.port), "--seconds", str(seconds + 2), "--interval", interval]
+        probe_args = ["--probe", str(port), "--seconds", str(seconds + 2), "--interval", interval]
         probe = helper(*probe_args, *(["--tls-ca", str(tls_ca)] if tls_ca else []))
         assert probe.stdout is not None and probe.stdout.readline().strip() == "ready", "the probe did not start"
         load = None
         if overload:
             rate = ["--rate", str(args.overload_rate)] if name == "overload-rate" else []
-            load = helper("--load", str(server.port), "--callers", "500", "--texts", "64", "--seconds",
+            load = helper("--load", str(port), "--callers", "500", "--texts", "64", "--seconds",
                           str(seconds), *rate)
         cpu0, t0, threads = server.cpu_seconds(), time.monotonic(), [server.threads()]
         sampler_stop = threading.Event()
@@ -352,7 +410,7 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
             outcome = {"ping-flood": ping_flood, "rapid-reset": rapid_reset, "zero-window": zero_window,
                        "wrong-tokens": wrong_tokens, "idle": idle, "window-overflow": window_overflow,
                        "none": no_attack, "idle-many": idle_many}[name](
-                server.port, seconds, tls_ca)
+                port, seconds, tls_ca)
         time.sleep(max(0.0, seconds - (time.monotonic() - t0)))  # CPU over the whole window, after a cut too
         wall = time.monotonic() - t0
         cpu = server.cpu_seconds() - cpu0
@@ -364,6 +422,9 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
                 "server_cpu_cores": round(cpu / wall, 2), "server_threads_max": max(threads),
                 "server_alive": alive, "attacker": outcome, "authorised": authorised, "guard_log": cuts[:3]}
     finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(10)
         try:
             server.stop(30)
         finally:
@@ -444,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-cpus", help="cores the server runs on, e.g. '0' or '0-3' (taskset's list; default: all)")
     p.add_argument("--client-cpus", help="cores this script, the authorised client and the load generator run on "
                                          "(default: all)")
+    p.add_argument("--via-haproxy", type=int, metavar="MAXCONN",
+                   help="put HAProxy in front of the server, admitting MAXCONN calls at once and refusing a call that "
+                        "waited 1 ms for a slot (an experiment for the overload attacks; plain text only)")
     p.add_argument("--json", type=Path, help="write the report of every attack to this JSON file")
     p.add_argument("--table", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
                    help="print markdown rows from two --json reports, and exit")
@@ -466,6 +530,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.bundle is None:
         p.error("--bundle is required")
+    if args.via_haproxy is not None:
+        if args.via_haproxy < 1:
+            p.error(f"--via-haproxy must be >= 1, got {args.via_haproxy}")
+        if args.tls:
+            p.error("--via-haproxy serves plain text only (no --tls)")
+        if shutil.which("haproxy") is None:
+            p.error("--via-haproxy: haproxy not found (apt-get install haproxy)")
     from contract.bundle import verify_bundle
 
     try:
@@ -486,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             from serving_fixtures import make_certs
 
             certs = make_certs(Path(tmp))
+        args.tmp = tmp
         results = []
         for name in args.attacks.split(","):
             result = run_attack(name, args, certs)
@@ -494,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": platform.machine(),
               "cores": os.cpu_count(), "load_average": os.getloadavg(), "server_repo": str(args.server_repo),
               "server_args": args.server_args, "server_cpus": args.server_cpus, "client_cpus": args.client_cpus,
+              "via_haproxy": args.via_haproxy,
               "results": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
