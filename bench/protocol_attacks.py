@@ -371,6 +371,16 @@ def start_haproxy(backend: int, maxconn: int, folder: Path, cpus: str | None) ->
             time.sleep(0.05)
 
 
+def _cpu_seconds(proc: subprocess.Popen | None) -> float:
+    """User + system CPU seconds of `proc` so far (0 for None)."""
+    if proc is None:
+        return 0.0
+    import psutil
+
+    times = psutil.Process(proc.pid).cpu_times()
+    return times.user + times.system
+
+
 def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | None) -> dict:
     tls = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server_key"])] if certs else []
     from serving_fixtures import ServerProcess
@@ -395,6 +405,7 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
             rate = ["--rate", str(args.overload_rate)] if name == "overload-rate" else []
             load = helper("--load", str(port), "--callers", "500", "--texts", "64", "--seconds",
                           str(seconds), *rate)
+        proxy_cpu0 = _cpu_seconds(proxy)
         cpu0, t0, threads = server.cpu_seconds(), time.monotonic(), [server.threads()]
         sampler_stop = threading.Event()
 
@@ -414,12 +425,14 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
         time.sleep(max(0.0, seconds - (time.monotonic() - t0)))  # CPU over the whole window, after a cut too
         wall = time.monotonic() - t0
         cpu = server.cpu_seconds() - cpu0
+        proxy_cpu = _cpu_seconds(proxy) - proxy_cpu0
         sampler_stop.set()
         authorised = json.loads(probe.communicate(timeout=60)[0])
         alive = server.proc.poll() is None
         cuts = [line.split(": ", 1)[1].strip() for line in server.lines if "serving.guard" in line]
         return {"attack": name, "tls": certs is not None, "wall_s": round(wall, 2),
                 "server_cpu_cores": round(cpu / wall, 2), "server_threads_max": max(threads),
+                **({"proxy_cpu_cores": round(proxy_cpu / wall, 2)} if proxy is not None else {}),
                 "server_alive": alive, "attacker": outcome, "authorised": authorised, "guard_log": cuts[:3]}
     finally:
         if proxy is not None:
