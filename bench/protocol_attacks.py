@@ -335,7 +335,7 @@ defaults
   timeout server 60s
   timeout queue 1ms
 frontend grpc
-  bind 127.0.0.1:{port} proto h2
+  bind 127.0.0.1:{port} proto h2{limits}
   acl health path_beg /grpc.health.v1.Health/
   use_backend health if health
   default_backend model
@@ -345,18 +345,30 @@ backend model
 backend health
   server s1 127.0.0.1:{backend} proto h2
 """
+# --haproxy-source-limit: per source address, at most 100 connections, and the connection of one that sends more than
+# REQS requests a second dropped (behind the proxy the server sees every client as one address: its own per-address
+# limits cannot tell them apart)
+SOURCE_LIMITS = """
+  stick-table type ip size 100k expire 30s store conn_cur,http_req_rate(1s)
+  tcp-request connection track-sc0 src
+  tcp-request connection reject if {{ sc0_conn_cur gt 100 }}
+  http-request track-sc0 src
+  http-request silent-drop if {{ sc0_http_req_rate gt {reqs} }}"""
 OVERLOADED = ("HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ngrpc-status: 8\r\n"
               "grpc-message: overloaded: every model slot is busy (proxy); retry later\r\ncontent-length: 0\r\n\r\n")
 
 
-def start_haproxy(backend: int, maxconn: int, folder: Path, cpus: str | None) -> tuple[subprocess.Popen, int]:
-    """HAProxy in front of the server's `backend` port (HAPROXY_CONFIG), on the server's cores; (process, port)."""
+def start_haproxy(backend: int, maxconn: int, folder: Path, cpus: str | None,
+                  source_limit: int | None) -> tuple[subprocess.Popen, int]:
+    """HAProxy in front of the server's `backend` port (HAPROXY_CONFIG, with SOURCE_LIMITS when `source_limit`), on
+    the server's cores; (process, port)."""
     from procs import free_port
 
     port = free_port()
     (folder / "overloaded.http").write_text(OVERLOADED)
+    limits = SOURCE_LIMITS.format(reqs=source_limit) if source_limit else ""
     (folder / "haproxy.cfg").write_text(HAPROXY_CONFIG.format(port=port, backend=backend, maxconn=maxconn,
-                                                              overloaded=folder / "overloaded.http"))
+                                                              overloaded=folder / "overloaded.http", limits=limits))
     pinned = ["taskset", "-c", cpus] if cpus else []
     proc = subprocess.Popen([*pinned, "haproxy", "-f", str(folder / "haproxy.cfg"), "-db"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -393,7 +405,8 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
     try:
         port = server.port
         if args.via_haproxy:
-            proxy, port = start_haproxy(server.port, args.via_haproxy, Path(args.tmp), args.server_cpus)
+            proxy, port = start_haproxy(server.port, args.via_haproxy, Path(args.tmp), args.server_cpus,
+                                        args.haproxy_source_limit)
         seconds = args.seconds
         overload = name.startswith("overload")
         interval = str(args.probe_interval or (0.02 if overload else 0.1))  # overload: enough refusals for a p99
@@ -521,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--via-haproxy", type=int, metavar="MAXCONN",
                    help="put HAProxy in front of the server, admitting MAXCONN calls at once and refusing a call that "
                         "waited 1 ms for a slot (an experiment for the overload attacks; plain text only)")
+    p.add_argument("--haproxy-source-limit", type=int, metavar="REQS",
+                   help="with --via-haproxy: per source address at most 100 connections, and a connection dropped "
+                        "once its address sends more than REQS requests a second")
     p.add_argument("--json", type=Path, help="write the report of every attack to this JSON file")
     p.add_argument("--table", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
                    help="print markdown rows from two --json reports, and exit")
@@ -543,11 +559,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.bundle is None:
         p.error("--bundle is required")
+    if args.haproxy_source_limit is not None and args.via_haproxy is None:
+        p.error("--haproxy-source-limit needs --via-haproxy")
     if args.via_haproxy is not None:
         if args.via_haproxy < 1:
             p.error(f"--via-haproxy must be >= 1, got {args.via_haproxy}")
         if args.tls:
             p.error("--via-haproxy serves plain text only (no --tls)")
+        if args.haproxy_source_limit is not None and args.haproxy_source_limit < 1:
+            p.error(f"--haproxy-source-limit must be >= 1, got {args.haproxy_source_limit}")
         if shutil.which("haproxy") is None:
             p.error("--via-haproxy: haproxy not found (apt-get install haproxy)")
     from contract.bundle import verify_bundle
@@ -579,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": platform.machine(),
               "cores": os.cpu_count(), "load_average": os.getloadavg(), "server_repo": str(args.server_repo),
               "server_args": args.server_args, "server_cpus": args.server_cpus, "client_cpus": args.client_cpus,
-              "via_haproxy": args.via_haproxy,
+              "via_haproxy": args.via_haproxy, "haproxy_source_limit": args.haproxy_source_limit,
               "results": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
