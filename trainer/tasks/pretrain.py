@@ -291,7 +291,7 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     log.print(f"pretrain {pc.objective}: {corpus.n_docs:,} documents ({n_eval:,} held out for the eval loss), "
               f"{corpus.n_tokens:,} tokens in {folder}, {len(train_w):,} training windows of {pc.seq_len} "
               f"({per_epoch:,} global batches of {plan.global_batch}/epoch), "
-              f"{total:,} steps, world {info.world_size}, ZeRO {engine.zero_optimization_stage()}, "  # a user JSON's
+              f"{total:,} steps, world {info.world_size}, ZeRO {engine.zero_optimization_stage()}, "  # the engine's
               f"{eng.precision_of(ds)}"
               + (f", resumed at step {state.step}" if resume_tag else ""))
 
