@@ -126,6 +126,7 @@ def load_main(args: argparse.Namespace) -> None:
         metadata = [("authorization", f"Bearer {TOKEN}")]
         times: dict[str, list[float]] = {}
         messages: dict[str, str] = {}  # the first message of each code but OK: why the load was refused
+        stages: dict[str, list[float]] = {}  # the queue's refusals by where they were made (`refused_where`)
         end = time.monotonic() + args.seconds
 
         async def call(stub: pb_grpc.SentimentServiceStub) -> None:
@@ -136,6 +137,9 @@ def load_main(args: argparse.Namespace) -> None:
             except grpc.RpcError as e:
                 code = e.code().name
                 messages.setdefault(code, (e.details() or "")[:200])
+                where = refused_where(e.details() or "")
+                if where:
+                    stages.setdefault(where, []).append(time.perf_counter() - start)
             times.setdefault(code, []).append(time.perf_counter() - start)
 
         async def caller(i: int) -> None:
@@ -155,10 +159,26 @@ def load_main(args: argparse.Namespace) -> None:
         await (open_loop() if args.rate else asyncio.gather(*(caller(i) for i in range(args.callers))))
         for c in channels:
             await c.close()
-        return {code: {"calls": len(v), **percentiles(v), **({"message": messages[code]} if code in messages else {})}
-                for code, v in times.items()}
+        out = {code: {"calls": len(v), **percentiles(v), **({"message": messages[code]} if code in messages else {})}
+               for code, v in times.items()}
+        if "RESOURCE_EXHAUSTED" in out:
+            out["RESOURCE_EXHAUSTED"].update({where: {"calls": len(v), **percentiles(v)}
+                                              for where, v in stages.items()})
+        return out
 
     print(json.dumps(asyncio.run(run())))
+
+
+def refused_where(details: str) -> str | None:
+    """Where the server refused a call for want of room in its queue, from the wording of serving/batcher.py:
+    'at_admission' (before the body was read, in gRPC's polling thread) or 'after_body' (in a handler thread, once
+    the texts were counted: a call admitted while there was room for a full request, overtaken by others). Also
+    an older server's wording at admission ("no room for one more", when it admitted a call on room for one text)."""
+    if "no room for" in details:
+        return "at_admission"
+    if "texts waiting +" in details:
+        return "after_body"
+    return None
 
 
 def helper(*args: str) -> subprocess.Popen[str]:
@@ -464,8 +484,11 @@ def summary(r: dict) -> str:
         refused, answered = a.get("RESOURCE_EXHAUSTED", {}), a.get("OK", {})
         others = {code: v["calls"] for code, v in a.items() if code not in ("OK", "RESOURCE_EXHAUSTED")}
         cell = (f"load: {answered.get('calls', 0)} answered (p50 {answered.get('p50_ms')} ms), "
-                f"{refused.get('calls', 0)} refused (p50/p99 {refused.get('p50_ms')}/{refused.get('p99_ms')} ms)"
-                + (f", {others}" if others else "")
+                f"{refused.get('calls', 0)} refused (p50/p99 {refused.get('p50_ms')}/{refused.get('p99_ms')} ms"
+                + "".join(f"; {where.replace('_', ' ')} {refused[where]['calls']}, p50/p99 "
+                          f"{refused[where]['p50_ms']}/{refused[where]['p99_ms']} ms"
+                          for where in ("at_admission", "after_body") if where in refused)
+                + ")" + (f", {others}" if others else "")
                 + f"; the authorised client's refusals p50/p99 {who.get('refused_p50_ms')}/"
                 f"{who.get('refused_p99_ms')} ms")
     elif r["attack"] == "none":

@@ -126,7 +126,7 @@ class SentimentServer:
                          max_response_bytes=cfg.max_response_bytes_in_flight,
                          auth_failures_per_peer=cfg.auth_failures_per_peer,
                          auth_failure_window_s=cfg.auth_failure_window_s, reclaimer=self.reclaimer, guard=self.guard,
-                         queue_full=lambda: self.batcher.full)
+                         queue_full=lambda: self.batcher.no_room_for_any(cfg.max_texts))
         # The gate counts a call until its behaviour returns; the thread then still sends the answer, so a caller
         # that sends its next request at once can need a second thread. Without spare threads, 128 closed-loop
         # callers at max_workers 128 were refused 184 times in 159k requests (bench/soak.py, docs/RELIABILITY.md):

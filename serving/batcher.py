@@ -131,15 +131,19 @@ class Batcher:
             return
         self._compute([_Row(req, i, int(r.shape[0])) for i, r in enumerate(req.rows)])
 
-    @property
-    def full(self) -> str | None:
-        """Why there is no room for one more text, or None (read without the lock: an estimate for admission;
-        `submit` decides). Worded as `submit`'s refusal, with the figures, so that a client can tell the two apart
-        from other refusals (bench/soak.py does)."""
+    def no_room_for_any(self, max_texts: int) -> str | None:
+        """Why a call of up to `max_texts` texts might not fit now, or None: admission's question, asked before the
+        call's body, and so its size, is known (read without the lock: an estimate; `submit` decides). A call is
+        admitted only while the largest one would fit; refused there it costs the server no thread, no body read
+        and no tokenizing, where a call admitted on room for one text and refused once its texts were counted was
+        refused after all three (bench/protocol_attacks.py overload-rate, docs/RELIABILITY.md). Worded as
+        `submit`'s refusal, with the figures, so that a client can tell the two apart from other refusals
+        (bench/soak.py does)."""
         waiting = len(self._pending) if self.enabled else self._in_flight
-        if waiting < self.max_queue:
+        if waiting + max_texts <= self.max_queue:
             return None
-        return f"queue full: {waiting} texts waiting, no room for one more (max_queue {self.max_queue}); retry later"
+        return (f"queue full: {waiting} texts waiting, no room for a request of up to {max_texts} texts (max_queue "
+                f"{self.max_queue}); retry later")
 
     def no_room(self, texts: int) -> str | None:
         """Why `texts` more texts would be refused now, or None. Without the lock an estimate (for a call that has

@@ -48,7 +48,9 @@ class ServerConfig:
     max_padding: float = 0.1  # padding ids at most this fraction of a batch's real ids (groups similar lengths)
     batch_workers: int = 2  # batches computed at once, each by one onnxruntime run
     max_queue_delay_ms: float = 2.0  # longest wait for company before a batch runs
-    max_queue: int = 512  # texts waiting; past it requests get RESOURCE_EXHAUSTED at once
+    max_queue: int = 512  # texts waiting; past it requests get RESOURCE_EXHAUSTED at once. A call is admitted
+    # only while a request of max_texts would fit (its size is known only once its body is read): refused then
+    # before its body, without a thread
     # Request limits
     max_texts: int = 64  # texts per request
     max_chars: int = 20_000  # characters (code points) per text; longer -> INVALID_ARGUMENT

@@ -103,8 +103,8 @@ class Gate(grpc.ServerInterceptor):
                  auth_failures_per_peer: int = 10, auth_failure_window_s: float = 10.0,
                  reclaimer: Reclaimer | None = None, guard: Guard | None = None,
                  queue_full: Callable[[], str | None] = lambda: None) -> None:
-        """queue_full: why the batcher has no room for one more text, or None (model calls are then refused at
-        admission with that reason)."""
+        """queue_full: why the batcher might have no room for the call's texts (their number is known only once its
+        body is read), or None (model calls are then refused at admission with that reason)."""
         self.metrics = metrics
         self.queue_full = queue_full
         self.guard = guard

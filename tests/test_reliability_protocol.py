@@ -252,10 +252,12 @@ def test_failed_authentication_is_throttled_per_address(tiny_bundle: Path, caplo
 
 
 def test_a_full_queue_refuses_at_admission_before_the_body_is_read(tiny_bundle: Path) -> None:
-    """The batching queue full (max_queue 4, its one worker held inside a run): a call that sends its headers and
-    never its body is refused RESOURCE_EXHAUSTED at once. Before, it was admitted, waited for its body (up to
-    body_timeout_s, 600 s here), then was tokenized, and only then refused."""
-    with running_server(tiny_bundle, device="cpu", batch_workers=1, max_queue=4, max_texts=4,
+    """The batching queue without room for a request of max_texts (4 texts wait, max_queue 6, max_texts 4, its one
+    worker held inside a run): a call that sends its headers and never its body is refused RESOURCE_EXHAUSTED at
+    once, and so is a call of one text, which would have fit: a call's size is known only once its body is read,
+    and admission does not wait for it. Before, the first was admitted, waited for its body (up to body_timeout_s,
+    600 s here), then was tokenized, and only then refused."""
+    with running_server(tiny_bundle, device="cpu", batch_workers=1, max_queue=6, max_texts=4,
                         body_timeout_s=600) as s, grpc.insecure_channel(target(s)) as channel:
         stub = pb_grpc.SentimentServiceStub(channel)
         stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10)
@@ -263,18 +265,21 @@ def test_a_full_queue_refuses_at_admission_before_the_body_is_read(tiny_bundle: 
             running = stub.Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60)
             assert held.wait_entered()
             queued = stub.Classify.future(pb.ClassifyRequest(texts=["a", "b", "c", "d"]), timeout=60)
-            wait_until(lambda: s.batcher.queued == 4, what="the queue full")
+            wait_until(lambda: s.batcher.queued == 4, what="4 texts queued")
             late = HalfOpen(s.port, CLASSIFY, 1)
             try:
                 assert late.wait(lambda: late.open_count == 0, 10), "the call waited for its body"
                 assert list(late.ended.values()) == ["8"]  # RESOURCE_EXHAUSTED
                 # worded as the batcher's own refusal, with its figures (bench/soak.py tells the two apart by them)
                 message = next(iter(late.messages.values()))
-                assert "queue full: 4 texts waiting, no room for one more (max_queue 4)" in message
+                assert "queue full: 4 texts waiting, no room for a request of up to 4 texts (max_queue 6)" in message
             finally:
                 late.close()
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Classify(pb.ClassifyRequest(texts=["un"]), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "no room for a request of up to 4 texts" in refused.value.details()
         assert len(running.result().results) == 1 and len(queued.result().results) == 4
-
 
 
 def test_a_call_refused_while_its_body_is_on_its_way_ends_at_once(tiny_bundle: Path) -> None:
@@ -302,10 +307,11 @@ def test_a_call_refused_while_its_body_is_on_its_way_ends_at_once(tiny_bundle: P
         assert len(running.result().results) == 1 and len(queued.result().results) == 4
 
 def test_a_call_the_queue_cannot_take_is_refused_before_its_texts_are_tokenized(tiny_bundle: Path) -> None:
-    """3 texts wait (max_queue 4, the one worker held inside a run): a call of 2 texts passes admission (there is
-    room for one text) but not the queue. It is refused with the batcher's figures before its texts are tokenized;
-    before, it was tokenized first, work thrown away at `submit`."""
-    with running_server(tiny_bundle, device="cpu", batch_workers=1, max_queue=4, max_texts=4) as s, \
+    """A call admitted while the queue had room for a request of max_texts (max_queue 8, max_texts 4, the one
+    worker held inside a run) sends its body of 2 texts only once 7 texts have filled the queue behind it: they do
+    not fit. It is refused with the batcher's figures before its texts are tokenized; before, they were tokenized
+    first, work thrown away at `submit`."""
+    with running_server(tiny_bundle, device="cpu", batch_workers=1, max_queue=8, max_texts=4) as s, \
             grpc.insecure_channel(target(s)) as channel:
         stub = pb_grpc.SentimentServiceStub(channel)
         stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10)
@@ -315,14 +321,21 @@ def test_a_call_the_queue_cannot_take_is_refused_before_its_texts_are_tokenized(
         with HeldRuns(s) as held:
             running = stub.Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60)
             assert held.wait_entered()
-            queued = stub.Classify.future(pb.ClassifyRequest(texts=["a", "b", "c"]), timeout=60)
-            wait_until(lambda: s.batcher.queued == 3, what="3 texts queued")
-            with pytest.raises(grpc.RpcError) as refused:
-                stub.Classify(pb.ClassifyRequest(texts=["trop", "tard"]), timeout=10)
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "queue full: 3 texts waiting + 2 new > max_queue 4" in refused.value.details()
-            assert encoded == [1, 3], "the refused call's texts were tokenized"
-        assert len(running.result().results) == 1 and len(queued.result().results) == 3
+            late = HalfOpen(s.port, CLASSIFY, 1)  # admitted: no text waits yet
+            try:
+                wait_until(lambda: s.gate.model_slots.used == 2, what="the late call admitted")
+                queued = [stub.Classify.future(pb.ClassifyRequest(texts=list(texts)), timeout=60)
+                          for texts in ("abcd", "efg")]
+                wait_until(lambda: s.batcher.queued == 7, what="7 texts queued")
+                (sid,) = late.streams
+                late.send_message(sid, pb.ClassifyRequest(texts=["trop", "tard"]).SerializeToString())
+                assert late.wait(lambda: sid in late.ended, 10), "the late call was not answered"
+                assert late.ended[sid] == "8"  # RESOURCE_EXHAUSTED
+                assert "queue full: 7 texts waiting + 2 new > max_queue 8" in late.messages[sid]
+            finally:
+                late.close()
+            assert sorted(encoded) == [1, 3, 4], "the refused call's texts were tokenized"
+        assert len(running.result().results) == 1 and [len(q.result().results) for q in queued] == [4, 3]
 
 
 @pytest.mark.slow
