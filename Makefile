@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 .PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-carry deploy-venv \
-	container-deps image gpu-serve-carry image-train image-train-cuda
+	container-deps proxy-deps image gpu-serve-carry image-train image-train-cuda
 
 # torch's build comes from this package index, given to pip as an extra index: the CPU build by default. A CUDA
 # node picks its build on purpose: TORCH_INDEX=https://download.pytorch.org/whl/cu130 (a CUDA 13.0 build), or
@@ -82,6 +82,12 @@ deploy-venv: .venv-deploy/.installed
 	touch $@
 
 # buildah builds and runs the image in tests/test_container.py, mmdebstrap makes its base from Debian's packages.
+# HAProxy for deploy/proxy/ (tests/test_front_proxy.py, bench/protocol_attacks.py --via-haproxy).
+proxy-deps:
+	@if ! command -v haproxy >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; \
+	  else echo "warning: haproxy missing and not root: tests/test_front_proxy.py needs it"; fi; fi
+
 container-deps:
 	@if ! command -v buildah >/dev/null || ! command -v mmdebstrap >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah mmdebstrap >/dev/null; \
@@ -117,7 +123,7 @@ image-train-cuda:
 # TEST_WORKERS=0 runs it in one process. Tests marked `serial` (attacks that race the server's own timers) run
 # after it, alone. test-slow runs in one process: it holds the timed benchmarks and the soak.
 TEST_WORKERS ?= 2
-test: setup triton-venv deploy-venv container-deps
+test: setup triton-venv deploy-venv container-deps proxy-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS)
 	$(BIN)/python -m pytest -q -m "serial and not slow"

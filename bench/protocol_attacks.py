@@ -37,7 +37,8 @@ the authorised client's p50/p99/max and refusals. Attacks:
 `--server-cpus` and `--client-cpus` pin the server and everything else (this process, the authorised client, the
 load generator) to cores of their own (Linux CPU affinity): on a machine with few cores the attackers otherwise take
 the server's cores, and an attacker on another machine would not. `--via-haproxy MAXCONN` puts HAProxy in front of
-the server (HAPROXY_CONFIG below): the clients and attackers then talk to it.
+the server (deploy/proxy/haproxy.cfg, the server started with `--behind-proxy`): the clients and attackers then talk
+to it.
 """
 
 from __future__ import annotations
@@ -340,57 +341,23 @@ def _outcome(c, start: float, **counts: object) -> dict:
 # ------------------------------------------------------------------------------------- the run
 
 
-# --via-haproxy: the server behind HAProxy (Debian's haproxy package), which admits at most MAXCONN calls at once to
-# it and refuses a call that waited 1 ms for a slot, with RESOURCE_EXHAUSTED (a trailers-only gRPC answer); health
-# bypasses the limit. An experiment for the overload target (docs/RELIABILITY.md, "Overload, third pass"), not a
-# deployment: behind it every client has the proxy's address, and the server's per-address limits and bans with it.
-HAPROXY_CONFIG = """
-global
-  maxconn 4000
-  nbthread 1
-defaults
-  mode http
-  timeout connect 1s
-  timeout client 60s
-  timeout server 60s
-  timeout queue 1ms
-frontend grpc
-  bind 127.0.0.1:{port} proto h2{limits}
-  acl health path_beg /grpc.health.v1.Health/
-  use_backend health if health
-  default_backend model
-backend model
-  server s1 127.0.0.1:{backend} proto h2 maxconn {maxconn}
-  errorfile 503 {overloaded}
-backend health
-  server s1 127.0.0.1:{backend} proto h2
-"""
-# --haproxy-source-limit: per source address, at most 100 connections, and the connection of one that sends more than
-# REQS requests a second dropped (behind the proxy the server sees every client as one address: its own per-address
-# limits cannot tell them apart)
-SOURCE_LIMITS = """
-  stick-table type ip size 100k expire 30s store conn_cur,http_req_rate(1s)
-  tcp-request connection track-sc0 src
-  tcp-request connection reject if {{ sc0_conn_cur gt 100 }}
-  http-request track-sc0 src
-  http-request silent-drop if {{ sc0_http_req_rate gt {reqs} }}"""
-OVERLOADED = ("HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ngrpc-status: 8\r\n"
-              "grpc-message: overloaded: every model slot is busy (proxy); retry later\r\ncontent-length: 0\r\n\r\n")
+PROXY = REPO / "deploy" / "proxy"  # the front proxy's configuration (haproxy.cfg), as deployed
+NO_LIMIT = 1_000_000_000  # a per-address limit of HAProxy's that nothing reaches
 
 
-def start_haproxy(backend: int, maxconn: int, folder: Path, cpus: str | None,
-                  source_limit: int | None) -> tuple[subprocess.Popen, int]:
-    """HAProxy in front of the server's `backend` port (HAPROXY_CONFIG, with SOURCE_LIMITS when `source_limit`), on
-    the server's cores; (process, port)."""
+def start_haproxy(backend: int, maxconn: int, cpus: str | None, source_limit: int | None,
+                  settings: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """HAProxy with deploy/proxy/haproxy.cfg in front of the server's `backend` port, on the server's cores:
+    MODEL_CALLS `maxconn`, CALLS_PER_SOURCE_S `source_limit` (None: no limit), the file's other defaults unless
+    `settings` overrides them; (process, port)."""
     from procs import free_port
 
     port = free_port()
-    (folder / "overloaded.http").write_text(OVERLOADED)
-    limits = SOURCE_LIMITS.format(reqs=source_limit) if source_limit else ""
-    (folder / "haproxy.cfg").write_text(HAPROXY_CONFIG.format(port=port, backend=backend, maxconn=maxconn,
-                                                              overloaded=folder / "overloaded.http", limits=limits))
+    env = {**os.environ, "PROXY_BIND": f"127.0.0.1:{port}", "SERVER_ADDR": f"127.0.0.1:{backend}",
+           "PROXY_DIR": str(PROXY), "MODEL_CALLS": str(maxconn),
+           "CALLS_PER_SOURCE_S": str(source_limit or NO_LIMIT), **(settings or {})}
     pinned = ["taskset", "-c", cpus] if cpus else []
-    proc = subprocess.Popen([*pinned, "haproxy", "-f", str(folder / "haproxy.cfg"), "-db"],
+    proc = subprocess.Popen([*pinned, "haproxy", "-f", str(PROXY / "haproxy.cfg"), "-db"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     end = time.monotonic() + 10
     while True:  # listening once a connection is accepted
@@ -417,7 +384,9 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
     tls = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server_key"])] if certs else []
     from serving_fixtures import ServerProcess
 
-    server = ServerProcess(args.bundle, "--metrics-port", "0", "--device", "cpu", *tls, *args.server_args.split(),
+    behind = ["--behind-proxy"] if args.via_haproxy else []  # as deployed (deploy/proxy/haproxy.cfg)
+    server = ServerProcess(args.bundle, "--metrics-port", "0", "--device", "cpu", *tls, *behind,
+                           *args.server_args.split(),
                            repo=args.server_repo, env={"SENTIMENT_AUTH_TOKEN": TOKEN}, cpus=args.server_cpus)
     server.wait_listening()
     tls_ca = certs["ca"] if certs else None
@@ -425,8 +394,7 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
     try:
         port = server.port
         if args.via_haproxy:
-            proxy, port = start_haproxy(server.port, args.via_haproxy, Path(args.tmp), args.server_cpus,
-                                        args.haproxy_source_limit)
+            proxy, port = start_haproxy(server.port, args.via_haproxy, args.server_cpus, args.haproxy_source_limit)
         seconds = args.seconds
         overload = name.startswith("overload")
         interval = str(args.probe_interval or (0.02 if overload else 0.1))  # overload: enough refusals for a p99
@@ -555,11 +523,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-cpus", help="cores this script, the authorised client and the load generator run on "
                                          "(default: all)")
     p.add_argument("--via-haproxy", type=int, metavar="MAXCONN",
-                   help="put HAProxy in front of the server, admitting MAXCONN calls at once and refusing a call that "
-                        "waited 1 ms for a slot (an experiment for the overload attacks; plain text only)")
+                   help="put HAProxy with deploy/proxy/haproxy.cfg in front of the server (started --behind-proxy), "
+                        "admitting MAXCONN calls at once (MODEL_CALLS) and refusing a call that waited 1 ms for a "
+                        "slot; its per-address limits at their defaults, but for the call rate (plain text only)")
     p.add_argument("--haproxy-source-limit", type=int, metavar="REQS",
-                   help="with --via-haproxy: per source address at most 100 connections, and a connection dropped "
-                        "once its address sends more than REQS requests a second")
+                   help="with --via-haproxy: the connections of an address that makes more than REQS calls a second "
+                        "are dropped (CALLS_PER_SOURCE_S; default: no limit)")
     p.add_argument("--json", type=Path, help="write the report of every attack to this JSON file")
     p.add_argument("--table", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
                    help="print markdown rows from two --json reports, and exit")

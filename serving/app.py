@@ -117,14 +117,15 @@ class SentimentServer:
             self.reclaimer = Reclaimer(settle_s=cfg.memory_reclaim_idle_s,
                                        on_reclaim=self.metrics.memory_reclaim_seconds.observe)
         # The guard watches the ports once they are bound (serving/guard.py); the gate reports calls to it.
-        self.guard = Guard([], self.metrics, max_connections_per_peer=cfg.max_connections_per_peer,
-                           max_control_bytes_per_s=cfg.max_control_bytes_per_s,
-                           max_cancels_per_s=cfg.max_cancels_per_s, send_stall_s=cfg.send_stall_s, ban_s=cfg.ban_s,
-                           max_message_bytes=cfg.max_message_bytes)
+        # Behind a front proxy every peer is the proxy: no guard (config.py, behind_proxy).
+        self.guard: Guard | None = None if cfg.behind_proxy else Guard(
+            [], self.metrics, max_connections_per_peer=cfg.max_connections_per_peer,
+            max_control_bytes_per_s=cfg.max_control_bytes_per_s, max_cancels_per_s=cfg.max_cancels_per_s,
+            send_stall_s=cfg.send_stall_s, ban_s=cfg.ban_s, max_message_bytes=cfg.max_message_bytes)
         self.gate = Gate(self.metrics, auth_token=cfg.auth_token, max_calls=limit, health_workers=cfg.health_workers,
                          body_timeout_s=cfg.body_timeout_s, max_message_bytes=cfg.max_message_bytes,
                          max_response_bytes=cfg.max_response_bytes_in_flight,
-                         auth_failures_per_peer=cfg.auth_failures_per_peer,
+                         auth_failures_per_peer=None if cfg.behind_proxy else cfg.auth_failures_per_peer,
                          auth_failure_window_s=cfg.auth_failure_window_s, reclaimer=self.reclaimer, guard=self.guard,
                          queue_full=lambda: self.batcher.no_room_for_any(cfg.max_texts))
         # The gate counts a call until its behaviour returns; the thread then still sends the answer, so a caller
@@ -172,14 +173,16 @@ class SentimentServer:
             self._close_listeners()
             self.batcher.close(timeout=0)
             raise
-        self.guard.ports = {p for p in (self.port, self.health_port) if p}
+        if self.guard is not None:
+            self.guard.ports = {p for p in (self.port, self.health_port) if p}
         return self
 
     def start(self) -> SentimentServer:
         if self.port is None:
             self.bind()
         self.grpc_server.start()
-        self.guard.start()
+        if self.guard is not None:
+            self.guard.start()
         if self.health_server is not None:
             self.health_server.start()
         if self._metrics_server is not None:
@@ -192,7 +195,9 @@ class SentimentServer:
         log.info("%s %s:%d (%s%s), model %r on %s, batching %s, health port %s, metrics %s",
                  "worker serving on" if self.shared_port else "listening on", self.cfg.host, self.port,
                  "mutual TLS" if self.cfg.tls_client_ca else "TLS" if self.cfg.tls_cert else "plaintext",
-                 ", token auth" if self.cfg.auth_token else "", self.cfg.model_name, self.predictor.provider,
+                 (", token auth" if self.cfg.auth_token else "")
+                 + (", behind a proxy: no per-address limits" if self.cfg.behind_proxy else ""),
+                 self.cfg.model_name, self.predictor.provider,
                  "on" if self.cfg.batching else "off",
                  f":{self.health_port}" if self.health_port is not None else "off",
                  f"on {self.cfg.metrics_host or self.cfg.host}:{self.metrics_port}" if self.metrics_port is not None
@@ -223,7 +228,8 @@ class SentimentServer:
         log.info("stopped")
 
     def _close_listeners(self) -> None:
-        self.guard.close()
+        if self.guard is not None:
+            self.guard.close()
         if self.health_server is not None:
             self.health_server.stop()
         if self._metrics_server is not None:
@@ -279,6 +285,9 @@ def warn_if_open(cfg: ServerConfig) -> None:
         log.warning("listening on %s with neither a bearer token nor TLS: anyone who reaches port %d can call the "
                     "model; set SENTIMENT_AUTH_TOKEN or --auth-token-file, and --tls-cert/--tls-key (README, "
                     "Serving)", cfg.host, cfg.port)
+    if cfg.behind_proxy and not is_loopback(cfg.host):
+        log.warning("behind_proxy: listening on %s, beyond loopback, with no per-address limits: a client that "
+                    "reaches port %d without the proxy bypasses them (deploy/proxy/haproxy.cfg)", cfg.host, cfg.port)
 
 
 def _add_port(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None,

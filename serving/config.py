@@ -107,6 +107,11 @@ class ServerConfig:
     # reached it meanwhile (flow-control window 0, or a peer that does not read)
     ban_s: float = 10.0  # after a flood, resets or stalled answers, new connections from that address are cut for
     # this long (0 = no ban). Behind a proxy or NAT a ban hits every client of that address
+    behind_proxy: bool = False  # every client comes through a front proxy that limits each address itself
+    # (deploy/proxy/): here every peer is the proxy, whose connections carry all clients' calls, so the connection
+    # guard (its cuts, bans and per-address limits) and the failed-authentication throttle are off, else one client
+    # would get every client cut or locked out. max_connections still holds. Listen where only the proxy reaches
+    # (loopback in its pod): a client that reaches the server directly bypasses every per-address limit
     auth_failures_per_peer: int = 10  # failed authentications one address may make in auth_failure_window_s;
     # past it all its calls are refused UNAUTHENTICATED (whatever their token) until the window ends
     auth_failure_window_s: float = 10.0  # seconds: the window auth_failures_per_peer counts in

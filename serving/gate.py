@@ -100,7 +100,7 @@ class Gate(grpc.ServerInterceptor):
 
     def __init__(self, metrics: Metrics, *, auth_token: str | None, max_calls: int, health_workers: int,
                  body_timeout_s: float, max_message_bytes: int, max_response_bytes: int,
-                 auth_failures_per_peer: int = 10, auth_failure_window_s: float = 10.0,
+                 auth_failures_per_peer: int | None = 10, auth_failure_window_s: float = 10.0,
                  reclaimer: Reclaimer | None = None, guard: Guard | None = None,
                  queue_full: Callable[[], str | None] = lambda: None) -> None:
         """queue_full: why the batcher might have no room for the call's texts (their number is known only once its

@@ -192,9 +192,10 @@ class AuthThrottle:
     MAX_PEERS = 10_000
     ABUSE = 10  # calls refused while blocked, in multiples of `limit`, past which `on_abuse` is told
 
-    def __init__(self, limit: int, window_s: float, metrics: Metrics,
+    def __init__(self, limit: int | None, window_s: float, metrics: Metrics,
                  on_abuse: Callable[[str, float], None] = lambda address, seconds: None) -> None:
-        """on_abuse(address, seconds): a blocked address kept calling (ABUSE x limit refusals in its window): the
+        """limit None: nothing is counted and no address is blocked (behind a front proxy, which counts them).
+        on_abuse(address, seconds): a blocked address kept calling (ABUSE x limit refusals in its window): the
         connection guard then bans it for the rest of the window, so that its calls stop costing a refusal each."""
         self.limit, self.window_s = limit, window_s
         self.metrics = metrics
@@ -204,6 +205,8 @@ class AuthThrottle:
 
     def blocked(self, address: str) -> float | None:
         """Seconds the address stays blocked, or None."""
+        if self.limit is None:
+            return None
         now = time.monotonic()
         with self._lock:
             state = self._peers.get(address)
@@ -218,6 +221,9 @@ class AuthThrottle:
         return left
 
     def failed(self, address: str) -> None:
+        if self.limit is None:
+            self.metrics.auth_failures.inc()
+            return
         now = time.monotonic()
         with self._lock:
             state = self._peers.get(address)

@@ -80,11 +80,11 @@ def _overlay(out: Path, name: str, components: list[str]) -> Path:
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """What `kubectl apply -k` would send: the base, the KServe folder, and overlays of the base with deploy/tls,
-    deploy/gpu, and both."""
+    deploy/gpu, both, and deploy/proxy."""
     out = tmp_path_factory.mktemp("rendered")
     return {"base": _kustomize(DEPLOY, out / "base.yaml"), "kserve": _kustomize(DEPLOY / "kserve", out / "kserve.yaml"),
             "tls": _overlay(out, "tls", ["tls"]), "gpu": _overlay(out, "gpu", ["gpu"]),
-            "gpu-tls": _overlay(out, "gpu-tls", ["gpu", "tls"])}
+            "gpu-tls": _overlay(out, "gpu-tls", ["gpu", "tls"]), "proxy": _overlay(out, "proxy", ["proxy"])}
 
 
 def _one(docs: list[dict], kind: str) -> dict:
@@ -136,7 +136,7 @@ def test_containerfile_passes_hadolint() -> None:
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_manifests_are_valid_kubernetes_objects(version: str, rendered: dict[str, Path], tmp_path: Path) -> None:
-    files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"],
+    files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"], rendered["proxy"],
              _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.json"), *EXAMPLES]
     out = _run([_tool("kubernetes-validate"), "--strict", "--kubernetes-version", version, *files])
     assert out.returncode == 0, out.stdout + out.stderr
@@ -147,7 +147,7 @@ def test_manifests_are_valid_kubernetes_objects(version: str, rendered: dict[str
 def test_checkov_passes_or_each_skip_is_justified(rendered: dict[str, Path], tmp_path: Path) -> None:
     dockerfile = tmp_path / "Dockerfile"  # checkov recognises container files by this name only
     shutil.copy(REPO_ROOT / "Containerfile", dockerfile)
-    files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"],
+    files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"], rendered["proxy"],
              _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.yaml"), *EXAMPLES, dockerfile]
     # --skip-download: no call home to the vendor's API (unreachable here, and not needed for the checks)
     out = _run([_tool("checkov"), "--skip-download", "--output", "json",
@@ -289,6 +289,40 @@ def test_gpu_component_asks_for_a_gpu_and_cuda_and_changes_nothing_else(overlay:
     assert cfg.max_padding >= 100  # any padding: on a GPU the batch is what counts
     others = [a for a in container["args"] if not a.startswith(("--device=", "--max-batch-tokens=", "--max-padding="))]
     assert others == [a for a in base_container["args"] if not a.startswith("--device=")]
+
+
+def test_proxy_component_puts_haproxy_in_front_and_the_server_behind_it(rendered: dict[str, Path],
+                                                                        tmp_path: Path) -> None:
+    """deploy/proxy: the proxy takes the port the Service, the NetworkPolicy and the probes name; the server listens
+    where the proxy sends (loopback), started --behind-proxy, its metrics still reachable; the proxy's model slots
+    are what the server's queue holds; its configuration is deploy/proxy's files, mounted where it reads them."""
+    docs = _docs(rendered["proxy"])
+    base = _deployment(rendered["base"])
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    server, proxy = pod["containers"]
+    cfg = _server_config(server["args"], tmp_path)
+    env = {e["name"]: e["value"] for e in proxy["env"]}
+    assert cfg.behind_proxy and cfg.host == "127.0.0.1" and cfg.metrics_host == "0.0.0.0"
+    assert env["SERVER_ADDR"] == f"127.0.0.1:{cfg.port}"
+    (grpc_port,) = [p["containerPort"] for p in proxy["ports"] if p["name"] == "grpc"]
+    assert env["PROXY_BIND"] == f":{grpc_port}" and "grpc" not in {p["name"] for p in server["ports"]}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert server[probe]["grpc"] == {"port": grpc_port}, f"{probe}: the server's health, through the proxy"
+    assert int(env["MODEL_CALLS"]) == cfg.max_queue // cfg.max_texts
+    (mount,) = proxy["volumeMounts"]
+    assert mount["mountPath"] == env["PROXY_DIR"] and proxy["args"] == ["-f", f"{env['PROXY_DIR']}/haproxy.cfg", "-db"]
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert {v["name"]: v for v in pod["volumes"]}[mount["name"]]["configMap"]["name"] == config_map["metadata"]["name"]
+    assert set(config_map["data"]) == {p.name for p in (DEPLOY / "proxy").iterdir() if p.suffix in (".cfg", ".http")}
+    for name in config_map["data"]:
+        assert config_map["data"][name] == (DEPLOY / "proxy" / name).read_bytes().decode(), name  # CRLF kept
+    assert proxy["securityContext"] == server["securityContext"]
+    assert re.search(r"@sha256:[0-9a-f]{64}$", proxy["image"])
+    # Everything else of the server's is the base's.
+    (base_server,) = base["spec"]["template"]["spec"]["containers"]
+    changed = {"args", "ports"}
+    assert {k: v for k, v in server.items() if k not in changed} == \
+        {k: v for k, v in base_server.items() if k not in changed}
 
 
 def test_kustomizations_list_every_manifest() -> None:

@@ -1,0 +1,205 @@
+"""deploy/proxy/haproxy.cfg, run by HAProxy in front of a real server started with `behind_proxy`: what the proxy
+adds (admission at its model slots, per-address limits the server cannot apply behind it), each through the wire
+from real gRPC and hand-built HTTP/2 clients. HAProxy comes from Debian (`make proxy-deps`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hostile import _Connection
+from procs import REPO, free_port
+from serving_fixtures import HeldRuns, certs, running_server
+
+from serving.app import SentimentServer
+from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
+from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
+
+PROXY = REPO / "deploy" / "proxy"
+CLASSIFY = "/sentiment.v1.SentimentService/Classify"
+TOKEN = "front-proxy-token-0123456789"
+AUTH = [("authorization", f"Bearer {TOKEN}")]
+
+__all__ = ["certs"]
+
+
+def _haproxy() -> str:
+    path = shutil.which("haproxy")
+    if path is None:
+        message = "haproxy not found: run `make proxy-deps` (apt-get install haproxy, as root)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@contextmanager
+def proxy(server: SentimentServer | int, **settings: object) -> Iterator[int]:
+    """HAProxy with deploy/proxy/haproxy.cfg in front of `server` (or of a port), its settings from the environment;
+    its port."""
+    port = free_port()
+    backend = server if isinstance(server, int) else server.port
+    env = {**os.environ, "PROXY_BIND": f"127.0.0.1:{port}", "SERVER_ADDR": f"127.0.0.1:{backend}",
+           "PROXY_DIR": str(PROXY), **{k: str(v) for k, v in settings.items()}}
+    proc = subprocess.Popen([_haproxy(), "-f", str(PROXY / "haproxy.cfg"), "-db"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 10
+        while True:  # listening once a connection is accepted
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None, f"haproxy did not start: {proc.stderr.read() if proc.stderr else ''}"
+                assert time.monotonic() < end, "haproxy did not listen within 10 s"
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _ended(conn: _Connection, sid: int) -> tuple[str, str]:
+    assert conn.wait(lambda: sid in conn.ended, 10), f"stream {sid} not answered"
+    return conn.ended[sid], conn.messages.get(sid, "")
+
+
+def test_the_configuration_is_valid_with_and_without_tls(tmp_path: Path) -> None:
+    """`haproxy -c` on the file as shipped (its defaults), and with PROXY_TLS_CERT naming a certificate."""
+    pem = tmp_path / "proxy.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-days",
+                    "1", "-keyout", str(pem), "-out", str(pem)], check=True, capture_output=True)
+    for extra in ({}, {"PROXY_TLS_CERT": str(pem)}):
+        out = subprocess.run([_haproxy(), "-c", "-f", str(PROXY / "haproxy.cfg")], capture_output=True, text=True,
+                             env={**os.environ, "PROXY_DIR": str(PROXY), **extra})
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_with_a_certificate_tls_ends_at_the_proxy(tiny_bundle: Path, certs: dict[str, Path], tmp_path: Path) -> None:
+    """PROXY_TLS_CERT: a client calls the proxy over TLS (trusting the CA that signed its certificate), the proxy
+    calls the server in plain text on loopback; a plain-text client gets no answer."""
+    pem = tmp_path / "proxy.pem"
+    pem.write_bytes(certs["server"].read_bytes() + certs["server_key"].read_bytes())
+    with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN) as s, \
+            proxy(s, PROXY_TLS_CERT=pem) as port:
+        creds = grpc.ssl_channel_credentials(root_certificates=certs["ca"].read_bytes())
+        with grpc.secure_channel(f"localhost:{port}", creds) as channel:
+            stub = pb_grpc.SentimentServiceStub(channel)
+            (result,) = stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
+            assert result.label in s.predictor.label_names
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as plain, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.SentimentServiceStub(plain).Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=5, metadata=AUTH)
+        assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_past_its_model_slots_the_proxy_refuses_at_once_and_health_passes(tiny_bundle: Path) -> None:
+    """MODEL_CALLS 1: a call held inside the model's run takes the one slot; the next is answered RESOURCE_EXHAUSTED
+    by the proxy (its message says so) without reaching the server, and health still answers through the proxy."""
+    with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN, batch_workers=1) as s, \
+            proxy(s, MODEL_CALLS=1) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.SentimentServiceStub(channel)
+        assert stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
+        with HeldRuns(s) as held:
+            running = stub.Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60, metadata=AUTH)
+            assert held.wait_entered()
+            served = s.metrics.requests.labels("sentiment.v1.SentimentService/Classify", "OK")._value.get()
+            start = time.perf_counter()
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Classify(pb.ClassifyRequest(texts=["trop"]), timeout=10, metadata=AUTH)
+            assert time.perf_counter() - start < 1.0
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "(proxy)" in refused.value.details()
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert len(running.result().results) == 1
+        assert s.metrics.requests.labels("sentiment.v1.SentimentService/Classify", "OK")._value.get() == served + 1
+
+
+def test_a_server_that_cannot_be_reached_is_unavailable_not_overloaded() -> None:
+    """Nothing listens behind the proxy: once its check (every second) has seen it, a model call is answered
+    UNAVAILABLE by the proxy at once; before, the backend's 503 said RESOURCE_EXHAUSTED "every model slot is busy",
+    after 3 s of retries, to a client that should try another replica."""
+    with proxy(free_port()) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.SentimentServiceStub(channel)
+        time.sleep(2.5)  # two failed checks
+        start = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+        assert "cannot be reached (proxy)" in refused.value.details() and time.perf_counter() - start < 1.0
+        with pytest.raises(grpc.RpcError) as health:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_wrong_tokens_from_one_address_are_answered_by_the_proxy(tiny_bundle: Path) -> None:
+    """AUTH_FAILURES_PER_SOURCE 3: from 127.0.0.2, the server answers the first wrong tokens (UNAUTHENTICATED); past
+    3 in 10 s the proxy answers them itself. The server, behind the proxy, blocks nobody (one address for all), so
+    the authorised client on 127.0.0.1 is served throughout."""
+    with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN) as s, \
+            proxy(s, AUTH_FAILURES_PER_SOURCE=3) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.SentimentServiceStub(channel)
+        attacker = _Connection(port, source="127.0.0.2")
+        attacker.start_reading()
+        try:
+            answers = [_ended(attacker, attacker.open_stream(CLASSIFY, [("authorization", "Bearer wrong")], end=True))
+                       for _ in range(10)]
+        finally:
+            attacker.close()
+        assert all(code == "16" for code, _ in answers), answers  # UNAUTHENTICATED
+        by_proxy = [message for _, message in answers if "(proxy)" in message]
+        assert len(by_proxy) == 6, answers  # the 5th and after: 4 failures in the window are past 3
+        assert "missing or wrong bearer token" in answers[0][1]
+        assert s.metrics.auth_failures._value.get() == 4
+        assert s.metrics.auth_throttled._value.get() == 0
+        assert stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
+
+
+def test_connections_past_the_per_address_limit_are_closed(tiny_bundle: Path) -> None:
+    """CONNS_PER_SOURCE 2: a third connection from 127.0.0.2 is closed at once; 127.0.0.3 still connects."""
+    with running_server(tiny_bundle, device="cpu", behind_proxy=True) as s, proxy(s, CONNS_PER_SOURCE=2) as port:
+        kept = [_Connection(port, source=source) for source in ("127.0.0.2", "127.0.0.2", "127.0.0.3")]
+        try:
+            for c in kept:
+                c.start_reading()
+            time.sleep(0.2)  # the proxy has counted them
+            try:  # reset at once: while it sends its preface, or as the first read
+                third = _Connection(port, source="127.0.0.2")
+                third.start_reading()
+                assert third.closed.wait(5), "the third connection from one address stayed open"
+                third.close()
+            except ConnectionResetError:
+                pass
+            time.sleep(0.5)
+            assert not any(c.closed.is_set() for c in kept)
+        finally:
+            for c in kept:
+                c.close()
+
+
+def test_behind_a_proxy_the_server_limits_no_address(tiny_bundle: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """behind_proxy: no connection guard, and wrong tokens from one address are counted but never block it (at the
+    default limit, 10, the 11th was refused whatever its token); listening beyond loopback says so at start."""
+    caplog.set_level(logging.WARNING)
+    with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN, host="0.0.0.0") as s, \
+            grpc.insecure_channel(f"127.0.0.1:{s.port}") as channel:
+        assert s.guard is None
+        stub = pb_grpc.SentimentServiceStub(channel)
+        for _ in range(15):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=[("authorization", "Bearer x")])
+            assert "missing or wrong bearer token" in refused.value.details()
+        assert stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
+        assert s.metrics.auth_failures._value.get() == 15 and s.metrics.auth_throttled._value.get() == 0
+    warned = [r.getMessage() for r in caplog.records if "behind_proxy" in r.getMessage()]
+    assert len(warned) == 1 and "0.0.0.0" in warned[0], warned
