@@ -187,6 +187,35 @@ def test_connections_past_the_per_address_limit_are_closed(tiny_bundle: Path) ->
                 c.close()
 
 
+def test_a_call_whose_headers_never_end_loses_its_connection_an_idle_client_keeps_its_own(tiny_bundle: Path) -> None:
+    """HEADERS_TIMEOUT 1s: a connection that sends a HEADERS frame without its end (a slow-headers attack) is closed
+    within about that long; a client's connection idle between calls for twice as long is kept (its idle limit is
+    the server's, 300 s)."""
+    with running_server(tiny_bundle, device="cpu", behind_proxy=True) as s, proxy(s, HEADERS_TIMEOUT="1s") as port:
+        client = _Connection(port)
+        client.start_reading()
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            sid = client.open_stream(CLASSIFY)
+            client.send_message(sid, pb.ClassifyRequest(texts=["prêt"]).SerializeToString())
+            assert _ended(client, sid)[0] == "0"
+            # the preface, an empty SETTINGS, then HEADERS (type 1) on stream 1 without END_HEADERS: 3 bytes of it
+            slow.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04" + bytes(5)
+                         + b"\x00\x00\x03\x01\x00\x00\x00\x00\x01" + b"\x83\x86\x84")
+            start = time.monotonic()
+            while slow.recv(4096):
+                pass
+            assert time.monotonic() - start < 5, "the slow headers held their connection"
+            time.sleep(max(0.0, start + 2.0 - time.monotonic()))
+            assert not client.closed.is_set(), "an idle client's connection was closed"
+            sid = client.open_stream(CLASSIFY)
+            client.send_message(sid, pb.ClassifyRequest(texts=["encore"]).SerializeToString())
+            assert _ended(client, sid)[0] == "0"
+        finally:
+            slow.close()
+            client.close()
+
+
 def test_behind_a_proxy_the_server_limits_no_address(tiny_bundle: Path, caplog: pytest.LogCaptureFixture) -> None:
     """behind_proxy: no connection guard, and wrong tokens from one address are counted but never block it (at the
     default limit, 10, the 11th was refused whatever its token); listening beyond loopback says so at start."""
