@@ -439,22 +439,25 @@ def fp32_state_dict(engine: Any, ckpt_dir: str | Path | None = None, tag: str | 
     fp32 and bf16 (autocast over fp32 weights): every rank's module holds the full fp32 weights under ZeRO 0/1/2
     (ZeRO 1/2 partition optimizer state and gradients, not parameters), so they are read directly: exact; ZeRO 3
     gathers them first.
-    DeepSpeed's own bf16 mode (a user's JSON enabling "bf16"): the module holds bf16 copies and the fp32 master
-    weights live in the optimizer. ZeRO 1/2 partition them across ranks: consolidated from the
+    DeepSpeed's own bf16 or fp16 mode (a user's JSON enabling "bf16" or "fp16"): the module holds bf16/fp16 copies
+    and the fp32 master weights live in the optimizer. ZeRO 1/2 partition them across ranks: consolidated from the
     checkpoint `tag` with deepspeed.utils.zero_to_fp32 (in-process: its CLI needs huggingface_hub). ZeRO 0 keeps
-    them whole in its FP16 optimizer wrapper (which zero_to_fp32 does not read): taken from there.
+    them whole in its FP16 optimizer wrapper (which zero_to_fp32 does not read): taken from there. (fp16 once took
+    the module's fp16 copies: an artifact rounded to fp16, found by tests/test_engine.py.)
     """
-    if not engine.bfloat16_enabled() and engine.zero_optimization_stage() == 3:
+    mixed = engine.bfloat16_enabled() or engine.fp16_enabled()  # DeepSpeed's own modes: fp32 masters apart
+    if not mixed and engine.zero_optimization_stage() == 3:
         # ZeRO 3 partitions the weights themselves: gathered whole on every rank for the copy (exact: they are the
         # fp32 weights), released at the end of the block.
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             return {k: v.detach().to("cpu", torch.float32).clone() for k, v in engine.module.state_dict().items()}
     own = engine.module.state_dict()
-    if not engine.bfloat16_enabled():
+    if not mixed:
         return {k: v.detach().to("cpu", torch.float32).clone() for k, v in own.items()}
     if engine.zero_optimization_stage() >= 1:
         if ckpt_dir is None or tag is None:
-            raise ValueError("bf16 under ZeRO 1-3: the fp32 weights are consolidated from a checkpoint; pass its tag")
+            raise ValueError("bf16/fp16 under ZeRO 1-3: the fp32 weights are consolidated from a checkpoint; pass "
+                             "its tag")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with weights_only_loads():  # reads the checkpoint's files (a finished run's on --resume)
