@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import re
-import resource
 import shutil
 import stat
 import subprocess
@@ -155,10 +154,6 @@ ATTACKS: dict[str, tuple[Callable[[Path], None], str, str]] = {
 }
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (SERVER_MEMORY, SERVER_MEMORY))
-
-
 @pytest.fixture
 def bundle(tiny_bundle: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(tiny_bundle, tmp_path / "bundle", symlinks=True))
@@ -170,9 +165,11 @@ def test_attack_is_refused_by_both_command_lines_in_one_line(attack: str, bundle
     damage, rel, reason = ATTACKS[attack]
     damage(bundle)
     named = str(bundle / rel)
-    server = subprocess.Popen([sys.executable, "-m", "serving.server", str(bundle), "--port", "0", "--no-metrics"],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              preexec_fn=_limit_memory)
+    # The address-space limit set by util-linux's prlimit, not a preexec_fn: that forks this process, where gRPC may
+    # run (other tests' in-process servers), and runs Python in the child, which gRPC's fork handlers can abort.
+    server = subprocess.Popen(["prlimit", f"--as={SERVER_MEMORY}", "--", sys.executable, "-m", "serving.server",
+                               str(bundle), "--port", "0", "--no-metrics"],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = server.communicate(timeout=120)  # a FIFO read or an endless device would never return
     finally:

@@ -18,7 +18,6 @@ server they are two machines, and its bans and limits are per address.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -361,22 +360,17 @@ def test_an_overload_is_refused_at_admission_not_after_queueing(tiny_bundle: Pat
 
 def _start(bundle: Path | str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m serving.server` to its end, without the capabilities that let root read any file (so that a
-    file of another owner with mode 0600 is as unreadable to it as to any other user)."""
+    file of another owner with mode 0600 is as unreadable to it as to any other user): as root, started by util-linux's
+    `setpriv` with an empty capability bounding set, which root's exec then takes its capabilities from (no
+    CAP_DAC_OVERRIDE, no CAP_DAC_READ_SEARCH). Not a `preexec_fn`: that forks this process, in which gRPC runs (the
+    in-process servers of other tests), and runs Python in the child, where gRPC's fork handlers most likely aborted it
+    (SIGABRT, "epoll_wait error: Bad file descriptor", make test 2026-11-27)."""
     metrics = [] if "--metrics-port" in args else ["--no-metrics"]
-    cmd = [sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics, "--device", "cpu", *args]
+    drop = ["setpriv", "--bounding-set=-all", "--"] if os.geteuid() == 0 else []
+    cmd = [*drop, sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics, "--device", "cpu",
+           *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})}, preexec_fn=_drop_capabilities)
-
-
-def _drop_capabilities() -> None:
-    """In the child before exec: empty the capability bounding set (prctl PR_CAPBSET_DROP), so that root runs the
-    server without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (a no-op for other users, who have none)."""
-    if os.geteuid() != 0:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in range(64):
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # 24 = PR_CAPBSET_DROP; EINVAL past the last capability
-            break
+                          env={**os.environ, **(env or {})})
 
 
 def _unreadable(path: Path, mode: int) -> None:
