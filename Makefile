@@ -81,13 +81,13 @@ deploy-venv: .venv-deploy/.installed
 	.venv-deploy/bin/pip install -q -r requirements-deploy.lock
 	touch $@
 
-# buildah builds and runs the image in tests/test_container.py, mmdebstrap makes its base from Debian's packages.
 # HAProxy for deploy/proxy/ (tests/test_front_proxy.py, bench/protocol_attacks.py --via-haproxy).
 proxy-deps:
 	@if ! command -v haproxy >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; \
 	  else echo "warning: haproxy missing and not root: tests/test_front_proxy.py needs it"; fi; fi
 
+# buildah builds and runs the image in tests/test_container.py, mmdebstrap makes its base from Debian's packages.
 container-deps:
 	@if ! command -v buildah >/dev/null || ! command -v mmdebstrap >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah mmdebstrap >/dev/null; \
