@@ -317,6 +317,9 @@ def test_proxy_component_puts_haproxy_in_front_and_the_server_behind_it(rendered
     for name in config_map["data"]:
         assert config_map["data"][name] == (DEPLOY / "proxy" / name).read_bytes().decode(), name  # CRLF kept
     assert proxy["securityContext"] == server["securityContext"]
+    # SIGTERM: the proxy outlives the server's drain and grace, within the pod's grace period
+    assert cfg.drain_delay_s + cfg.grace_s <= proxy["lifecycle"]["preStop"]["sleep"]["seconds"] \
+        < pod["terminationGracePeriodSeconds"]
     assert re.search(r"@sha256:[0-9a-f]{64}$", proxy["image"])
     # Everything else of the server's is the base's.
     (base_server,) = base["spec"]["template"]["spec"]["containers"]
