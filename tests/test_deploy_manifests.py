@@ -29,7 +29,8 @@ TOOLS = Path(os.environ.get("TS_DEPLOY_TOOLS", REPO_ROOT / ".venv-deploy" / "bin
 # The oldest Kubernetes release the manifests are meant for (native gRPC probes are GA since 1.27), and the newest
 # that kubernetes-validate knows.
 K8S_VERSIONS = ("1.30.0", "1.37.0")
-EXAMPLES = [DEPLOY / "secret-auth.example.yaml", DEPLOY / "tls" / "secret-tls.example.yaml"]
+EXAMPLES = [DEPLOY / "secret-auth.example.yaml", DEPLOY / "tls" / "secret-tls.example.yaml",
+            DEPLOY / "proxy" / "tls" / "secret-proxy-tls.example.yaml"]
 APP_UID = 10001  # the Containerfile's USER
 # KServe's ServingRuntimeSpec fields (serving.kserve.io/v1alpha1; no schema validates a custom resource here)
 SERVING_RUNTIME_FIELDS = {"supportedModelFormats", "multiModel", "disabled", "protocolVersions", "workerSpec",
@@ -80,11 +81,12 @@ def _overlay(out: Path, name: str, components: list[str]) -> Path:
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """What `kubectl apply -k` would send: the base, the KServe folder, and overlays of the base with deploy/tls,
-    deploy/gpu, both, and deploy/proxy."""
+    deploy/gpu, both, deploy/proxy, and deploy/proxy with its TLS."""
     out = tmp_path_factory.mktemp("rendered")
     return {"base": _kustomize(DEPLOY, out / "base.yaml"), "kserve": _kustomize(DEPLOY / "kserve", out / "kserve.yaml"),
             "tls": _overlay(out, "tls", ["tls"]), "gpu": _overlay(out, "gpu", ["gpu"]),
-            "gpu-tls": _overlay(out, "gpu-tls", ["gpu", "tls"]), "proxy": _overlay(out, "proxy", ["proxy"])}
+            "gpu-tls": _overlay(out, "gpu-tls", ["gpu", "tls"]), "proxy": _overlay(out, "proxy", ["proxy"]),
+            "proxy-tls": _overlay(out, "proxy-tls", ["proxy", "proxy/tls"])}
 
 
 def _one(docs: list[dict], kind: str) -> dict:
@@ -137,7 +139,7 @@ def test_containerfile_passes_hadolint() -> None:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_manifests_are_valid_kubernetes_objects(version: str, rendered: dict[str, Path], tmp_path: Path) -> None:
     files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"], rendered["proxy"],
-             _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.json"), *EXAMPLES]
+             rendered["proxy-tls"], _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.json"), *EXAMPLES]
     out = _run([_tool("kubernetes-validate"), "--strict", "--kubernetes-version", version, *files])
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Couldn't find schema" not in out.stdout + out.stderr, "an object was not validated"
@@ -148,7 +150,8 @@ def test_checkov_passes_or_each_skip_is_justified(rendered: dict[str, Path], tmp
     dockerfile = tmp_path / "Dockerfile"  # checkov recognises container files by this name only
     shutil.copy(REPO_ROOT / "Containerfile", dockerfile)
     files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"], rendered["proxy"],
-             _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.yaml"), *EXAMPLES, dockerfile]
+             rendered["proxy-tls"], _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.yaml"), *EXAMPLES,
+             dockerfile]
     # --skip-download: no call home to the vendor's API (unreachable here, and not needed for the checks)
     out = _run([_tool("checkov"), "--skip-download", "--output", "json",
                 "--framework", "kubernetes", "secrets", "dockerfile", *[a for f in files for a in ("-f", f)]],
@@ -326,6 +329,30 @@ def test_proxy_component_puts_haproxy_in_front_and_the_server_behind_it(rendered
     changed = {"args", "ports"}
     assert {k: v for k, v in server.items() if k not in changed} == \
         {k: v for k, v in base_server.items() if k not in changed}
+
+
+def test_proxy_tls_component_ends_tls_at_the_proxy_and_probes_a_plain_health_port(rendered: dict[str, Path]) -> None:
+    """deploy/proxy/tls: the proxy reads its certificate from the Secret's one key, serves health alone in plain text
+    on a port of its own that the probes use and the NetworkPolicy does not open; the server is the proxy
+    overlay's but for its probes."""
+    docs = _docs(rendered["proxy-tls"])
+    pod = _one(docs, "Deployment")["spec"]["template"]["spec"]
+    server, proxy = pod["containers"]
+    env = {e["name"]: e["value"] for e in proxy["env"]}
+    (health,) = [p["containerPort"] for p in proxy["ports"] if p["name"] == "health"]
+    assert env["HEALTH_BIND"] == f":{health}"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert server[probe]["grpc"] == {"port": health}, f"{probe}: plain-text health, through the proxy"
+    mounts = {m["name"]: m for m in proxy["volumeMounts"]}
+    secret = next(v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "sentiment-proxy-tls")
+    assert env["PROXY_TLS_CERT"] == mounts[secret["name"]]["mountPath"] + "/tls.pem"
+    example = _docs(DEPLOY / "proxy" / "tls" / "secret-proxy-tls.example.yaml")[0]
+    assert example["metadata"]["name"] == "sentiment-proxy-tls" and set(example["stringData"]) == {"tls.pem"}
+    policy = _one(docs, "NetworkPolicy")
+    assert "health" not in {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    (plain,) = _one(_docs(rendered["proxy"]), "Deployment")["spec"]["template"]["spec"]["containers"][:1]
+    changed = {"startupProbe", "readinessProbe", "livenessProbe"}
+    assert {k: v for k, v in server.items() if k not in changed} == {k: v for k, v in plain.items() if k not in changed}
 
 
 def test_kustomizations_list_every_manifest() -> None:

@@ -89,11 +89,21 @@ def test_the_configuration_is_valid_with_and_without_tls(tmp_path: Path) -> None
 
 def test_with_a_certificate_tls_ends_at_the_proxy(tiny_bundle: Path, certs: dict[str, Path], tmp_path: Path) -> None:
     """PROXY_TLS_CERT: a client calls the proxy over TLS (trusting the CA that signed its certificate), the proxy
-    calls the server in plain text on loopback; a plain-text client gets no answer."""
+    calls the server in plain text on loopback; a plain-text client gets no answer. HEALTH_BIND: health in plain
+    text on a port of its own (kubelet's probes), and nothing else there."""
     pem = tmp_path / "proxy.pem"
     pem.write_bytes(certs["server"].read_bytes() + certs["server_key"].read_bytes())
+    health_port = free_port()
     with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN) as s, \
-            proxy(s, PROXY_TLS_CERT=pem) as port:
+            proxy(s, PROXY_TLS_CERT=pem, HEALTH_BIND=f"127.0.0.1:{health_port}") as port:
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain:
+            health = health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.SentimentServiceStub(plain).Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=5,
+                                                             metadata=AUTH)
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert "grpc.health.v1 only" in refused.value.details()
         creds = grpc.ssl_channel_credentials(root_certificates=certs["ca"].read_bytes())
         with grpc.secure_channel(f"localhost:{port}", creds) as channel:
             stub = pb_grpc.SentimentServiceStub(channel)
