@@ -49,7 +49,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -341,33 +340,7 @@ def _outcome(c, start: float, **counts: object) -> dict:
 # ------------------------------------------------------------------------------------- the run
 
 
-PROXY = REPO / "deploy" / "proxy"  # the front proxy's configuration (haproxy.cfg), as deployed
 NO_LIMIT = 1_000_000_000  # a per-address limit of HAProxy's that nothing reaches
-
-
-def start_haproxy(backend: int, maxconn: int, cpus: str | None, source_limit: int | None,
-                  settings: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
-    """HAProxy with deploy/proxy/haproxy.cfg in front of the server's `backend` port, on the server's cores:
-    MODEL_CALLS `maxconn`, CALLS_PER_SOURCE_S `source_limit` (None: no limit), the file's other defaults unless
-    `settings` overrides them; (process, port)."""
-    from procs import free_port
-
-    port = free_port()
-    env = {**os.environ, "PROXY_BIND": f"127.0.0.1:{port}", "SERVER_ADDR": f"127.0.0.1:{backend}",
-           "PROXY_DIR": str(PROXY), "MODEL_CALLS": str(maxconn),
-           "CALLS_PER_SOURCE_S": str(source_limit or NO_LIMIT), **(settings or {})}
-    pinned = ["taskset", "-c", cpus] if cpus else []
-    proc = subprocess.Popen([*pinned, "haproxy", "-f", str(PROXY / "haproxy.cfg"), "-db"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    end = time.monotonic() + 10
-    while True:  # listening once a connection is accepted
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, port
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > end:
-                raise SystemExit(f"haproxy did not start: {proc.stderr.read() if proc.stderr else ''}") from None
-            time.sleep(0.05)
 
 
 def _cpu_seconds(proc: subprocess.Popen | None) -> float:
@@ -382,7 +355,7 @@ def _cpu_seconds(proc: subprocess.Popen | None) -> float:
 
 def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | None) -> dict:
     tls = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server_key"])] if certs else []
-    from serving_fixtures import ServerProcess
+    from serving_fixtures import FrontProxy, ServerProcess
 
     behind = ["--behind-proxy"] if args.via_haproxy else []  # as deployed (deploy/proxy/haproxy.cfg)
     server = ServerProcess(args.bundle, "--metrics-port", "0", "--device", "cpu", *tls, *behind,
@@ -394,7 +367,11 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
     try:
         port = server.port
         if args.via_haproxy:
-            proxy, port = start_haproxy(server.port, args.via_haproxy, args.server_cpus, args.haproxy_source_limit)
+            # deploy/proxy/haproxy.cfg on the server's cores: MODEL_CALLS MAXCONN, no call-rate limit unless asked
+            proxy = FrontProxy(server.port, {"MODEL_CALLS": args.via_haproxy,
+                                             "CALLS_PER_SOURCE_S": args.haproxy_source_limit or NO_LIMIT},
+                               cpus=args.server_cpus)
+            port = proxy.port
         seconds = args.seconds
         overload = name.startswith("overload")
         interval = str(args.probe_interval or (0.02 if overload else 0.1))  # overload: enough refusals for a p99
@@ -406,7 +383,7 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
             rate = ["--rate", str(args.overload_rate)] if name == "overload-rate" else []
             load = helper("--load", str(port), "--callers", "500", "--texts", "64", "--seconds",
                           str(seconds), *rate)
-        proxy_cpu0 = _cpu_seconds(proxy)
+        proxy_cpu0 = _cpu_seconds(proxy.proc if proxy else None)
         cpu0, t0, threads = server.cpu_seconds(), time.monotonic(), [server.threads()]
         sampler_stop = threading.Event()
 
@@ -426,7 +403,7 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
         time.sleep(max(0.0, seconds - (time.monotonic() - t0)))  # CPU over the whole window, after a cut too
         wall = time.monotonic() - t0
         cpu = server.cpu_seconds() - cpu0
-        proxy_cpu = _cpu_seconds(proxy) - proxy_cpu0
+        proxy_cpu = _cpu_seconds(proxy.proc if proxy else None) - proxy_cpu0
         sampler_stop.set()
         authorised = json.loads(probe.communicate(timeout=60)[0])
         alive = server.proc.poll() is None
@@ -437,8 +414,7 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
                 "server_alive": alive, "attacker": outcome, "authorised": authorised, "guard_log": cuts[:3]}
     finally:
         if proxy is not None:
-            proxy.terminate()
-            proxy.wait(10)
+            proxy.close()
         try:
             server.stop(30)
         finally:

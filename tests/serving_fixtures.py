@@ -12,6 +12,7 @@ import ipaddress
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from procs import REPO as REPO_ROOT
+from procs import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.app import SentimentServer
@@ -38,6 +40,7 @@ from serving.config import ServerConfig
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 METRICS_ON = re.compile(r"metrics on ([\d.]+):(\d+)")
+PROXY_DIR = REPO_ROOT / "deploy" / "proxy"  # the front proxy's files (haproxy.cfg, its answers), as deployed
 
 
 def reviews(data_dir: Path, n: int, split: str = "test") -> list[str]:
@@ -221,6 +224,43 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+class FrontProxy:
+    """HAProxy running deploy/proxy/haproxy.cfg in front of the server port `backend`, listening on a free loopback
+    port; `settings` (MODEL_CALLS, HEADERS_TIMEOUT...) through the environment, the file's defaults for the others;
+    `cpus`: the cores it runs on (taskset's list). A context manager; started once it accepts a connection.
+    tests/test_front_proxy.py and bench/protocol_attacks.py --via-haproxy run it."""
+
+    def __init__(self, backend: int, settings: dict[str, object] | None = None, cpus: str | None = None) -> None:
+        self.port = free_port()
+        env = {**os.environ, "PROXY_BIND": f"127.0.0.1:{self.port}", "SERVER_ADDR": f"127.0.0.1:{backend}",
+               "PROXY_DIR": str(PROXY_DIR), **{k: str(v) for k, v in (settings or {}).items()}}
+        pinned = ["taskset", "-c", cpus] if cpus else []
+        self.proc = subprocess.Popen([*pinned, "haproxy", "-f", str(PROXY_DIR / "haproxy.cfg"), "-db"], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        end = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > end:
+                    self.close()
+                    why = self.proc.stderr.read() if self.proc.stderr else ""
+                    raise RuntimeError(f"haproxy did not start: {why}") from None
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.proc.wait(10)
+
+    def __enter__(self) -> FrontProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _name(cn: str) -> x509.Name:

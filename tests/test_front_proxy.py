@@ -21,13 +21,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hostile import _Connection
 from procs import REPO, free_port
-from serving_fixtures import HeldRuns, certs, running_server
+from serving_fixtures import PROXY_DIR, FrontProxy, HeldRuns, certs, running_server
 
 from serving.app import SentimentServer
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 
-PROXY = REPO / "deploy" / "proxy"
 CLASSIFY = "/sentiment.v1.SentimentService/Classify"
 TOKEN = "front-proxy-token-0123456789"
 AUTH = [("authorization", f"Bearer {TOKEN}")]
@@ -47,28 +46,10 @@ def _haproxy() -> str:
 
 @contextmanager
 def proxy(server: SentimentServer | int, **settings: object) -> Iterator[int]:
-    """HAProxy with deploy/proxy/haproxy.cfg in front of `server` (or of a port), its settings from the environment;
-    its port."""
-    port = free_port()
-    backend = server if isinstance(server, int) else server.port
-    env = {**os.environ, "PROXY_BIND": f"127.0.0.1:{port}", "SERVER_ADDR": f"127.0.0.1:{backend}",
-           "PROXY_DIR": str(PROXY), **{k: str(v) for k, v in settings.items()}}
-    proc = subprocess.Popen([_haproxy(), "-f", str(PROXY / "haproxy.cfg"), "-db"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        end = time.monotonic() + 10
-        while True:  # listening once a connection is accepted
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None, f"haproxy did not start: {proc.stderr.read() if proc.stderr else ''}"
-                assert time.monotonic() < end, "haproxy did not listen within 10 s"
-                time.sleep(0.05)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    """deploy/proxy/haproxy.cfg in front of `server` (or of a port), `settings` through its environment; its port."""
+    _haproxy()
+    with FrontProxy(server if isinstance(server, int) else server.port, settings) as front:
+        yield front.port
 
 
 def _ended(conn: _Connection, sid: int) -> tuple[str, str]:
@@ -82,8 +63,8 @@ def test_the_configuration_is_valid_with_and_without_tls(tmp_path: Path) -> None
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-days",
                     "1", "-keyout", str(pem), "-out", str(pem)], check=True, capture_output=True)
     for extra in ({}, {"PROXY_TLS_CERT": str(pem)}):
-        out = subprocess.run([_haproxy(), "-c", "-f", str(PROXY / "haproxy.cfg")], capture_output=True, text=True,
-                             env={**os.environ, "PROXY_DIR": str(PROXY), **extra})
+        out = subprocess.run([_haproxy(), "-c", "-f", str(PROXY_DIR / "haproxy.cfg")], capture_output=True, text=True,
+                             env={**os.environ, "PROXY_DIR": str(PROXY_DIR), **extra})
         assert out.returncode == 0, out.stdout + out.stderr
 
 
