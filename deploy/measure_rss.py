@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         with SentimentClient(target, timeout=600) as probe:
             meta = probe.metadata()
         # Every text longer than max_len tokens: each batch is as large as max_batch_tokens lets it be.
-        text = " ".join(["Un livre long, lent et pourtant passionnant, à relire volontiers."] * 80)
+        text = " ".join(["Un livre long, lent et pourtant passionnant, du début à la fin."] * 80)
         texts = [text] * meta["max_texts"]
         stop_at = time.monotonic() + args.seconds
         requests = [0] * args.callers
