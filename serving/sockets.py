@@ -192,8 +192,9 @@ def cut_socket(fd: int, inode: int) -> bool:
         sock.close()
 
 
-_SCRATCH = bytearray(1 << 20)  # recv's buffer (Python wants one as long as the read), never written: MSG_TRUNC
-# discards without copying, so its pages are never touched
+_SCRATCH = bytearray(64 << 10)  # recv's buffer (Python wants one as long as each read), never written to: MSG_TRUNC
+# discards without copying. Zero-filled when made, so it is resident: small, and a backlog of megabytes is 16 reads a
+# megabyte, at a cut only
 
 
 def discard_queued(sock: socket.socket) -> int:
