@@ -343,16 +343,6 @@ def _outcome(c, start: float, **counts: object) -> dict:
 NO_LIMIT = 1_000_000_000  # a per-address limit of HAProxy's that nothing reaches
 
 
-def _cpu_seconds(proc: subprocess.Popen | None) -> float:
-    """User + system CPU seconds of `proc` so far (0 for None)."""
-    if proc is None:
-        return 0.0
-    import psutil
-
-    times = psutil.Process(proc.pid).cpu_times()
-    return times.user + times.system
-
-
 def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | None) -> dict:
     tls = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server_key"])] if certs else []
     from serving_fixtures import FrontProxy, ServerProcess
@@ -383,7 +373,7 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
             rate = ["--rate", str(args.overload_rate)] if name == "overload-rate" else []
             load = helper("--load", str(port), "--callers", "500", "--texts", "64", "--seconds",
                           str(seconds), *rate)
-        proxy_cpu0 = _cpu_seconds(proxy.proc if proxy else None)
+        proxy_cpu0 = proxy.cpu_seconds() if proxy else 0.0
         cpu0, t0, threads = server.cpu_seconds(), time.monotonic(), [server.threads()]
         sampler_stop = threading.Event()
 
@@ -403,7 +393,7 @@ def run_attack(name: str, args: argparse.Namespace, certs: dict[str, Path] | Non
         time.sleep(max(0.0, seconds - (time.monotonic() - t0)))  # CPU over the whole window, after a cut too
         wall = time.monotonic() - t0
         cpu = server.cpu_seconds() - cpu0
-        proxy_cpu = _cpu_seconds(proxy.proc if proxy else None) - proxy_cpu0
+        proxy_cpu = (proxy.cpu_seconds() if proxy else 0.0) - proxy_cpu0
         sampler_stop.set()
         authorised = json.loads(probe.communicate(timeout=60)[0])
         alive = server.proc.poll() is None

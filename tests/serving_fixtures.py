@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -200,12 +200,7 @@ class ServerProcess:
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the server and its workers so far."""
-        total = 0.0
-        for p in self._tree():
-            with contextlib.suppress(psutil.NoSuchProcess):
-                times = p.cpu_times()
-                total += times.user + times.system
-        return total
+        return cpu_seconds(self._tree())
 
     def threads(self) -> int:
         """Threads of the server and its workers."""
@@ -224,6 +219,16 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def cpu_seconds(processes: Iterable[psutil.Process]) -> float:
+    """User + system CPU seconds of `processes` so far (those that have ended count nothing)."""
+    total = 0.0
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = p.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 class FrontProxy:
@@ -250,6 +255,10 @@ class FrontProxy:
                     why = self.proc.stderr.read() if self.proc.stderr else ""
                     raise RuntimeError(f"haproxy did not start: {why}") from None
                 time.sleep(0.05)
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the proxy so far."""
+        return cpu_seconds([psutil.Process(self.proc.pid)])
 
     def close(self) -> None:
         if self.proc.poll() is None:
