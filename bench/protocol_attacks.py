@@ -548,7 +548,6 @@ def main(argv: list[str] | None = None) -> int:
             from serving_fixtures import make_certs
 
             certs = make_certs(Path(tmp))
-        args.tmp = tmp
         results = []
         for name in args.attacks.split(","):
             result = run_attack(name, args, certs)
