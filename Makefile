@@ -54,8 +54,12 @@ system-deps:
 $(STAMP): pyproject.toml requirements.lock | system-deps
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first, pinned, from the same constraints and TORCH_INDEX: never a CUDA build by accident.
-	$(BIN)/pip install -q -c requirements.lock $(TORCH_PIP) torch
+	# torch first, pinned, from the same constraints and TORCH_INDEX: never a CUDA build by accident. TORCH_INDEX
+	# serves torch alone (--no-deps), its dependencies come from pip's own indexes: an extra index asked for every
+	# package is a way in for a stranger's package of the same name (and where it is unreachable, each package asked
+	# of it cost a round of retries: 75 s in all on a machine without it).
+	$(BIN)/pip install -q -c requirements.lock $(TORCH_PIP) --no-deps torch
+	$(BIN)/pip install -q -c requirements.lock torch
 	$(BIN)/python -c '$(TORCH_CHECK)'
 	$(BIN)/pip install -q -c requirements.lock -e '.[$(EXTRAS)]'
 	$(if $(findstring gpu,$(EXTRAS)),$(BIN)/python -c '$(ORT_CUDA_CHECK)')
@@ -186,7 +190,8 @@ gpu-serve-carry: setup
 # onnxruntime-gpu's version: pyproject.toml's markers pick one of the two per platform, the CPU image the CPU one.
 lock:
 	rm -rf /tmp/ts-lock-venv && $(PY) -m venv /tmp/ts-lock-venv
-	/tmp/ts-lock-venv/bin/pip install -q $(TORCH_PIP) torch==2.13.0
+	/tmp/ts-lock-venv/bin/pip install -q $(TORCH_PIP) --no-deps torch==2.13.0
+	/tmp/ts-lock-venv/bin/pip install -q torch==2.13.0
 	/tmp/ts-lock-venv/bin/pip install -q '.[train,serve,dev]'
 	/tmp/ts-lock-venv/bin/pip freeze --exclude transfer-sentiment \
 	  | sed -E 's/^(torch==[^+]*)\+.*/\1/; s/^onnxruntime-gpu==(.*)/onnxruntime==\1\nonnxruntime-gpu==\1/'

@@ -217,3 +217,21 @@ def test_make_setup_adds_the_gpu_extra_with_a_cuda_torch(torch_index: str, gpu: 
     extras = out.stdout.strip().split(",")
     assert set(extras) - {"gpu"} == {"train", "serve", "dev"} and ("gpu" in extras) == gpu
     assert set(extras) <= set(_extras())
+
+
+def test_the_torch_index_serves_torch_alone() -> None:
+    """Each pip install given TORCH_INDEX (`make setup`, `make lock`, Containerfile.train) asks it for torch alone,
+    --no-deps: with it as an extra index for a whole resolution, any package of the same name there would compete
+    with PyPI's (and where it is unreachable, each package cost a round of retries)."""
+    index = "https://example.invalid/whl/cpu"
+    asked = []
+    for target in (".venv/.installed", "lock"):
+        out = subprocess.run(["make", "-n", "-B", "--no-print-directory", target, f"TORCH_INDEX={index}"],
+                             capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        assert out.returncode == 0, out.stderr
+        asked += [line.split() for line in out.stdout.splitlines() if "pip install" in line and index in line]
+    recipe = (REPO_ROOT / "Containerfile.train").read_text(encoding="utf-8").replace("\\\n", " ")
+    asked += [cmd.split() for cmd in recipe.split("&&") if "pip install" in cmd and "TORCH_INDEX:+" in cmd]
+    assert len(asked) == 3, asked
+    for words in asked:
+        assert "--no-deps" in words and words[-1].split("==")[0] == "torch", " ".join(words)

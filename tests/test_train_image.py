@@ -57,9 +57,10 @@ def train_wheelhouse() -> Path:
     platforms = [a for tag in ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
                  for a in ("--platform", f"{tag}_{machine}")]
     target = ["--only-binary=:all:", *platforms, "--python-version", BASE_PYTHON, "--implementation", "cp"]
-    _ok([*pip, "download", "--quiet", "--dest", str(partial), *target, "--extra-index-url",
+    _ok([*pip, "download", "--quiet", "--dest", str(partial), *target, "--no-deps", "--extra-index-url",
          "https://download.pytorch.org/whl/cpu", f"torch=={_torch_pin()}"], timeout=900)
-    # The rest, with DeepSpeed's dependencies but not DeepSpeed's sdist (its wheel is already there).
+    # The rest, with DeepSpeed's dependencies (torch's among them) but not DeepSpeed's sdist (its wheel is already
+    # there), from PyPI: the CPU index gives torch alone, as in the image's build.
     _ok([*pip, "download", "--quiet", "--dest", str(partial), *target, "--find-links", str(partial),
          "--constraint", str(REPO / "requirements.lock"), *requirements], timeout=900)
     partial.rename(folder)
