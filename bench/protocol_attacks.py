@@ -461,15 +461,6 @@ def table(before: Path, after: Path) -> str:
     return "\n".join(rows)
 
 
-def cpu_list(text: str) -> set[int]:
-    """'0', '0-3', '0,2-3' (taskset's list) as a set of core numbers."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        cores.update(range(int(low), int(high or low) + 1))
-    return cores
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bundle", type=Path, help="the bundle the server serves (bench/soak.py --make-bundle makes one)")
@@ -540,8 +531,11 @@ def main(argv: list[str] | None = None) -> int:
     wanted = 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    if args.client_cpus:  # inherited by the helper processes started from here
-        os.sched_setaffinity(0, cpu_list(args.client_cpus))
+    if args.client_cpus:  # inherited by the helpers started from here; taskset reads the list, as for the server
+        pin = subprocess.run(["taskset", "-p", "-c", args.client_cpus, str(os.getpid())], capture_output=True,
+                             text=True)
+        if pin.returncode != 0:
+            p.error(f"--client-cpus {args.client_cpus}: {pin.stderr.strip()}")
     certs = None
     with tempfile.TemporaryDirectory() as tmp:
         if args.tls:
