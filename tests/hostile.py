@@ -58,6 +58,7 @@ class _Connection:
         self.lock = threading.Lock()
         self.ended: dict[int, str] = {}  # stream id -> grpc-status (or "RST <code>") once it ended
         self.messages: dict[int, str] = {}  # stream id -> grpc-message of its end
+        self.resets: dict[int, int] = {}  # stream id -> the error code of an RST_STREAM received, even after its end
         self.max_streams: int | None = None  # the server's SETTINGS_MAX_CONCURRENT_STREAMS
         self.closed = threading.Event()
         self._changed = threading.Condition()
@@ -104,6 +105,7 @@ class _Connection:
                 self.messages[event.stream_id] = unquote(headers.get("grpc-message", ""))
         elif isinstance(event, h2.events.StreamReset):
             self.ended.setdefault(event.stream_id, f"RST {int(event.error_code)}")
+            self.resets[event.stream_id] = int(event.error_code)
 
     def open_stream(self, path: str, metadata: list[tuple[str, str]] = (), end: bool = False) -> int:
         """Send the HEADERS of one gRPC call (no deadline); returns the stream id."""

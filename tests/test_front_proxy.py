@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hostile import _Connection
+from hostile import HalfOpen, _Connection
 from procs import REPO, free_port
 from serving_fixtures import PROXY_DIR, FrontProxy, HeldRuns, certs, running_server
 
@@ -133,6 +133,25 @@ def test_a_server_that_cannot_be_reached_is_unavailable_not_overloaded() -> None
         with pytest.raises(grpc.RpcError) as health:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_calls_withholding_their_body_without_the_token_free_their_model_slot_at_once(tiny_bundle: Path) -> None:
+    """MODEL_CALLS 2: HAProxy passes a call on, and counts its slot, from its headers. 4 calls without the token whose
+    body never comes: the server refuses each on its headers (UNAUTHENTICATED), so the slots are free again and a
+    client's call is served. (With the token, or a server without one, such calls keep their slots until the
+    server's body_timeout_s: docs/RELIABILITY.md, "A front proxy".)"""
+    with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN) as s, \
+            proxy(s, MODEL_CALLS=2) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        withheld = HalfOpen(port, CLASSIFY, 4)
+        try:
+            assert withheld.wait(lambda: withheld.open_count == 0, 10)
+            # UNAUTHENTICATED from the server; or RESOURCE_EXHAUSTED from the proxy, for those that came while the
+            # first two held the slots
+            assert "16" in withheld.ended.values() and set(withheld.ended.values()) <= {"16", "8"}, withheld.ended
+            stub = pb_grpc.SentimentServiceStub(channel)
+            assert stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
+        finally:
+            withheld.close()
 
 
 def test_wrong_tokens_from_one_address_are_answered_by_the_proxy(tiny_bundle: Path) -> None:
