@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         idle_kib = _status_kib(server.pid, "VmRSS")
         with SentimentClient(target, timeout=600) as probe:
             meta = probe.metadata()
-        # Every text longer than max_len tokens: each batch is as large as max_batch_tokens lets it be.
-        text = " ".join(["Un livre long, lent et pourtant passionnant, du début à la fin."] * 80)
+        # Every text longer than max_len tokens (400 words, at least a token each): each batch is as large as
+        # max_batch_tokens lets it be. Its words do not matter: the tensors are cut at max_len.
+        text = " ".join(f"mot{i}" for i in range(400))
         texts = [text] * meta["max_texts"]
         stop_at = time.monotonic() + args.seconds
         requests = [0] * args.callers
