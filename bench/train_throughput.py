@@ -6,7 +6,7 @@ One run, one process or several (`deepspeed --num_gpus 2 bench/train_throughput.
       decay, clip_grad_norm_ to optim.grad_clip (0.5), the same loss scaling as our loops;
       torch DistributedDataParallel when world > 1.
   (b) deepspeed: the same module wrapped by trainer.engine.deepspeed_engine.initialize with the JSON that
-      deepspeed_engine.ds_config derives, exactly as pretrain.py / finetune.py build it, stepped by their own step
+      trainer.engine.ds_config derives, exactly as pretrain.py / finetune.py build it, stepped by their own step
       (trainer/engine/loop.py's optimizer_step).
   --compile adds plain-compiled and deepspeed-compiled: (a) with the module compiled in place (Module.compile(),
   inductor) and (b) with engine.compile=on (DeepSpeed's engine.compile(), which does the same to its module); their
@@ -82,7 +82,7 @@ from trainer.data.prepare import prepare
 from trainer.data.tokenizer import Tokenizer, build_tokenizer
 from trainer.data.windows import EpochOrder, Windows
 from trainer.engine import deepspeed_engine as eng
-from trainer.engine import loop
+from trainer.engine import loop, optimizer
 from trainer.engine.distributed import host_collectives
 from trainer.engine.stage import on_every_rank
 from trainer.model.encoder import forward_flops_per_token
@@ -218,9 +218,10 @@ class Loop:
         o = task.optim
         cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
         fused = {"fused": True} if info.device.type == "cuda" else {}  # the fastest torch Adam where it exists
-        self.opt = cls(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=1e-8, weight_decay=o.weight_decay,
-                       **fused)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: eng.lr_factor(s, o, total_steps))
+        # The engine's parameter groups and lr schedule (trainer/engine/optimizer.py), on torch's Adam.
+        self.opt = cls(optimizer.param_groups(model), lr=o.lr, betas=tuple(o.betas), eps=1e-8,
+                       weight_decay=o.weight_decay, **fused)
+        self.sched = optimizer.schedule(o, total_steps)(self.opt)
         bf16 = cfg.engine.precision == "bf16"
         # bf16 here: autocast over fp32 weights, as the engine's torch_autocast does.
         self.autocast = (lambda: torch.autocast(info.device.type, dtype=torch.bfloat16)) if bf16 \

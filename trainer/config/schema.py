@@ -155,7 +155,7 @@ class OptimConfig:
 
 @section("engine")
 class EngineConfig:
-    """How DeepSpeed runs the model (trainer/engine/deepspeed_engine.py derives its JSON from this)."""
+    """How DeepSpeed runs the model (trainer/engine/ds_config.py derives its JSON from this)."""
 
     # ZeRO 0-3: 1 partitions the optimizer state over the ranks, 2 the gradients too, 3 the weights too (each rank
     # then holds a share of every weight and gathers a layer's whole for its forward and backward)

@@ -1,1 +1,2 @@
-"""The training engine: ranks, DeepSpeed (the only `import deepspeed`), precision, schedule, checkpoints, the loop."""
+"""The training engine: ranks, DeepSpeed (accelerator.py: the only `import deepspeed`), its JSON, the optimizer and
+lr schedule, precision, checkpoints, the loop."""

@@ -236,8 +236,8 @@ def load(engine: Any, ckpt_dir: str | Path, tag: str) -> tuple[LoopState, dict[s
 
 
 def _precision(engine: Any) -> str:
-    """What the engine trains in, as deepspeed_engine.precision_of names the JSON it was built from (checkpoints
-    before 2026-11-27 wrote "bf16" for DeepSpeed's bf16 mode, which was then the trainer's bf16: the same name)."""
+    """What the engine trains in, as ds_config.precision_of names the JSON it was built from ("bf16" is DeepSpeed's
+    bf16 mode, as older checkpoints also name it)."""
     return eng.precision_of(engine.config)
 
 

@@ -1,9 +1,8 @@
-"""Ranks, nodes and what they tell each other; no DeepSpeed here (trainer/engine/deepspeed_engine.py starts the process
-group).
+"""Ranks, nodes and what they tell each other; no DeepSpeed here (trainer/engine/process.py starts the process group).
 
 - `device_type()` is the one device decision of a rank: CUDA where a CUDA device is usable, else the CPU. The
   process group (`BACKENDS`), DeepSpeed's accelerator (DS_ACCELERATOR, set from it before DeepSpeed is imported:
-  trainer/engine/deepspeed_engine.py) and the module's device all follow it.
+  trainer/engine/accelerator.py) and the module's device all follow it.
 - `prepare_env()` fills the variables torch.distributed reads, under the DeepSpeed launcher, torchrun, Slurm or plain
   `python`; `dist_info()` reads them back as a `DistInfo` (usable before the process group exists: the data of a run
   is made ready before it, see trainer/tasks/pretrain.py).
@@ -56,10 +55,8 @@ def process_defaults(env: MutableMapping[str, str] = os.environ) -> dict[str, st
 
     - TORCH_EXTENSIONS_DIR: a checkout keeps DeepSpeed's JIT cache (ops compiled on first use) beside the code,
       as the Makefile does; an installed package leaves DeepSpeed's default (~/.cache/torch_extensions).
-    - PATH: torch's JIT runs the first `ninja` on PATH. The venv's ninja (pip, 1.13) and the system's (apt, 1.11)
-      record different command hashes in the shared .ninja_log, so alternating them rebuilt the op (~30-90 s) on
-      every switch (`.venv/bin/python` run without the venv on PATH vs the launcher): the one beside this
-      interpreter goes first.
+    - PATH: torch's JIT runs the first `ninja` on PATH, and two ninjas (the venv's, the system's) sharing one
+      .ninja_log rebuild the op at every switch: the one beside this interpreter goes first.
     """
     changed: dict[str, str] = {}
     if (_REPO / "pyproject.toml").exists() and "TORCH_EXTENSIONS_DIR" not in env:

@@ -9,9 +9,9 @@ stay from fp32's, is what `bench/train_throughput.py --precisions fp32,bf16` mea
 same machines, resolve it alike.
 
 bf16 training is torch.autocast over fp32 weights, in the plain loop and in the DeepSpeed engine alike (its
-torch_autocast: trainer/engine/deepspeed_engine.py ds_config says why not DeepSpeed's bf16 mode); the artifact always
-holds fp32 weights (fp32_state_dict there). No torch import at module level: trainer/config/schema.py-level
-code may ask.
+torch_autocast: trainer/engine/ds_config.py says why not DeepSpeed's bf16 mode); the artifact always holds fp32
+weights (trainer/engine/deepspeed_engine.py, fp32_state_dict). No torch import at module level: config-level code may
+ask.
 """
 
 from __future__ import annotations

@@ -29,8 +29,7 @@ def on_every_rank(stage: Callable[[], object]) -> NoReturn:
         if os.environ.get("TS_TRACEBACK"):
             traceback.print_exc()
         where = f"[rank {eng.rank()}] " if eng.world_size() > 1 else ""  # which rank, when there are several
-        # One write, newline included: under the launcher (python -u) print's two writes let the ranks' lines run
-        # into each other ("...jsonerror: [rank 1] ...", seen with 2 ranks).
+        # One write, newline included: under the launcher (python -u) print's two writes let ranks' lines interleave.
         sys.stderr.write(f"error: {where}{e}\n")
         code = 2
     except KeyboardInterrupt as e:
