@@ -6,7 +6,7 @@
 #          training against eager (pytest -m gpu -n 3), and the device decision (DS_ACCELERATOR=cpu on a GPU
 #          machine: one line, exit 2)
 #   ratio  our DeepSpeed engine (torch.autocast over fp32 weights) against the plain PyTorch loop, lab size, bf16, LM
-#          and classifier; DeepSpeed's own bf16 mode beside them; one step of each profiled (--profile)
+#          and classifier; DeepSpeed's own bf16 mode beside them; two steps of each counted (--profile)
 #   mfu    the gpu preset's LM (110 M parameters, windows of 1,024): MFU against the timed bf16 matmul peak, engine
 #          and plain loop side by side, each eager and compiled (torch.compile on/off)
 #   lab    the lab end to end: lab-preset pretraining for a fixed token budget (LAB_STEPS steps of 16 x 512 tokens),

@@ -37,12 +37,11 @@ embedding lookups, biases, layer norms, softmax, the classifier's head (once per
 
   .venv/bin/python bench/train_throughput.py --task both --json runs/bench-train/p1.json
   deepspeed --num_gpus 2 bench/train_throughput.py --task both --baseline runs/bench-train/p1.json
-  .venv/bin/python bench/train_throughput.py --task lm --profile   # + one step of each loop under torch.profiler
---profile runs one more step of each loop under torch.profiler after the measured windows and reports, per loop:
-operators launched on the host (aten ops), device kernels, host-device syncs (`.item()`/`float()` on a device tensor
-= aten::_local_scalar_dense, cuda*Synchronize), collectives (c10d ops), tensor copies (aten::copy_, aten::cat: the
-flat-buffer copies), and the host time of forward, backward and the optimizer step; then the operators the engine
-runs more often than the plain loop.
+  .venv/bin/python bench/train_throughput.py --task lm --profile   # + two steps of each loop counted
+--profile runs two more steps of each loop after the measured windows and counts what each does (bench/step_profile.py:
+host operators and device kernels, host reads of tensor values, synchronize calls, copies to the host, collectives,
+tensor copies, optimizer steps, Python calls), with the host time of forward, backward and the optimizer step; then
+the operators the engine runs more often than the plain loop.
 Only rank 0 prints and writes; every rank ends through trainer.engine.deepspeed_engine.finish (gloo ranks can abort at a
 normal interpreter exit; engine.finish says why).
 """
@@ -89,6 +88,9 @@ from trainer.model.encoder import forward_flops_per_token
 from trainer.tasks.finetune import ClassifierObjective, load_split
 from trainer.tasks.pretrain import LMObjective, WindowBatcher
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for step_profile
+import step_profile
+
 LOOPS = ("plain", "deepspeed")  # the default; --compile adds COMPILED, --loops picks any of ALL
 COMPILED = ("plain-compiled", "deepspeed-compiled")
 # bf16 only: DeepSpeed's own bf16 mode (bf16 weights, fp32 masters in an optimizer wrapper) instead of the
@@ -109,6 +111,7 @@ class Task:
     batches: list[list[int]]  # global batches of example/window indices, in training order
     make: Callable[[list[int]], tuple[torch.Tensor, ...]]  # (input_ids (B, T), padding_mask (B, T), ...) on CPU
     denominator: Callable[[list[int]], int]  # the global batch's summed loss is divided by this (as in our loops)
+    tokens: Callable[[list[int]], int]  # the real (non-pad) input tokens of these examples, from the data
     new_model: Callable[[], torch.nn.Module]  # the objective module (loss inside forward), fresh weights per seed
     optim: OptimConfig
     flops_per_token: float
@@ -165,6 +168,7 @@ def lm_task(cfg: RunConfig, plan: eng.BatchPlan, need: int, tok_folder: str | No
         if len(batches) == need:
             break
     return Task("lm", "pretrain", batches, make=lambda part: batcher.make(part, 0), denominator=batcher.n_predicted,
+                tokens=lambda part: len(part) * windows.seq_len,  # full windows: no padding
                 new_model=lambda: LMObjective(cfg.model, causal=True), optim=cfg.pretrain.optim,
                 flops_per_token=model_flops_per_token(cfg.model, "lm", cfg.pretrain.seq_len))
 
@@ -172,8 +176,10 @@ def lm_task(cfg: RunConfig, plan: eng.BatchPlan, need: int, tok_folder: str | No
 def classifier_task(cfg: RunConfig, plan: eng.BatchPlan, need: int, tok_folder: str | None = None) -> Task:
     tok = tokenizer(cfg, tok_folder)  # max_len = --seq-len: reviews are cut there
     split = load_split(cfg, cfg.data.train, tok, 0)
-    return Task("classifier", "finetune", global_batches(split.lengths, plan, cfg.seed, need),
-                make=split.batch, denominator=len, new_model=lambda: ClassifierObjective(cfg.model),
+    lengths = split.lengths  # (N,) ids per review, cut at --seq-len
+    return Task("classifier", "finetune", global_batches(lengths, plan, cfg.seed, need),
+                make=split.batch, denominator=len, tokens=lambda part: int(lengths[part].sum()),
+                new_model=lambda: ClassifierObjective(cfg.model),
                 optim=cfg.finetune.optim,
                 flops_per_token=model_flops_per_token(cfg.model, "classifier", cfg.tokenizer.max_len))
 
@@ -240,7 +246,8 @@ class Loop:
         seconds = time.perf_counter() - t0
         # Outside the timed region: one sync per window, then a few numbers across ranks.
         t_max, frac_max = reduce([seconds, timed.seconds / seconds], dist.ReduceOp.MAX, info)
-        tok_sum, pos_sum, loss_sum = reduce([timed.tokens, timed.positions, float(loss_acc)], dist.ReduceOp.SUM, info)
+        tok_sum, pos_sum, loss_sum = reduce([timed.real_tokens, timed.positions, float(loss_acc)], dist.ReduceOp.SUM,
+                                            info)
         return Window(t_max, int(tok_sum), int(pos_sum), frac_max, loss_sum / max(1, denom))
 
     def one_step(self, batch: list[int], timed: Timed, loss_acc: torch.Tensor) -> int:
@@ -257,12 +264,12 @@ class Loop:
                 last = micro == len(parts) - 1
                 no_sync = self.module.no_sync if info.world_size > 1 and not last else contextlib.nullcontext
                 with no_sync():
-                    with torch.profiler.record_function("step.forward"), self.autocast():
+                    with step_profile.phase("step.forward"), self.autocast():
                         loss = self.module(*inputs)
-                    with torch.profiler.record_function("step.backward"):
+                    with step_profile.phase("step.backward"):
                         (loss * (plan.world_size / max(1, n))).backward()  # gradient of (global sum / n)
                 loss_acc += loss.detach()
-            with torch.profiler.record_function("step.optimizer"):
+            with step_profile.phase("step.optimizer"):
                 torch.nn.utils.clip_grad_norm_(self.module.parameters(), task.optim.grad_clip)
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
@@ -272,20 +279,22 @@ class Loop:
 
 
 class Timed:
-    """A task as trainer/engine/loop.py's Task sees it (`inputs`, `denominator`), timing how long making the batches
-    takes
-    and counting their real (non-pad) tokens and positions: the same accounting for both loops."""
+    """A task as trainer/engine/loop.py's Step sees it (`inputs`, `denominator`, `tokens`), timing how long making the
+    batches takes and counting their real (non-pad) tokens and positions: the same accounting for both loops."""
 
     def __init__(self, task: Task) -> None:
-        self.task, self.seconds, self.tokens, self.positions = task, 0.0, 0, 0
+        self.task, self.seconds, self.real_tokens, self.positions = task, 0.0, 0, 0
 
     def inputs(self, part: list[int], epoch: int) -> tuple[torch.Tensor, ...]:
         t0 = time.perf_counter()
         inputs = self.task.make(part)
-        self.tokens += inputs[0].numel() - int(inputs[1].sum())  # CPU tensors: no device sync
+        self.real_tokens += self.task.tokens(part)
         self.positions += inputs[0].numel()
         self.seconds += time.perf_counter() - t0
         return inputs
+
+    def tokens(self, part: list[int]) -> int:
+        return self.task.tokens(part)
 
     def denominator(self, batch: list[int]) -> int:
         t0 = time.perf_counter()
@@ -342,8 +351,8 @@ def measure(task: Task, variants: dict[str, tuple[RunConfig, dict[str, Any]]], p
         batches = task.batches[w * args.steps:(w + 1) * args.steps]  # the same batches for every loop
         for key in keys if w % 2 == 0 else keys[::-1]:
             out[key].append(loops[key].window(batches))
-    profiles = {key: profile_step(loops[key], task.batches[n_windows * args.steps], info)
-                for key in keys} if args.profile else {}
+    profiled = task.batches[n_windows * args.steps:][:2]
+    profiles = {key: profile_step(loops[key], profiled, info) for key in keys} if args.profile else {}
     return out, profiles
 
 
@@ -361,67 +370,13 @@ def baseline_of(kind: str, kinds: dict[tuple[str, str], Any], prec: str) -> str 
 
 # ---------------------------------------------------------------------------------------------- profile
 
-PHASES = ("step.forward", "step.backward", "step.optimizer")
-ITEM = "aten::_local_scalar_dense"  # what .item(), float(t), int(t), bool(t) run: a sync when t is on a device
-DEVICE_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-COPIES = ("aten::copy_", "aten::cat", "aten::_foreach_copy_")  # flat buffers are built by cat and filled by copy_
-
-
-def annotate(engine: Any) -> None:
-    """Name the engine's forward, backward and step in the profile as the plain loop names its own (instance
-    attributes: nn.Module.__call__ and our loop look them up on the engine)."""
-    for name, label in zip(("forward", "backward", "step"), PHASES, strict=True):
-        fn = getattr(engine, name)
-
-        def wrapped(*a: Any, _fn: Callable[..., Any] = fn, _label: str = label, **k: Any) -> Any:
-            with torch.profiler.record_function(_label):
-                return _fn(*a, **k)
-
-        setattr(engine, name, wrapped)
-
-
-def profile_step(lp: Loop, batch: list[int], info: eng.DistInfo) -> dict[str, Any]:
-    """One more optimizer step of a warmed-up loop under torch.profiler: counts and host times (module docstring)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
+def profile_step(lp: Loop, batches: list[list[int]], info: eng.DistInfo) -> dict[str, Any]:
+    """Two more optimizer steps of a warmed-up loop, counted (bench/step_profile.py)."""
     if lp.kind.startswith("deepspeed"):
-        annotate(lp.engine)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
-    loss_acc = torch.zeros((), device=info.device)
-    sync(info)
-    with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        lp.one_step(batch, Timed(lp.task), loss_acc)
-        sync(info)
-        wall = time.perf_counter() - t0
-    events = prof.events()
-    host = [e for e in events if e.device_type == DeviceType.CPU]
-    count: dict[str, int] = {}
-    self_ms: dict[str, float] = {}
-    for e in host:
-        name = "compiled graph" if e.name.startswith("## Call CompiledFxGraph") else e.name  # drop the graph's hash
-        count[name] = count.get(name, 0) + 1
-        self_ms[name] = self_ms.get(name, 0.0) + e.self_cpu_time_total / 1000
-    return {
-        "wall_ms": 1000 * wall,
-        "aten_ops": sum(c for n, c in count.items() if n.startswith("aten::")),
-        "kernels": sum(1 for e in events if e.device_type == DeviceType.CUDA),
-        "item_calls": count.get(ITEM, 0),
-        "device_syncs": sum(count.get(n, 0) for n in DEVICE_SYNCS),
-        "collectives": {n: c for n, c in count.items() if n.startswith("c10d::")},
-        "copies": {n: count.get(n, 0) for n in COPIES},
-        "phases_ms": {ph: sum(e.cpu_time_total for e in host if e.name == ph) / 1000 for ph in PHASES},
-        "ops": {n: [c, round(self_ms[n], 3)] for n, c in count.items()},
-    }
-
-
-def extra_ops(loop_: dict[str, Any], base: dict[str, Any], top: int = 12) -> list[tuple[str, int, float, float]]:
-    """Operators a loop's step runs more often than its baseline's: (name, extra calls, self ms of all its calls in
-    the loop, in the baseline), most extra calls first."""
-    rows = [(n, c - base["ops"].get(n, [0, 0.0])[0], ms, base["ops"].get(n, [0, 0.0])[1])
-            for n, (c, ms) in loop_["ops"].items() if n not in PHASES and c > base["ops"].get(n, [0, 0.0])[0]]
-    return sorted(rows, key=lambda r: (-r[1], -r[2]))[:top]
+        step_profile.annotate(lp.engine)
+    steps = iter(batches)
+    return step_profile.profile(lambda: lp.one_step(next(steps), Timed(lp.task), torch.zeros((), device=info.device)),
+                                info.device)
 
 
 def rows_for(task: Task, windows: dict[tuple[str, str], list[Window]], cfg: RunConfig, plan: eng.BatchPlan,
@@ -464,7 +419,7 @@ def rows_for(task: Task, windows: dict[tuple[str, str], list[Window]], cfg: RunC
         if (k, prec) in profiles:
             row["profile"] = profiles[(k, prec)]
             if base is not None and (base, prec) in profiles:
-                row["profile_extra_ops"] = extra_ops(profiles[(k, prec)], profiles[(base, prec)])
+                row["profile_extra_ops"] = step_profile.extra_ops(profiles[(k, prec)], profiles[(base, prec)])
         if prec != "fp32" and (k, "fp32") in windows:  # the same loop in fp32, timed in the same run
             ref = windows[(k, "fp32")]
             row["ratio_vs_fp32"] = med[(k, prec)] / med[(k, "fp32")]
@@ -520,7 +475,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{r['tokens_per_s_per_process']:.0f} | {ratio} | {eager} | {vs32} | {100 * r['data_wait_fraction']:.2f} | "
             f"{100 * r['pad_fraction']:.1f} | {r['flops_per_token'] / 1e6:.3f} | {r['achieved_flops'] / 1e9:.2f} | "
             f"{util} | {r['loss_windows'][-1]:.4f} |")
-    lines += profile_tables(rows)
+    lines += step_profile.tables(rows)
     scaled = [r for r in rows if "scaling_vs_baseline" in r]
     if scaled:
         lines += ["", f"Scaling against {meta['baseline']} (same task, loop, micro-batch and sequence length):", "",
@@ -531,34 +486,6 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             lines.append(f"| {r['task']} | {r['loop']} | {r['processes']} | {b['processes']} | "
                          f"{b['tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | {b['factor']:.3f} |")
     return "\n".join(lines) + "\n"
-
-
-def profile_tables(rows: list[dict[str, Any]]) -> list[str]:
-    """--profile: one step of each loop side by side, per task and precision; then what the engine adds."""
-    out: list[str] = []
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in rows:
-        if "profile" in r:
-            groups.setdefault((r["task"], r["precision"]), []).append(r)
-    for (task, prec), rs in groups.items():
-        out += ["", f"One profiled step, {task}, {prec} (torch.profiler; host times include the profiler's own cost):",
-                "", "| | " + " | ".join(r["loop"] for r in rs) + " |", "|---|" + "---:|" * len(rs)]
-        metric = [("wall ms", lambda p: f"{p['wall_ms']:.1f}"),
-                  *[(f"{ph.split('.')[1]} host ms", lambda p, ph=ph: f"{p['phases_ms'][ph]:.1f}") for ph in PHASES],
-                  ("aten ops", lambda p: str(p["aten_ops"])), ("device kernels", lambda p: str(p["kernels"])),
-                  (".item()/float() (_local_scalar_dense)", lambda p: str(p["item_calls"])),
-                  ("device syncs (cuda*Synchronize)", lambda p: str(p["device_syncs"])),
-                  ("collectives", lambda p: ", ".join(f"{n.split('::')[1]} {c}" for n, c in p["collectives"].items())
-                   or "0"),
-                  ("copy_ / cat / _foreach_copy_", lambda p: " / ".join(str(c) for c in p["copies"].values()))]
-        out += [f"| {name} | " + " | ".join(fmt(r["profile"]) for r in rs) + " |" for name, fmt in metric]
-        for r in rs:
-            if r.get("profile_extra_ops"):
-                out += ["", f"{r['loop']} runs more often than {r['baseline']} ({task}, {prec}; calls more, self "
-                        f"ms of all calls there / in {r['baseline']}): "
-                        + "; ".join(f"{n} +{c} ({ms:.2f} / {base_ms:.2f})"
-                                    for n, c, ms, base_ms in r["profile_extra_ops"])]
-    return out
 
 
 def add_scaling(rows: list[dict[str, Any]], path: str) -> None:
@@ -635,7 +562,7 @@ def run(args: argparse.Namespace) -> None:
     main = eng.is_main()
     load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
     peak, peak_what = matmul_peak(info)
-    need = (args.warmup + args.windows) * args.steps + 1  # + the profiled step
+    need = (args.warmup + args.windows) * args.steps + 2  # + the profiled steps
     rows: list[dict[str, Any]] = []
     for name in (["lm", "classifier"] if args.task == "both" else [args.task]):
         section = "pretrain" if name == "lm" else "finetune"

@@ -40,7 +40,8 @@ def test_derived_config_follows_run_config() -> None:
     assert ds["train_micro_batch_size_per_gpu"] == 13 and ds["gradient_accumulation_steps"] == 3
     assert "train_batch_size" not in ds  # DeepSpeed infers it
     assert plan == eng.BatchPlan(13, 3, 2) and plan.global_batch == 78
-    assert ds["zero_optimization"] == {"stage": 2}
+    # ZeRO 1/2 without DeepSpeed's per-gradient copies into a contiguous buffer (tests/test_step_work.py counts them)
+    assert ds["zero_optimization"] == {"stage": 2, "contiguous_gradients": False}
     # bf16: autocast over fp32 weights (DeepSpeed's torch_autocast), not DeepSpeed's bf16 weights
     assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and not ds["bf16"]["enabled"]
     assert eng.precision_of(ds) == "bf16-autocast"
@@ -61,7 +62,10 @@ def test_derived_config_follows_run_config() -> None:
 def test_user_json_overrides_keys(tmp_path: Path) -> None:
     user = write(tmp_path, {"gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "train_batch_size": 52})
     ds, plan = eng.ds_config(tiny(), "pretrain", world=2, user_json=user, cuda=False)
-    assert ds["gradient_clipping"] == 1.0 and ds["zero_optimization"]["stage"] == 1
+    assert ds["gradient_clipping"] == 1.0 and ds["zero_optimization"] == {"stage": 1, "contiguous_gradients": False}
+    for zero, kept in (({"stage": 2, "contiguous_gradients": True}, True), ({"stage": 3}, None), ({"stage": 0}, None)):
+        ds, _ = eng.ds_config(tiny(), "pretrain", 1, user_json=write(tmp_path, {"zero_optimization": zero}), cuda=False)
+        assert ds["zero_optimization"].get("contiguous_gradients") is kept, zero  # the user's, or DeepSpeed's default
     assert ds["optimizer"]["type"] == "Adam"  # untouched keys keep the derived values
     assert plan.micro_batch == 26 and plan.global_batch == 52  # the global batch fixed the micro-batch
     # DeepSpeed's own bf16 or fp16 mode, asked for by the user's JSON, replaces our autocast (never both)

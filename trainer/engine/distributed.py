@@ -216,11 +216,11 @@ def _collective_device() -> str:
 
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Sum a few host floats over ranks (fp64; on the host where the group allows it)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = t.to(_collective_device())
-        dist.all_reduce(t)
-    return [float(v) for v in t.cpu()]
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64).to(_collective_device())
+    dist.all_reduce(t)
+    return t.cpu().tolist()
 
 
 def all_gather_bytes(data: bytes, size: int = AGREE_BYTES) -> list[bytes]:

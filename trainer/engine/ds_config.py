@@ -69,6 +69,11 @@ def ds_config(cfg: RunConfig, stage: Stage, world: int, user_json: str | None = 
     merged = _merge(derived, user)
     if any(_enabled(user, k) for k in ("bf16", "fp16")) and "torch_autocast" not in user:
         merged["torch_autocast"]["enabled"] = False  # the user chose DeepSpeed's own low-precision weights
+    zero = merged["zero_optimization"]
+    if isinstance(zero, dict) and zero.get("stage") in (1, 2):
+        # ZeRO 1/2 otherwise copy every gradient into a contiguous buffer in a hook of its own as the backward makes
+        # it; without, a bucket is flattened in one cat when reduced (docs/BENCHMARKS.md, "What a step does").
+        zero.setdefault("contiguous_gradients", False)
     check_keys(user, source)
     modes = [k for k in ("bf16", "fp16", "torch_autocast") if _enabled(merged, k)]
     if len(modes) > 1:  # DeepSpeed accepts any mix and then runs something nobody asked for

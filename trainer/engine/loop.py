@@ -102,15 +102,15 @@ class Step(Protocol):
     def denominator(self, batch: list[int]) -> int:
         """What a global batch's summed loss is divided by (predicted tokens, or examples)."""
 
+    def tokens(self, batch: list[int]) -> int:
+        """The real (non-pad) input tokens of these examples, from the data (no tensor is read)."""
+
 
 class Task(Step, Protocol):
     """What a stage gives the loop."""
 
     def batches(self, epoch: int) -> Sequence[list[int]]:
         """The epoch's global batches of example indices, in training order (the same on every rank)."""
-
-    def tokens(self, batch: list[int]) -> int:
-        """The real (non-pad) input tokens of a global batch, all ranks (LoopState.tokens adds them up)."""
 
     def report(self, engine: Any, state: ckpt.LoopState, interval: Interval, evaluate: bool) -> dict[str, Any]:
         """The log row at a log point; with `evaluate`, also the evaluation (and its LoopState.history record)."""
@@ -302,11 +302,9 @@ def optimizer_step(engine: Any, task: Step, batch: list[int], epoch: int, step: 
     n = task.denominator(batch)  # the whole global batch's: every rank knows it
     tokens = examples = 0
     for micro, part in enumerate(micro_batches(batch, plan)[info.rank::plan.world_size]):
-        inputs = task.inputs(part, epoch)
-        tokens += inputs[0].numel() - int(inputs[1].sum())  # CPU tensors: no device sync
-        examples += len(part)
-        inputs = to_device(inputs, info.device)
-        seed_micro_step(seed, step, micro, info.rank)
+        inputs = to_device(task.inputs(part, epoch), info.device)
+        tokens, examples = tokens + task.tokens(part), examples + len(part)
+        seed_micro_step(seed, step, micro, info.rank, info.device)
         loss = engine(*inputs)
         # DeepSpeed averages gradients over ranks: scale so the gradient is that of (global sum / n).
         engine.backward(loss * (plan.world_size / max(1, n)), scale_wrt_gas=False)
@@ -400,9 +398,15 @@ def micro_batches(batch: list[int], plan: eng.BatchPlan) -> list[list[int]]:
     return [part.tolist() for part in np.array_split(np.asarray(batch, dtype=np.int64), n)]
 
 
-def seed_micro_step(seed: int, step: int, micro: int, rank: int) -> None:
-    """Dropout (and any torch RNG) of one micro-step depends only on (seed, step, micro, rank): resume is exact."""
-    torch.manual_seed(int(np.random.SeedSequence([seed, step, micro, rank]).generate_state(1)[0]))
+def seed_micro_step(seed: int, step: int, micro: int, rank: int, device: torch.device) -> None:
+    """Dropout (and any torch RNG) of one micro-step depends only on (seed, step, micro, rank): resume is exact.
+
+    Seeds the CPU's generator and, on a GPU, this rank's: torch.manual_seed would also queue a seed for every
+    accelerator torch knows and has not started (XPU, MTIA...), formatting a Python traceback for each, every call."""
+    s = int(np.random.SeedSequence([seed, step, micro, rank]).generate_state(1)[0])
+    torch.default_generator.manual_seed(s)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(s)  # the current device: init_distributed made it this rank's
 
 
 def to_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
