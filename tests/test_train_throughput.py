@@ -71,7 +71,7 @@ def test_plain_and_deepspeed_loops_train_the_same_batches(tmp_path: Path, data_d
                                                                            ds["loss_windows"])
         assert "ratio_vs_plain" in ds and ds["ratio_vs_plain"] > 0
     # --profile: one more step of each loop under torch.profiler, its phases named in both loops alike.
-    assert "One profiled step, lm, fp32" in p.stdout and "deepspeed runs more often than plain" in p.stdout
+    assert "One profiled step, lm, fp32" in p.stdout
     for r in rows:
         prof = r["profile"]
         assert all(prof["phases_ms"][ph] > 0 for ph in ("step.forward", "step.backward", "step.optimizer")), prof
@@ -80,7 +80,8 @@ def test_plain_and_deepspeed_loops_train_the_same_batches(tmp_path: Path, data_d
         # One process: no collective at all, the engine's included (it skips the gradient all-reduce over a group of
         # one, and clips with torch's clip_grad_norm_ rather than DeepSpeed's, which all-reduced the norm).
         assert not prof["collectives"], (r["loop"], prof["collectives"])
-    assert by[("lm", "deepspeed")]["profile_extra_ops"] and by[("lm", "deepspeed")]["baseline"] == "plain"
+    # ZeRO 0, one process: the engine runs no operator more often than the plain loop (tests/test_step_work.py).
+    assert by[("lm", "deepspeed")]["baseline"] == "plain" and by[("lm", "deepspeed")]["profile_extra_ops"] == []
     # Closed form (vocab 99, d 32, d_ff 48, 2 layers, T 40): 6 x (2 x (4 x 32^2 + 2 x 32 x 48) + 32 x 99)
     # + 12 x 2 x 32 x 40 for the LM; the classifier has no per-token head.
     assert by[("lm", "plain")]["flops_per_token"] == 135744

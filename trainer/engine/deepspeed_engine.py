@@ -1,7 +1,7 @@
 """Our model inside a DeepSpeed engine, and what the trainers ask of that engine.
 
-- `initialize()` wraps a model with the optimizer and lr schedule of trainer/engine/optimizer.py; `clip_like_torch`
-  and the single-process switch below keep its step to the plain PyTorch loop's work.
+- `initialize()` wraps a model with the optimizer and lr schedule of trainer/engine/optimizer.py; `step_like_torch`
+  and the single-process switch below keep its step to the plain PyTorch loop's work (tests/test_step_work.py).
 - `whole_weights()`, `weights_finite()`, `fp32_state_dict()`: the weights under any ZeRO stage and precision.
 - `weights_only_loads()`: DeepSpeed's checkpoint reads unpickle nothing but tensors and SAFE_GLOBALS.
 
@@ -82,21 +82,23 @@ def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, t
         # copy it back. DeepSpeed's own switch; ZeRO 1/2 need that pass to fill their gradient partitions.
         engine.enable_backward_allreduce = False
     if engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
-        clip_like_torch(engine)
+        step_like_torch(engine)
     if engine_cfg is not None and compiles(engine_cfg.compile, torch.device(get_accelerator().device_name())):
         engine.compile()
     return engine
 
 
-def clip_like_torch(engine: Any) -> None:
-    """At ZeRO 0 with fp32 weights (no optimizer wrapper), clip with torch's clip_grad_norm_, the plain loop's.
+def step_like_torch(engine: Any) -> None:
+    """At ZeRO 0 with fp32 weights (the optimizer used bare), clip and clear the gradients as the plain loop does.
 
     DeepSpeed's own clipping there takes a norm and a mul_ per tensor, all-reduces the total over the data-parallel
-    group (for MoE: every rank here holds the same averaged gradients) and copies constants to the device. torch's
-    is the same formula (max_norm / (norm + 1e-6), at most 1) in foreach kernels with no sync. ZeRO 1-3 and
-    DeepSpeed's bf16/fp16 modes clip inside their optimizer wrappers (partitioned gradients): untouched."""
+    group (for MoE: every rank here holds the same averaged gradients) and copies constants to the device; torch's
+    clip_grad_norm_ is the same formula (max_norm / (norm + 1e-6), at most 1) in foreach kernels with no sync. Its
+    zero_grad walks the module's named parameters in Python; the optimizer's sets the same gradients to None. ZeRO 1-3
+    and DeepSpeed's bf16/fp16 modes do both inside their optimizer wrappers: untouched."""
     engine.clip_fp32_gradients = lambda: torch.nn.utils.clip_grad_norm_(engine.module.parameters(),
                                                                          engine.gradient_clipping())
+    engine.zero_grad = lambda *_, **__: engine.optimizer.zero_grad(set_to_none=True)
 
 
 def deterministic() -> None:
