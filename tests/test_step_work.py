@@ -24,11 +24,11 @@ ZERO_2_EXTRA = {
     "cat": GRAD_ACCUM + 2,  # each bucket flattened when it is reduced, the norm's two stacks
 }
 # Python calls a micro-step of our loop makes beyond the plain loop's: reseeding the micro-step (exact resume) and
-# counting its tokens from the data. torch.manual_seed alone made about 500 (a traceback per lazy accelerator).
+# counting its tokens from the data. torch.manual_seed alone made about 800 (a traceback per idle accelerator).
 LOOP_CALLS_PER_MICRO_STEP = 15
 # At ZeRO 0, Python calls per micro-step DeepSpeed makes around each of forward, backward and step beyond the plain
 # loop's (its counters, the hooks on the loss, the timers it checks are off); its zero_grad's walk over the module
-# made about 150 more a step.
+# made about 280 more a step.
 DEEPSPEED_CALLS_PER_MICRO_STEP = 100
 
 
