@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -30,8 +31,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from images import PROXY_NOFILE, config, ok, proxy_image
 from procs import REPO as REPO_ROOT
-from procs import free_port
+from procs import free_port, kill_group, popen, run
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.app import SentimentServer
@@ -40,7 +42,6 @@ from serving.config import ServerConfig
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 METRICS_ON = re.compile(r"metrics on ([\d.]+):(\d+)")
-PROXY_DIR = REPO_ROOT / "deploy" / "proxy"  # the front proxy's files (haproxy.cfg, its answers), as deployed
 
 
 def reviews(data_dir: Path, n: int, split: str = "test") -> list[str]:
@@ -232,38 +233,56 @@ def cpu_seconds(processes: Iterable[psutil.Process]) -> float:
 
 
 class FrontProxy:
-    """HAProxy running deploy/proxy/haproxy.cfg in front of the server port `backend`, listening on a free loopback
-    port; `settings` (MODEL_CALLS, HEADERS_TIMEOUT...) through the environment, the file's defaults for the others;
-    `cpus`: the cores it runs on (taskset's list). A context manager; started once it accepts a connection.
-    tests/test_front_proxy.py and bench/protocol_attacks.py --via-haproxy run it."""
+    """The proxy's image (Containerfile.proxy, built by tests/images.py) in front of the server port `backend`:
+    HAProxy with the image's deploy/proxy/haproxy.cfg, run by `buildah run` on the host's network and listening on a
+    free loopback port; `settings` (MODEL_CALLS, HEADERS_TIMEOUT...) through the environment, the file's defaults for
+    the others, a Path among them (PROXY_TLS_CERT) mounted read-only at the same path; `cpus`: the cores it runs on
+    (taskset's list). A context manager; started once it accepts a connection. tests/test_front_proxy.py and
+    bench/protocol_attacks.py --via-haproxy run it."""
 
     def __init__(self, backend: int, settings: dict[str, object] | None = None, cpus: str | None = None) -> None:
+        image = proxy_image()
         self.port = free_port()
-        env = {**os.environ, "PROXY_BIND": f"127.0.0.1:{self.port}", "SERVER_ADDR": f"127.0.0.1:{backend}",
-               "PROXY_DIR": str(PROXY_DIR), **{k: str(v) for k, v in (settings or {}).items()}}
+        settings = {"PROXY_BIND": f"127.0.0.1:{self.port}", "SERVER_ADDR": f"127.0.0.1:{backend}", **(settings or {})}
+        mounts = [a for v in settings.values() if isinstance(v, Path) for a in ("--volume", f"{v}:{v}:ro")]
+        env = [a for k, v in settings.items() for a in ("--env", f"{k}={v}")]
+        self.container = ok(["buildah", "from", "--pull-never", "--ulimit", f"nofile={PROXY_NOFILE}:{PROXY_NOFILE}",
+                             image], timeout=120).stdout.strip()
         pinned = ["taskset", "-c", cpus] if cpus else []
-        self.proc = subprocess.Popen([*pinned, "haproxy", "-f", str(PROXY_DIR / "haproxy.cfg"), "-db"], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        end = time.monotonic() + 10
+        self.log = tempfile.TemporaryFile("w+")  # haproxy's warnings: a file never blocks it, a full pipe would
+        self.proc = popen([*pinned, "buildah", "run", "--isolation", "chroot", *mounts, *env, self.container, "--",
+                           *config(image)["Entrypoint"]], stdout=subprocess.DEVNULL, stderr=self.log)
+        end = time.monotonic() + 30
         while True:
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
+                break
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > end:
                     self.close()
-                    why = self.proc.stderr.read() if self.proc.stderr else ""
-                    raise RuntimeError(f"haproxy did not start: {why}") from None
+                    raise RuntimeError(f"haproxy did not start: {self.output()}") from None
                 time.sleep(0.05)
+        (self.haproxy,) = [p for p in psutil.Process(self.proc.pid).children(recursive=True) if p.name() == "haproxy"]
+
+    def output(self) -> str:
+        """What haproxy wrote so far (its warnings and alerts)."""
+        self.log.seek(0)
+        return self.log.read()
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the proxy so far."""
-        return cpu_seconds([psutil.Process(self.proc.pid)])
+        return cpu_seconds([self.haproxy])
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
-        self.proc.wait(10)
+            self.proc.terminate()  # buildah passes it on to haproxy
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_group(self.proc)
+        run(["buildah", "rm", self.container], timeout=120)
+        self.log.close()
 
     def __enter__(self) -> FrontProxy:
         return self

@@ -1,13 +1,12 @@
-"""deploy/proxy/haproxy.cfg, run by HAProxy in front of a real server started with `behind_proxy`: what the proxy
-adds (admission at its model slots, per-address limits the server cannot apply behind it), each through the wire
-from real gRPC and hand-built HTTP/2 clients. HAProxy comes from Debian (`make proxy-deps`)."""
+"""The proxy's image (Containerfile.proxy: Debian trixie's HAProxy with deploy/proxy/haproxy.cfg) in front of a real
+server started with `behind_proxy`: what the proxy adds (admission at its model slots, per-address limits the server
+cannot apply behind it), each through the wire from real gRPC and hand-built HTTP/2 clients. The image is built and
+run with buildah (tests/images.py; `make container-deps`), as the deployments run it."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,8 +19,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hostile import HalfOpen, _Connection
-from procs import REPO, free_port
-from serving_fixtures import PROXY_DIR, FrontProxy, HeldRuns, certs, running_server
+from images import config, ok, proxy_image
+from procs import REPO, free_port, run
+from serving_fixtures import FrontProxy, HeldRuns, certs, running_server
 
 from serving.app import SentimentServer
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
@@ -34,20 +34,9 @@ AUTH = [("authorization", f"Bearer {TOKEN}")]
 __all__ = ["certs"]
 
 
-def _haproxy() -> str:
-    path = shutil.which("haproxy")
-    if path is None:
-        message = "haproxy not found: run `make proxy-deps` (apt-get install haproxy, as root)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
 @contextmanager
 def proxy(server: SentimentServer | int, **settings: object) -> Iterator[int]:
-    """deploy/proxy/haproxy.cfg in front of `server` (or of a port), `settings` through its environment; its port."""
-    _haproxy()
+    """The proxy's image in front of `server` (or of a port), `settings` through its environment; its port."""
     with FrontProxy(server if isinstance(server, int) else server.port, settings) as front:
         yield front.port
 
@@ -58,14 +47,20 @@ def _ended(conn: _Connection, sid: int) -> tuple[str, str]:
 
 
 def test_the_configuration_is_valid_with_and_without_tls(tmp_path: Path) -> None:
-    """`haproxy -c` on the file as shipped (its defaults), and with PROXY_TLS_CERT naming a certificate."""
+    """`haproxy -c` in the image, on its file as shipped (its defaults), and with PROXY_TLS_CERT naming a PEM."""
     pem = tmp_path / "proxy.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-days",
                     "1", "-keyout", str(pem), "-out", str(pem)], check=True, capture_output=True)
-    for extra in ({}, {"PROXY_TLS_CERT": str(pem)}):
-        out = subprocess.run([_haproxy(), "-c", "-f", str(PROXY_DIR / "haproxy.cfg")], capture_output=True, text=True,
-                             env={**os.environ, "PROXY_DIR": str(PROXY_DIR), **extra})
-        assert out.returncode == 0, out.stdout + out.stderr
+    pem.chmod(0o644)  # readable by the image's user, as deploy/proxy/tls's Secret is (0440, the pod's fsGroup)
+    image = proxy_image()
+    ctr = ok(["buildah", "from", "--pull-never", image], timeout=120).stdout.strip()
+    try:
+        for extra in ([], ["--volume", f"{pem}:/run/proxy.pem:ro", "--env", "PROXY_TLS_CERT=/run/proxy.pem"]):
+            out = run(["buildah", "run", "--isolation", "chroot", *extra, ctr, "--", *config(image)["Entrypoint"],
+                       "-c"], timeout=120)
+            assert out.returncode == 0, out.stdout + out.stderr
+    finally:
+        run(["buildah", "rm", ctr], timeout=120)
 
 
 def test_with_a_certificate_tls_ends_at_the_proxy(tiny_bundle: Path, certs: dict[str, Path], tmp_path: Path) -> None:
@@ -152,6 +147,27 @@ def test_calls_withholding_their_body_without_the_token_free_their_model_slot_at
             assert stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
         finally:
             withheld.close()
+
+
+@pytest.mark.parametrize("answered_by", ["server", "proxy"])
+def test_a_call_answered_before_its_request_ends_is_reset_with_no_error(answered_by: str, tiny_bundle: Path) -> None:
+    """A call answered on its headers, before its body (the server's UNAUTHENTICATED; the proxy's own answer on its
+    health-only port): the proxy then resets the stream with NO_ERROR, as the server does when called directly (RFC
+    9113, 8.1), so a gRPC client keeps the answer. Debian bookworm's HAProxy 2.6.12 reset it with CANCEL, which a
+    client that reads the reset first reports as CANCELLED (HAProxy's issue 1219; docs/RELIABILITY.md, "A front
+    proxy")."""
+    health_port = free_port()
+    with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN) as s, \
+            proxy(s, HEALTH_BIND=f"127.0.0.1:{health_port}") as port:
+        conn = _Connection(health_port if answered_by == "proxy" else port)
+        conn.start_reading()
+        try:
+            sid = conn.open_stream(CLASSIFY)  # no token, and the body never comes
+            assert _ended(conn, sid)[0] == {"server": "16", "proxy": "12"}[answered_by]
+            assert conn.wait(lambda: sid in conn.resets, 5), "the answered stream was never reset"
+            assert conn.resets[sid] == 0, f"RST_STREAM code {conn.resets[sid]}, not NO_ERROR"
+        finally:
+            conn.close()
 
 
 def test_wrong_tokens_from_one_address_are_answered_by_the_proxy(tiny_bundle: Path) -> None:
@@ -251,7 +267,6 @@ def test_an_overload_through_the_proxy_is_refused_by_the_proxy(tiny_bundle: Path
     """bench/protocol_attacks.py's overload-rate through deploy/proxy (`--via-haproxy 8`), shortened: the load's
     refusals and the authorised client's are the proxy's (its message), and every call is answered or refused
     within a second (docs/RELIABILITY.md, "A front proxy", has the figures: 8.6-8.9 ms p99)."""
-    _haproxy()
     report = tmp_path / "proxy-overload.json"
     run = subprocess.run([sys.executable, "bench/protocol_attacks.py", "--bundle", str(tiny_bundle), "--attacks",
                           "overload-rate", "--seconds", "6", "--via-haproxy", "8", "--json", str(report)], cwd=REPO,
