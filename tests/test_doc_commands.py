@@ -39,7 +39,8 @@ KUBECTL = Path(os.environ.get("TS_DEPLOY_TOOLS", REPO / ".venv-deploy" / "bin"))
 PYTHONS = {"python", "python3", ".venv/bin/python", "$(BIN)/python"}
 # A span of prose is a command when it starts with one of these (after VAR=value assignments).
 INLINE_HEADS = (*PYTHONS, "deepspeed", "bash", "srun", "make", "transfer-sentiment", "sentiment-server",
-                "sentiment-client", "kubectl", "docker", "podman", "launch/pretrain.sh", "launch/finetune.sh",
+                "sentiment-client", "kubectl", "docker", "podman", "podman-compose", "launch/pretrain.sh",
+                "launch/finetune.sh",
                 "launch/serve.sh", "launch/demo.sh")
 # Shell tools a block may use around our commands; nothing of ours to check in them.
 UTILITIES = {"grep", "head", "echo", "cd", "du", "mkdir", "rsync", "openssl", "cat", "ls", "export", "done", "fi"}
@@ -339,10 +340,33 @@ def check_make(args: list[str]) -> str:
     return ""
 
 
+COMPOSE_COMMANDS = {"up", "down", "start", "stop", "restart", "ps", "logs", "build", "pull", "config"}
+
+
+def check_compose(args: list[str]) -> str:
+    """`docker compose [-f FILE] [-p NAME] COMMAND ...` (or `podman-compose ...`): the file exists (compose.yaml at the
+    repository's root unless -f names another) and the command is one of compose's."""
+    files, command, i = [], "", 0
+    while i < len(args) and not command:
+        if args[i] in ("-f", "--file", "-p", "--project-name"):
+            files += [args[i + 1]] if args[i] in ("-f", "--file") else []
+            i += 2
+            continue
+        command = args[i] if not args[i].startswith("-") else ""
+        i += 1
+    missing = [f for f in files or ["compose.yaml"] if not (REPO / f).is_file()]
+    if missing:
+        return f"{missing[0]}: no such compose file in the repository"
+    return "" if command in COMPOSE_COMMANDS else f"compose {command or '(no command)'}: not a compose command"
+
+
 def check_container_run(args: list[str]) -> str:
     """`docker run ... transfer-sentiment:TAG [BUNDLE SERVER FLAGS]`: the flags after the image are the server's;
-    `docker run ... transfer-sentiment-train:TAG SUBCOMMAND ...`: the trainer's (Containerfile.train)."""
+    `docker run ... transfer-sentiment-train:TAG SUBCOMMAND ...`: the trainer's (Containerfile.train); `docker
+    compose ...`: check_compose."""
     image = next((i for i, a in enumerate(args) if a.startswith("transfer-sentiment:")), None)
+    if args[:1] == ["compose"]:
+        return check_compose(args[1:])
     if args[:1] == ["push"]:
         return ""  # a registry's business: nothing of ours in it
     train = next((i for i, a in enumerate(args) if a.startswith("transfer-sentiment-train:")), None)
@@ -465,6 +489,8 @@ def check(command: Command) -> str:
         return check_make(args)
     if head in ("docker", "podman"):
         return check_container_run(args)
+    if head == "podman-compose":
+        return check_compose(args)
     if head == "kubectl":
         return check_kubectl(command.text, args)
     if head == "cp":
@@ -512,6 +538,8 @@ def test_the_commands_are_found() -> None:
     ("docker run --rm transfer-sentiment:cpu /mnt/models --max-textz 3", "unrecognized arguments"),
     ("kubectl apply -k deploy/nothing/", "no kustomization.yaml"),
     ("podman run --rm transfer-sentiment-train:cpu params --presett lab", "unrecognized arguments"),
+    ("docker compose upp -d", "compose upp: not a compose command"),
+    ("podman-compose -f deploy/compose.yaml up -d", "deploy/compose.yaml: no such compose file"),
     ("sbatch --nodes=4 launch/train.sbatch pretrain --preset lab --outt x", "unrecognized arguments"),
     ("sbatch launch/train.sbatch export runs/x", "takes pretrain or finetune"),
     ("srun --container-image=x python -m trainer pretrainn", "no subcommand 'pretrainn'"),
