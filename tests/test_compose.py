@@ -60,7 +60,10 @@ def compose(image: str, tiny_bundle: Path,  # noqa: F811 (image: test_container'
     token.chmod(0o644)  # the server's user reads it
     env = {**os.environ, "CONTAINERS_CONF": str(_containers_conf(tmp_path / "containers.conf")),
            "BUNDLE": str(tiny_bundle), "TOKEN_FILE": str(token), "SENTIMENT_PORT": str(free_port()),
-           "METRICS_PORT": str(free_port()), "SERVER_IMAGE": image, "PROXY_IMAGE": proxy_image()}
+           "METRICS_PORT": str(free_port())}
+    for name, built in (("SERVER_IMAGE", image), ("PROXY_IMAGE", proxy_image())):  # by id: a tag may move meanwhile
+        env[name] = ok(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", built],
+                       timeout=60).stdout.strip()
     command = [str(tool), "-f", str(REPO / "compose.yaml"), "-p", f"ts-compose-{os.getpid()}"]
     try:
         yield command, env

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from images import cache, config, debian_base, key, ok
+from images import cache, config, debian_base, key, locked, ok
 from procs import free_port, kill_group, popen, run
 from serving_fixtures import REPO_ROOT, reviews
 
@@ -53,16 +53,17 @@ def _wheelhouse(ort_package: str) -> Path:
     lock = (REPO_ROOT / "requirements.lock").read_text(encoding="utf-8")
     machine = platform.machine()
     folder = cache() / f"wheels-{key(requirements, lock, BASE_PYTHON, machine)}"
-    if not folder.is_dir():
-        partial = folder.with_name(folder.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        # pip matches manylinux_2_N exactly: every N the base's glibc (2.36 in bookworm) runs, and the old aliases.
-        tags = [f"manylinux_2_{n}" for n in range(36, 4, -1)] + ["manylinux2014", "manylinux2010", "manylinux1"]
-        platforms = [a for tag in tags for a in ("--platform", f"{tag}_{machine}")]
-        ok([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(partial), "--only-binary=:all:",
-            *platforms, "--python-version", BASE_PYTHON, "--implementation", "cp",
-            "--constraint", str(REPO_ROOT / "requirements.lock"), *requirements], timeout=1200)
-        partial.rename(folder)
+    with locked(folder.name):
+        if not folder.is_dir():
+            partial = folder.with_name(folder.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            # pip matches manylinux_2_N exactly: every N the base's glibc (2.36 in bookworm) runs, and old aliases.
+            tags = [f"manylinux_2_{n}" for n in range(36, 4, -1)] + ["manylinux2014", "manylinux2010", "manylinux1"]
+            platforms = [a for tag in tags for a in ("--platform", f"{tag}_{machine}")]
+            ok([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(partial), "--only-binary=:all:",
+                *platforms, "--python-version", BASE_PYTHON, "--implementation", "cp",
+                "--constraint", str(REPO_ROOT / "requirements.lock"), *requirements], timeout=1200)
+            partial.rename(folder)
     return folder
 
 
@@ -86,8 +87,9 @@ def build(base_image: str, wheelhouse: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def image(build: list[str]) -> str:
-    """The default target of the Containerfile."""
-    ok([*build, "-t", IMAGE, str(REPO_ROOT)], timeout=1200)
+    """The default target of the Containerfile (built once at a time: tests/test_compose.py runs it too)."""
+    with locked(IMAGE):
+        ok([*build, "-t", IMAGE, str(REPO_ROOT)], timeout=1200)
     return IMAGE
 
 
