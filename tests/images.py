@@ -20,12 +20,18 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 from procs import REPO, run
+
+sys.path.insert(0, str(REPO / "deploy"))
+from healthcheck import check
 
 PROXY_IMAGE = "localhost/transfer-sentiment-proxy:test"
 # The proxy's base: Debian trixie with apt, its security updates in reach (haproxy 3.0.11 has the issue-1219 fix);
@@ -40,14 +46,30 @@ PROXY_MIRRORS = ["deb http://deb.debian.org/debian trixie main",
 PROXY_NOFILE = 10000
 
 
+def unavailable(message: str) -> NoReturn:
+    """A tool the test needs is missing: in CI a failure, elsewhere a skip."""
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def need(tool: str) -> str:
     path = shutil.which(tool)
     if path is None:
-        message = f"{tool} not found: run `make container-deps` (buildah, mmdebstrap, podman, runc: apt, as root)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(f"{tool} not found: run `make container-deps` (buildah, mmdebstrap, podman, runc: apt, as root)")
     return path
+
+
+def wait_serving(target: str, seconds: float, launcher: subprocess.Popen[str] | None = None,
+                 log: Path | None = None) -> None:
+    """Until grpc.health.v1 at `target` answers SERVING (the images' own check, deploy/healthcheck.py); fails after
+    `seconds`, or as soon as `launcher` (the command that runs the container) has exited, with its `log`."""
+    deadline = time.monotonic() + seconds
+    while check(target) != "SERVING":
+        output = log.read_text() if log else ""
+        assert launcher is None or launcher.poll() is None, f"exited {launcher.returncode}:\n{output}"
+        assert time.monotonic() < deadline, f"{target}: not SERVING after {seconds} s\n{output}"
+        time.sleep(0.5)
 
 
 def cache() -> Path:

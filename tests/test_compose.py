@@ -15,16 +15,13 @@ from __future__ import annotations
 import json
 import os
 import resource
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from images import need, ok, proxy_image
+from images import need, ok, proxy_image, unavailable, wait_serving
 from procs import REPO, free_port, run
 from serving_fixtures import reviews
 from test_container import TOKEN, _tritonclient, base_image, build, image, wheelhouse  # noqa: F401 (fixtures)
@@ -51,10 +48,7 @@ def compose(image: str, tiny_bundle: Path,  # noqa: F811 (image: test_container'
     need("runc")
     tool = TOOLS / "podman-compose"
     if not tool.exists():
-        message = f"{tool} missing: run `make deploy-venv`"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(f"{tool} missing: run `make deploy-venv`")
     token = tmp_path / "token"
     token.write_text(TOKEN, encoding="utf-8")
     token.chmod(0o644)  # the server's user reads it
@@ -75,26 +69,13 @@ def _podman(env: dict[str, str], *args: str) -> str:
     return ok(["podman", *args], timeout=120, env=env).stdout
 
 
-def _serving(target: str, deadline: float) -> None:
-    with grpc.insecure_channel(target) as channel:
-        while True:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, f"{target}: not SERVING"
-            time.sleep(0.5)
-
-
 def test_compose_serves_through_the_proxy_follows_a_new_server_and_stops_cleanly(
         compose: tuple[list[str], dict[str, str]], tiny_bundle: Path, data_dir: Path) -> None:
     command, env = compose
     project = command[-1]
     ok([*command, "up", "-d"], timeout=300, env=env, cwd=REPO)
     target = f"127.0.0.1:{env['SENTIMENT_PORT']}"
-    _serving(target, time.monotonic() + 120)
+    wait_serving(target, 120)
 
     # What the host publishes: the proxy's port to all, the server's metrics on loopback, nothing else.
     published = {}
@@ -130,7 +111,7 @@ def test_compose_serves_through_the_proxy_follows_a_new_server_and_stops_cleanly
     try:
         _podman(env, "start", f"{project}_server_1")
         assert _podman(env, *address) != before
-        _serving(target, time.monotonic() + 120)
+        wait_serving(target, 120)
         with SentimentClient(target, token=TOKEN, timeout=30) as client:
             assert client.classify(texts[:1])[0].label == expected[0].label
     finally:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from images import cache, config, debian_base, key, locked, ok
+from images import cache, config, debian_base, key, locked, ok, wait_serving
 from procs import free_port, kill_group, popen, run
 from serving_fixtures import REPO_ROOT, reviews
 
@@ -27,7 +27,6 @@ from serving.client import SentimentClient
 from serving.predictor import Predictor
 
 sys.path.insert(0, str(REPO_ROOT / "deploy"))
-from healthcheck import check
 from serve_requirements import serve_requirements
 
 IMAGE = "localhost/transfer-sentiment:test"
@@ -162,12 +161,8 @@ def test_image_serves_a_root_exported_bundle_as_non_root_and_stops_on_sigterm(
                           "--volume", f"{token}:/run/secrets/token:ro", container, "--", *server_args],
                          stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while check(target) != "SERVING":
-            assert launcher.poll() is None, f"the server exited {launcher.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"not SERVING after 180 s:\n{log.read_text()}"
-            time.sleep(0.5)
-        server = _server_process(psutil.Process(launcher.pid), deadline)
+        wait_serving(target, 180, launcher, log)
+        server = _server_process(psutil.Process(launcher.pid), time.monotonic() + 60)
         assert server.uids().real == APP_UID
         assert server.parent().name() not in ("sh", "bash", "dash"), "a shell between the runtime and the server"
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,16 +14,13 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
-from images import PROXY_NOFILE, PROXY_SUITE, config, debian_base, ok, proxy_image
+from images import PROXY_NOFILE, PROXY_SUITE, config, debian_base, ok, proxy_image, wait_serving
 from procs import REPO, free_port, kill_group, popen, run
 from serving_fixtures import HeldRuns, running_server
 
 from serving.client import SentimentClient
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
-
-sys.path.insert(0, str(REPO / "deploy"))
-from healthcheck import check
 
 APP_UID = 10001  # the pod's user (deploy/deployment.yaml), the server image's too
 TOKEN = "proxy-image-token-0123456789"
@@ -87,11 +83,7 @@ def test_the_image_passes_calls_on_and_its_stop_signal_lets_the_call_in_flight_e
                           *[a for k, v in env.items() for a in ("--env", f"{k}={v}")], container, "--",
                           *settings["Entrypoint"]], stdout=out, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 60
-            while check(target) != "SERVING":
-                assert launcher.poll() is None, f"haproxy exited {launcher.returncode}:\n{log.read_text()}"
-                assert time.monotonic() < deadline, f"not SERVING through the proxy after 60 s:\n{log.read_text()}"
-                time.sleep(0.2)
+            wait_serving(target, 60, launcher, log)
             (haproxy,) = [p for p in psutil.Process(launcher.pid).children(recursive=True) if p.name() == "haproxy"]
             assert haproxy.uids().real == APP_UID
             health = settings["Healthcheck"]["Test"]
