@@ -10,7 +10,6 @@ label values "labels" (an earlier version's) is read as label_values.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from contract.tokens import meta_path
 from trainer.atomic import file_mode, temp_dir
 from trainer.atomic import replace_dir as replace_dir  # re-exported: monitor, checkpoint, export
+from trainer.atomic import sha256_file as sha256_file  # re-exported: checkpoint
 from trainer.atomic import write_text_atomic as write_text_atomic
 from trainer.config import schema as config_mod
 from trainer.config.schema import RunConfig
@@ -57,14 +57,6 @@ class Artifact:
         m = build(self.cfg.model, self.task)
         m.load_state_dict(self.state, strict=True)
         return m.eval()
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def save(

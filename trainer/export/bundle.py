@@ -41,8 +41,8 @@ from contract.manifest import (
 from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
 from contract.tokens import SPECIALS, TOKENIZER_META, TokenizerMeta
 from trainer import artifact as artifact_mod
-from trainer.artifact import replace_dir, sha256_file, write_text_atomic
-from trainer.atomic import temp_dir
+from trainer.artifact import replace_dir, write_text_atomic
+from trainer.atomic import sha256_file, temp_dir
 from trainer.config.schema import check_positions
 from trainer.data.tokenizer import Tokenizer
 from trainer.export.errors import ExportError, ExportValidationError
