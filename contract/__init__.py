@@ -4,7 +4,7 @@ manifest and files, the graph's input and output names, and how onnxruntime open
 Torch-free (numpy, sentencepiece, onnx, onnxruntime): `trainer/` writes what these modules describe and `serving/`
 reads it, and neither retypes a constant. Modules, lowest first:
   errors.py    TokenizerError, BundleError
-  tokens.py    special ids, the vocabulary rule, the tokenizer folder and the encoder
+  tokens.py    special ids, the vocabulary rule, the tokenizer folder and TokenEncoder (text -> ids)
   graph.py     input/output names and axes of model.onnx
   runtime.py   onnxruntime graph-optimisation levels, providers, session options
   manifest.py  the typed manifest.json

@@ -1,4 +1,4 @@
-"""Token ids, the tokenizer folder and the encoder: the one definition the trainer and the server run.
+"""Token ids, the tokenizer folder and TokenEncoder (text -> ids): the one definition the trainer and the server run.
 
 Ids: <sos>=0 <pad>=1 <eos>=2 <oov>=3, then the piece on line i (0-based) of vocab.txt has id i + 4. A sequence is
 [<sos>] + piece ids + [<eos>], cut to max_len ids in total (pieces cut to max_len - 2, <eos> kept). Pieces come from
@@ -152,7 +152,7 @@ def _threads() -> int:
     return max(1, min(n, 8))
 
 
-class Encoder:
+class TokenEncoder:
     """Text -> [<sos>] + piece ids + [<eos>], cut to `max_len`, for one sentencepiece model and one vocabulary."""
 
     def __init__(self, model_proto: bytes, pieces: Sequence[str], max_len: int) -> None:
@@ -188,10 +188,10 @@ class Encoder:
                 self.spm_to_id[s] = self.piece_to_id.get(sp.id_to_piece(s), OOV)
 
     def __repr__(self) -> str:
-        return f"Encoder(vocab_size={self.vocab_size}, max_len={self.max_len})"
+        return f"TokenEncoder(vocab_size={self.vocab_size}, max_len={self.max_len})"
 
     @classmethod
-    def from_files(cls, files: TokenizerFiles, max_len: int | None = None) -> Encoder:
+    def from_files(cls, files: TokenizerFiles, max_len: int | None = None) -> TokenEncoder:
         """max_len: the cut (default: meta.json's; a bundle's folder has none: pass the manifest's)."""
         cut = files.meta.max_len if max_len is None else max_len
         if cut is None:

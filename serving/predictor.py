@@ -27,7 +27,7 @@ from contract.bundle import Bundle, check_session, verify_bundle
 from contract.errors import one_line
 from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS
 from contract.runtime import CUDA, OPT_LEVELS, Device
-from contract.tokens import PAD, Encoded, Encoder
+from contract.tokens import PAD, Encoded, TokenEncoder
 from serving.errors import BundleError, ServerConfigError
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class Predictor:
         self.label_names: list[str] = list(b.manifest.label_names)  # what clients get, in logit order
         self.label_values: list[str] = list(b.manifest.label_values)  # the data's value of each label, same order
         self.max_len: int = b.manifest.max_len
-        self.tokenizer = Encoder.from_files(b.tokenizer, max_len=self.max_len)
+        self.tokenizer = TokenEncoder.from_files(b.tokenizer, max_len=self.max_len)
         self.optimization: str = optimization or b.manifest.runtime.graph_optimization_level
         options = runtime.session_options(self.optimization, intra_op_threads, inter_op_threads, spinning)
         self.graph = graph or b.manifest.graph_for("cuda" if providers[0] == CUDA else "cpu")

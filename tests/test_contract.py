@@ -17,14 +17,14 @@ from procs import REPO
 from serving_fixtures import reviews
 
 from contract.errors import TokenizerError
-from contract.tokens import EOS, OOV, SOS, TOKENIZER_FILES, Encoder, read_tokenizer_files
+from contract.tokens import EOS, OOV, SOS, TOKENIZER_FILES, TokenEncoder, read_tokenizer_files
 from trainer.data.tokenizer import Tokenizer
 
 
-def encoder_of(folder: Path, max_len: int | None = None) -> Encoder:
+def encoder_of(folder: Path, max_len: int | None = None) -> TokenEncoder:
     """The server's route: the folder's bytes, checked, then the encoder."""
-    return Encoder.from_files(read_tokenizer_files({n: (folder / n).read_bytes() for n in TOKENIZER_FILES}, folder),
-                              max_len)
+    files = read_tokenizer_files({n: (folder / n).read_bytes() for n in TOKENIZER_FILES}, folder)
+    return TokenEncoder.from_files(files, max_len)
 
 
 @pytest.fixture(scope="module")

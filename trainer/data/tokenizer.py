@@ -40,8 +40,8 @@ from contract.tokens import (
     SPECIAL_PIECES,
     TOKENIZER_FILES,
     TOKENIZER_META,
-    Encoder,
     Kind,
+    TokenEncoder,
     TokenizerMeta,
     meta_path,
     read_tokenizer_files,
@@ -72,7 +72,7 @@ class Tokenizer:
         """`pieces[i]` gets id i + 4. Prefer `from_lab`, `train` or `load`."""
         if kind not in ("lab", "train"):
             raise TokenizerError(f"tokenizer kind must be 'lab' or 'train', got {kind!r}")
-        self._encoder = Encoder(model_proto, pieces, max_len)  # checks max_len, the proto and the pieces
+        self._encoder = TokenEncoder(model_proto, pieces, max_len)  # checks max_len, the proto and the pieces
         self._sp = self._encoder.processor
         self._model_proto = bytes(model_proto)
         self.pieces = self._encoder.pieces
