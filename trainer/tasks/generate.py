@@ -54,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     if args.max_len < 3:
         raise ValueError(f"--max-len must be >= 3, got {args.max_len}")
     model = art.model()
-    tok = Tokenizer.load(art.tokenizer_dir)
+    tok = art.tokenizer()
     for prompt in args.prompts:
         _, new = complete(model, tok, prompt, args.max_len)
         ended = "<eos>" if new and new[-1] == Tokenizer.EOS else f"(--max-len {args.max_len})"
