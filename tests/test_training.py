@@ -472,11 +472,11 @@ def test_mlm_pretraining_and_generation(runs: dict[str, Path], base: list[str], 
     clm = one_rank_14(runs, base, 2)
     lm = artifact.load(clm / "artifact")
     tok = lm.tokenizer()
-    prompt, new = complete(lm.model(), tok, "Ce livre", max_len=12)
+    prompt, new = complete(lm.model(), tok, "Ce livre", max_new_tokens=9)
     assert prompt[0] == Tokenizer.SOS and Tokenizer.EOS not in prompt
-    assert len(prompt) + len(new) == 12 or new[-1] == Tokenizer.EOS
-    assert complete(lm.model(), tok, "Ce livre", max_len=12) == (prompt, new)  # greedy: deterministic
-    p = trainer(["generate", str(clm / "artifact"), "Ce livre", "--max-len", "12"])
+    assert len(new) == 9 or new[-1] == Tokenizer.EOS
+    assert complete(lm.model(), tok, "Ce livre", max_new_tokens=9) == (prompt, new)  # greedy: deterministic
+    p = trainer(["generate", str(clm / "artifact"), "Ce livre", "--max-new-tokens", "9"])
     assert p.stdout.startswith("Ce livre \u2192 ")
 
 
