@@ -15,7 +15,7 @@ Stages, one module each: graph.py (dynamo export, one fused Attention node per l
 precision.py (int8, fp16, the tolerances), validate.py (onnxruntime against PyTorch on batch 1, 2, 13 x lengths 1,
 7, max and padded mixed lengths; beyond the precision's tolerance: ExportValidationError naming the batch),
 score.py (accuracy on --data), write.py (the bundle folder, written into a temporary sibling and renamed into place: a
-failed export leaves nothing behind), session.py (a bundle's graph opened as the server opens it), check.py
+failed export leaves nothing behind), served.py (a bundle's graph as the server runs it), check.py
 (--check), thresholds.py (--check's thresholds, exit codes, JSON and JUnit reports), triton.py (--triton-repo), cli.py.
 Other stages (`predict`) use only what this package exports below.
 """
@@ -24,7 +24,7 @@ from trainer.export.check import check_bundle
 from trainer.export.cli import EXAMPLES, add_arguments, main
 from trainer.export.errors import ExportError, ExportValidationError
 from trainer.export.score import predict as batched_logits
-from trainer.export.session import ServedGraph, open_bundle
+from trainer.export.served import ServedGraph, open_bundle
 from trainer.export.triton import write_triton_repo
 from trainer.export.validate import torch_logits
 from trainer.export.write import ExportOptions, export_bundle

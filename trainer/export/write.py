@@ -38,7 +38,7 @@ from contract.manifest import (
     Runtime,
     graph_metadata,
 )
-from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
+from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS, inference_session
 from contract.tokens import SPECIALS, check_max_len
 from trainer import artifact as artifact_mod
 from trainer.artifact import replace_dir, write_text_atomic
@@ -46,7 +46,7 @@ from trainer.atomic import sha256_file, temp_dir
 from trainer.config.schema import check_positions
 from trainer.data.tokenizer import Tokenizer
 from trainer.export.errors import ExportError, ExportValidationError
-from trainer.export.graph import check_graph, export_onnx, open_session
+from trainer.export.graph import check_graph, export_onnx
 from trainer.export.precision import INT8_CPU_BOUND, TOLERANCES, Tolerance, convert_fp16, quantize_int8
 from trainer.export.score import data_check, encode_file, torch_reference
 from trainer.export.validate import validate_graph
@@ -233,7 +233,7 @@ def _write_graph(fp32: Path, tmp: Path, name: str, precision: str, opt: ExportOp
         # BASIC the dynamo graph (already folded by onnxscript) comes back with the same nodes; see
         # docs/BENCHMARKS.md (Export).
         optimized = tmp / f".{name}.optimized"
-        open_session(staged, opt.optimize, prefer_gpu=False, optimized_out=optimized)
+        inference_session(staged, opt.optimize, "cpu", optimized_out=optimized)
         if staged != fp32:
             staged.unlink()
         staged = optimized
