@@ -208,7 +208,7 @@ class FinetuneConfig:
     patience: Count = 0  # stop after this many epochs without a better validation score (0: run every epoch)
     class_weights: Literal["none", "balanced"] = "none"  # balanced: loss weight n / (classes x n_class) per class
     # TF-IDF + logistic regression scored on the same splits beside the model (trainer/baseline.py): word 1-2-grams
-    # and character 2-5-grams, word n-grams only (on long texts the character n-grams cost 6.5x more), or none
+    # and character 2-5-grams, word n-grams only (far cheaper on long texts: docs/RESULTS.md), or none
     tfidf_baseline: Literal["word+char", "word", "none"] = "word+char"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
 

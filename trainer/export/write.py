@@ -229,9 +229,8 @@ def _write_graph(fp32: Path, tmp: Path, name: str, precision: str, opt: ExportOp
         staged = tmp / f".{name}.fp16"
         convert_fp16(fp32, staged)
     if opt.save_optimized:
-        # onnxruntime writes the graph it optimised, so a server skips that work at load time. Measured: at
-        # BASIC the dynamo graph (already folded by onnxscript) comes back with the same nodes; see
-        # docs/BENCHMARKS.md (Export).
+        # onnxruntime writes the graph it optimised, so a server skips that work at load time (whether that pays:
+        # docs/BENCHMARKS.md, Export).
         optimized = tmp / f".{name}.optimized"
         inference_session(staged, opt.optimize, "cpu", optimized_out=optimized)
         if staged != fp32:
