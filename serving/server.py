@@ -33,7 +33,7 @@ import typing
 from pathlib import Path
 
 from contract.comments import comments
-from serving.app import SentimentServer, configure_process
+from contract.version import version_line
 from serving.config import ServerConfig
 from serving.errors import BundleError, ServerConfigError
 
@@ -87,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
                         "SENTIMENT_AUTH_TOKEN variable); never on the command line, where `ps` shows it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="lowest level of the log lines written to stderr (default: INFO)")
+    p.add_argument("--version", action="version", version=version_line("sentiment-server"))
     return p
 
 
@@ -111,6 +112,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from serving.app import SentimentServer, configure_process  # onnxruntime: after --help and --version
+
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
