@@ -23,6 +23,7 @@ import pytest
 from clis import all_clis
 from procs import REPO
 
+import contract.version
 from contract.comments import comments
 from serving.config import ServerConfig
 from trainer.config.schema import RunConfig
@@ -109,6 +110,12 @@ def test_every_command_line_prints_its_version_without_loading_torch_or_onnxrunt
     imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert "argparse" in imported  # the import log is there to read
     assert not sorted(m for m in imported if m.split(".")[0] in HEAVY)
+
+
+def test_a_source_tree_that_was_never_installed_says_so_instead_of_a_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(contract.version, "DISTRIBUTION", "transfer-sentiment-never-installed")
+    assert contract.version.version_line("sentiment-client") == \
+        "sentiment-client (not installed: no version; `pip install .` gives it one)"
 
 
 # ------------------------------------------------------------------------------------------- config comments
