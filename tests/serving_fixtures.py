@@ -34,9 +34,9 @@ from procs import REPO as REPO_ROOT
 from procs import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.app import SentimentServer
-from serving.batcher import Batcher
 from serving.config import ServerConfig
+from serving.model.batcher import Batcher
+from serving.process.app import SentimentServer
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 METRICS_ON = re.compile(r"metrics on ([\d.]+):(\d+)")

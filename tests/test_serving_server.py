@@ -21,15 +21,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from serving_fixtures import HeldRuns, reviews, running_server, target, wait_until
 
-from serving.app import SentimentServer
 from serving.client import SentimentClient
 from serving.config import ServerConfig
 from serving.gen.inference import grpc_service_pb2 as kpb
 from serving.gen.inference import grpc_service_pb2_grpc as kpb_grpc
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
-from serving.kserve import decode_bytes, encode_bytes
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
+from serving.process.app import SentimentServer
+from serving.protocols.kserve import decode_bytes, encode_bytes
 
 MAX_MESSAGE = 64 * 1024
 MAX_CHARS = 5000
