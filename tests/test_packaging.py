@@ -363,3 +363,14 @@ def test_the_client_extra_alone_classifies_with_a_real_server(wheel: Path, tiny_
     for g, text, want in zip(got, texts, predictor.predict(texts), strict=True):
         assert g["text"] == text and g["label"] == want.label
         assert g["probabilities"] == pytest.approx(list(want.probabilities), abs=1e-5)
+
+
+def test_the_citation_names_the_packages_version_and_license() -> None:
+    """CITATION.cff (what GitHub's "Cite this repository" reads) says the version and license pyproject.toml says."""
+    import yaml
+
+    citation = yaml.safe_load((REPO_ROOT / "CITATION.cff").read_text(encoding="utf-8"))
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert citation["cff-version"] == "1.2.0"
+    assert (citation["version"], citation["license"]) == (project["version"], project["license"])
+
