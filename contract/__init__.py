@@ -11,4 +11,5 @@ reads it, and neither retypes a constant. Modules, lowest first:
   bundle.py    the one bundle verifier
   session.py   the one opener of a bundle's graph (the server's, and the trainer's `predict` and `export --check`)
   comments.py  a config dataclass's field comments as its documentation (trainer config, the server's --help)
+  version.py   the `--version` line of every command line, from the installed package's metadata
 """

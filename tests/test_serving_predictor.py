@@ -1,4 +1,4 @@
-"""serving/predictor.py on the real exported tiny bundle: answers, providers, and refusal of bad bundles."""
+"""serving/model/predictor.py on the real exported tiny bundle: answers, providers, and refusal of bad bundles."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from serving_fixtures import reviews
 
 from contract.runtime import CPU, CUDA, CUDA_PROVIDER_LIBRARY, DRIVER_LIBRARY, cuda_driver_present
 from serving.errors import BundleError, ServerConfigError
-from serving.predictor import Predictor, softmax
+from serving.model.predictor import Predictor, softmax
 
 
 def test_predictions_equal_a_plain_onnxruntime_session(predictor: Predictor, tiny_bundle: Path,
@@ -73,7 +73,7 @@ def test_softmax_is_stable_on_extreme_logits() -> None:
 
 AUTO = """
 import sys
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 print(Predictor(sys.argv[1], device="auto", intra_op_threads=1).provider)
 """
 
@@ -180,7 +180,7 @@ def test_predict_and_check_open_the_graph_the_server_opens_when_cuda_falls_back(
     (contract/session.py): where 'auto' asks for CUDA and onnxruntime falls back to the CPU, all of them run the
     bundle's CPU graph (int8), not its CUDA graph on the CPU."""
     env, _ = _stand_in_driver(tmp_path)
-    script = ("import sys; from serving.predictor import Predictor; from trainer.export import open_bundle; "
+    script = ("import sys; from serving.model.predictor import Predictor; from trainer.export import open_bundle; "
               "p, s = Predictor(sys.argv[1]), open_bundle(sys.argv[1]); "
               "print(p.graph, p.provider, s.graph, s.provider)")
     run = subprocess.run([sys.executable, "-c", script, str(default_bundle)], capture_output=True, text=True,
