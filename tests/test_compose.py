@@ -27,7 +27,7 @@ from serving_fixtures import reviews
 from test_container import TOKEN, _tritonclient, base_image, build, image, wheelhouse  # noqa: F401 (fixtures)
 
 from serving.client import SentimentClient
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 
 TOOLS = Path(os.environ.get("TS_DEPLOY_TOOLS", REPO / ".venv-deploy" / "bin"))
 

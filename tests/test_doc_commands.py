@@ -410,7 +410,7 @@ def _files_for(args: list[str], folder: Path) -> None:
     if "cert" in named:
         key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
                 .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
                 .sign(key, hashes.SHA256()))
@@ -515,7 +515,7 @@ def test_the_commands_are_found() -> None:
     counts = {doc: len(cmds) for doc, cmds in COMMANDS.items()}
     assert counts["README.md"] >= 20 and counts["launch/README.md"] >= 10, counts
     assert counts["docs/BENCHMARKS.md"] >= 15 and counts["docs/RESULTS.md"] >= 5, counts
-    assert counts["deploy/ci/export-gate.yml"] >= 4, counts
+    assert counts["deploy/ci/export-check.yml"] >= 4, counts
     # The markers stay few: an illustration is the exception.
     marked = sum(len(ILLUSTRATION.findall(p.read_text(encoding="utf-8"))) for p in MARKDOWN)
     assert marked <= 6, f"{marked} blocks marked as illustrations"
