@@ -170,7 +170,7 @@ class Call:
 def parse_json(data: bytes) -> Any:
     """JSON -> Python; InvalidInput naming where it breaks, or that it nests deeper than Python's parser goes."""
     try:
-        return json.loads(data)
+        return json.loads(data.decode("utf-8"))  # bytes would be read as UTF-16 or -32 too, after a BOM
     except RecursionError:
         raise InvalidInput("body: JSON nested too deeply") from None
     except UnicodeDecodeError as e:
@@ -244,7 +244,7 @@ class HttpCalls:
         self.metrics.request_seconds.labels("http", method).observe(time.monotonic() - call.start)
 
     def _refusal(self, error: ServingError, call: Call) -> Answer:
-        headers = []
+        headers = list(error.headers) if isinstance(error, HttpError) else []
         if not call.body_read:  # its body (maybe large, maybe never coming) is not worth reading: close instead
             headers.append((b"connection", b"close"))
         if error.code == "UNAUTHENTICATED":

@@ -25,9 +25,9 @@ class HttpError(ServingError):
     """A refusal of the HTTP layer itself, with its own HTTP status: a body too large (413), a content type or
     encoding the server does not read (415), a path or method it does not serve."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         super().__init__(message)
-        self.status, self.code = status, code
+        self.status, self.code, self.headers = status, code, headers
 
 
 def status_of(error: ServingError) -> int:

@@ -55,8 +55,9 @@ class Endpoint:
                                open=self.open)
 
     async def _not_allowed(self, call: Call) -> Answer:
-        allowed = ", ".join(sorted(self.methods))
-        raise HttpError(405, "UNIMPLEMENTED", f"{call.scope['method']} is not served at {self.path}; use {allowed}")
+        allowed = ", ".join(m for m in self.methods if m != "HEAD")
+        raise HttpError(405, "UNIMPLEMENTED", f"{call.scope['method']} is not served at {self.path}; use {allowed}",
+                        ((b"allow", ", ".join(self.methods).encode()),))
 
 
 def router(core: ServingCore, calls: HttpCalls, *, page_on: bool) -> Router:
