@@ -45,12 +45,13 @@ def _responses(ok: dict, errors: tuple[int, ...]) -> dict:
 def document(core: ServingCore) -> dict[str, Any]:
     cfg, labels = core.cfg, core.predictor.label_names
     C = len(labels)
-    name_param = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
-                  "description": f"the model's name: {cfg.model_name!r}"}
-    version_param = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"},
-                     "description": f"the model's version: {kserve.VERSION!r}"}
+    name_param = {"name": "name", "in": "path", "required": True,
+                  "schema": {"type": "string", "enum": [cfg.model_name]}, "description": "the model's name"}
+    version_param = {"name": "version", "in": "path", "required": True,
+                     "schema": {"type": "string", "enum": [kserve.VERSION]}, "description": "the model's version"}
     timeout_header = {"name": "Request-Timeout-Ms", "in": "header", "required": False,
-                      "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TIMEOUT_MS},
+                      "schema": {"type": "number", "minimum": 0, "exclusiveMinimum": True,
+                                 "maximum": MAX_TIMEOUT_MS},
                       "description": "the call's deadline, in milliseconds from its arrival: texts not computed "
                                      "by then are dropped and the call gets 504"}
     text = {"type": "string", "minLength": 1, "maxLength": cfg.max_chars}
@@ -90,7 +91,7 @@ def document(core: ServingCore) -> dict[str, Any]:
         "InferRequest": {"type": "object", "required": ["inputs"], "properties": {
             "id": {"type": "string"},
             "parameters": {"type": "object", "properties": {
-                "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 3.6e9,
+                "timeout": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 3.6e9,
                             "description": "deadline in microseconds (Triton's parameter)"},
                 "binary_data_output": {"type": "boolean"}}},
             "inputs": {"type": "array", "minItems": 1, "maxItems": 1, "items": _ref("InferInput")},
