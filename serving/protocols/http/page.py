@@ -35,15 +35,16 @@ form.addEventListener("submit", async (event) => {
     answer = await response.json();
     if (!response.ok) { error.textContent = response.status + " " + answer.code + ": " + answer.error; return; }
   } catch (e) { error.textContent = "no answer from the server: " + e; return; }
+  const names = (await (await fetch("v1/metadata", {headers})).json()).labels;
   answer.results.forEach((r, i) => {
     const row = out.insertRow();
     row.insertCell().textContent = texts[i];
     const label = row.insertCell(); label.textContent = r.label; label.className = "label";
     const probs = row.insertCell();
-    r.probabilities.forEach((p) => {
+    r.probabilities.forEach((p, j) => {
       const line = document.createElement("div"), bar = document.createElement("span");
       bar.className = "bar"; bar.style.width = Math.round(p * 8) + "rem";
-      line.append(bar, p.toFixed(3)); probs.append(line);
+      line.append(bar, names[j] + " " + p.toFixed(3)); probs.append(line);
     });
     row.insertCell().textContent = r.token_count + (r.truncated ? " (cut)" : "");
   });
