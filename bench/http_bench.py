@@ -179,14 +179,15 @@ def summary(runs: list[dict], key: str, a: str, b: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bundle", type=Path, required=True)
-    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--bundle", type=Path, required=True, help="a bundle folder (python -m trainer export)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="length of each measured run (default: 3)")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the two sides per configuration")
-    ap.add_argument("--texts", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--callers", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--texts", type=int, nargs="+", default=[1, 64], help="texts per call (default: 1 64)")
+    ap.add_argument("--callers", type=int, nargs="+", default=[1, 8, 64],
+                    help="callers at once, one connection each (default: 1 8 64)")
     ap.add_argument("--stacks", action="store_true", help="Starlette vs FastAPI instead of HTTP vs gRPC")
-    ap.add_argument("--stack-callers", type=int, default=8)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--stack-callers", type=int, default=8, help="callers at once for --stacks (default: 8)")
+    ap.add_argument("--json", type=Path, help="write every run's figures to this file")
     args = ap.parse_args()
     if shutil.which("h2load") is None:
         ap.error("h2load not found: install it (Debian/Ubuntu: apt-get install nghttp2-client)")
