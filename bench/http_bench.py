@@ -71,7 +71,7 @@ def protocols(args: argparse.Namespace) -> dict:
     from serving_fixtures import ServerProcess
 
     server = ServerProcess(args.bundle, "--http-port", "0", "--metrics-port", "0", "--device", "cpu",
-                           "--max-concurrent-rpcs", "256")
+                           "--max-concurrent-rpcs", "256", "--max-queue", "8192")  # 64 callers x 64 texts fit
     results: list[dict] = []
     try:
         server.wait_listening(90)
