@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 .PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-carry deploy-venv \
-	container-deps image image-proxy gpu-serve-carry image-train image-train-cuda
+	container-deps browser-deps image image-proxy gpu-serve-carry image-train image-train-cuda
 
 # torch's build comes from this package index, given to pip as an extra index: the CPU build by default. A CUDA
 # node picks its build on purpose: TORCH_INDEX=https://download.pytorch.org/whl/cu130 (a CUDA 13.0 build), or
@@ -87,6 +87,12 @@ deploy-venv: .venv-deploy/.installed
 	.venv-deploy/bin/pip install -q -r requirements-deploy.lock
 	touch $@
 
+# Debian's chromium and its chromedriver for the try-it page's browser test (tests/test_http_page.py, selenium).
+browser-deps:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	  else echo "warning: chromium/chromedriver missing and not root: tests/test_http_page.py needs them"; fi; fi
+
 # buildah builds and runs the images (tests/images.py: the server's, and the proxy's that tests/test_front_proxy.py
 # and bench/protocol_attacks.py --via-haproxy run), mmdebstrap makes their bases from Debian's packages, podman runs
 # compose.yaml (tests/test_compose.py; runc: this machine's cgroups are more than Debian bookworm's crun takes).
@@ -131,7 +137,7 @@ image-train-cuda:
 # TEST_WORKERS=0 runs it in one process. Tests marked `serial` (attacks that race the server's own timers) run
 # after it, alone. test-slow runs in one process: it holds the timed benchmarks and the soak.
 TEST_WORKERS ?= 2
-test: setup triton-venv deploy-venv container-deps
+test: setup triton-venv deploy-venv container-deps browser-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS)
 	$(BIN)/python -m pytest -q -m "serial and not slow"

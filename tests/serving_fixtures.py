@@ -42,6 +42,7 @@ from serving.process.app import SentimentServer
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 METRICS_ON = re.compile(r"metrics on ([\d.]+):(\d+)")
+HTTP_ON = re.compile(r"HTTP on ([\d.]+):(\d+)")
 
 
 def reviews(data_dir: Path, n: int, split: str = "test") -> list[str]:
@@ -130,9 +131,12 @@ class ServerProcess:
 
     def __init__(self, bundle: Path | str, *args: str, env: dict[str, str] | None = None,
                  repo: Path = REPO_ROOT, cpus: str | None = None) -> None:
-        """Metrics are off unless `args` name a --metrics-port. repo: the tree whose server runs (another one for a
-        benchmark's "before" column). cpus: the cores it may run on (taskset's list, e.g. '0-3')."""
+        """Metrics and HTTP are off unless `args` name a --metrics-port, an --http-port. repo: the tree whose server
+        runs (another one for a benchmark's "before" column). cpus: the cores it may run on (taskset's list, e.g.
+        '0-3')."""
         metrics = [] if any(a.startswith("--metrics-port") for a in args) else ["--no-metrics"]
+        if not any(a.startswith("--http-port") for a in args):
+            metrics.append("--no-http")
         pinned = ["taskset", "-c", cpus] if cpus else []
         self.cmd = cmd = [*pinned, sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics,
                           *args]
@@ -141,6 +145,7 @@ class ServerProcess:
         self.lines: list[str] = []
         self.port: int | None = None
         self.metrics_port: int | None = None  # when its args turn metrics on
+        self.http_port: int | None = None  # when its args turn HTTP on
         self._found = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -153,6 +158,8 @@ class ServerProcess:
             if m and self.port is None:
                 metrics = METRICS_ON.search(line)
                 self.metrics_port = int(metrics.group(2)) if metrics else None
+                http = HTTP_ON.search(line)
+                self.http_port = int(http.group(2)) if http else None
                 self.port = int(m.group(2))
                 self._found.set()
         self._found.set()  # exited
@@ -233,17 +240,20 @@ def cpu_seconds(processes: Iterable[psutil.Process]) -> float:
 
 
 class FrontProxy:
-    """The proxy's image (Containerfile.proxy, built by tests/images.py) in front of the server port `backend`:
-    HAProxy with the image's deploy/proxy/haproxy.cfg, run by `buildah run` on the host's network and listening on a
-    free loopback port; `settings` (MODEL_CALLS, HEADERS_TIMEOUT...) through the environment, the file's defaults for
-    the others, a Path among them (PROXY_TLS_CERT) mounted read-only at the same path; `cpus`: the cores it runs on
-    (taskset's list). A context manager; started once it accepts a connection. tests/test_front_proxy.py and
-    bench/protocol_attacks.py --via-haproxy run it."""
+    """The proxy's image (Containerfile.proxy, built by tests/images.py) in front of the server port `backend` (and its
+    HTTP port `http_backend`): HAProxy with the image's deploy/proxy/haproxy.cfg, run by `buildah run` on the host's
+    network and listening on free loopback ports (`port`, `http_port`); `settings` (MODEL_CALLS, HEADERS_TIMEOUT...)
+    through the environment, the file's defaults for the others, a Path among them (PROXY_TLS_CERT) mounted
+    read-only at the same path; `cpus`: the cores it runs on (taskset's list). A context manager; started once it
+    accepts a connection. tests/test_front_proxy.py and bench/protocol_attacks.py --via-haproxy run it."""
 
-    def __init__(self, backend: int, settings: dict[str, object] | None = None, cpus: str | None = None) -> None:
+    def __init__(self, backend: int, settings: dict[str, object] | None = None, cpus: str | None = None,
+                 http_backend: int | None = None) -> None:
         image = proxy_image()
-        self.port = free_port()
-        settings = {"PROXY_BIND": f"127.0.0.1:{self.port}", "SERVER_ADDR": f"127.0.0.1:{backend}", **(settings or {})}
+        self.port, self.http_port = free_port(), free_port()
+        settings = {"PROXY_BIND": f"127.0.0.1:{self.port}", "SERVER_ADDR": f"127.0.0.1:{backend}",
+                    "HTTP_BIND": f"127.0.0.1:{self.http_port}",
+                    "HTTP_SERVER_ADDR": f"127.0.0.1:{http_backend or free_port()}", **(settings or {})}
         mounts = [a for v in settings.values() if isinstance(v, Path) for a in ("--volume", f"{v}:{v}:ro")]
         env = [a for k, v in settings.items() for a in ("--env", f"{k}={v}")]
         self.container = ok(["buildah", "from", "--pull-never", "--ulimit", f"nofile={PROXY_NOFILE}:{PROXY_NOFILE}",

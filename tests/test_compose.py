@@ -1,7 +1,7 @@
 """compose.yaml, started as the README starts it (`podman-compose up -d`; podman-compose from PyPI, in .venv-deploy):
-the server behind its proxy on one host, called through the proxy's published port by the real client
-(serving/client.py) and by tritonclient; only the proxy's port and the server's metrics (on loopback) are published;
-the proxy follows the server to a new address when its container starts again; both stop with exit code 0.
+the server behind its proxy on one host, called through the proxy's published ports by the real client
+(serving/client.py), by tritonclient and over HTTP; only the proxy's ports and the server's metrics (on loopback) are
+published; the proxy follows the server to a new address when its container starts again; both stop with exit 0.
 
 The images are those tests/test_container.py and tests/images.py build with buildah (podman reads the same storage),
 named by compose.yaml's SERVER_IMAGE and PROXY_IMAGE. This machine's podman needs a containers.conf of its own
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from http_fixtures import classify
 from images import need, ok, proxy_image, unavailable, wait_serving
 from procs import REPO, free_port, run
 from serving_fixtures import reviews
@@ -54,6 +55,7 @@ def compose(image: str, tiny_bundle: Path,  # noqa: F811 (image: test_container'
     token.chmod(0o644)  # the server's user reads it
     env = {**os.environ, "CONTAINERS_CONF": str(_containers_conf(tmp_path / "containers.conf")),
            "BUNDLE": str(tiny_bundle), "TOKEN_FILE": str(token), "SENTIMENT_PORT": str(free_port()),
+           "HTTP_PORT": str(free_port()),
            "METRICS_PORT": str(free_port())}
     for name, built in (("SERVER_IMAGE", image), ("PROXY_IMAGE", proxy_image())):  # by id: a tag may move meanwhile
         env[name] = ok(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", built],
@@ -83,7 +85,8 @@ def test_compose_serves_through_the_proxy_follows_a_new_server_and_stops_cleanly
         ports = json.loads(_podman(env, "inspect", f"{project}_{service}_1"))[0]["NetworkSettings"]["Ports"]
         published[service] = {k: [(b["HostIp"], b["HostPort"]) for b in v] for k, v in ports.items() if v}
     assert published == {"server": {"8002/tcp": [("127.0.0.1", env["METRICS_PORT"])]},
-                         "proxy": {"50051/tcp": [("", env["SENTIMENT_PORT"])]}}, published  # "": every address
+                         "proxy": {"50051/tcp": [("", env["SENTIMENT_PORT"])],  # "": every address
+                                   "8000/tcp": [("", env["HTTP_PORT"])]}}, published
 
     texts = reviews(data_dir, 6) + ["Un très beau livre.", "Décevant."]
     reference = Predictor(tiny_bundle, device="cpu")
@@ -97,6 +100,10 @@ def test_compose_serves_through_the_proxy_follows_a_new_server_and_stops_cleanly
     np.testing.assert_allclose(triton["probabilities"], [e.probabilities for e in reference.predict(texts)],
                                atol=1e-4)
     assert triton["errors"]["no token"]["status"] == "StatusCode.UNAUTHENTICATED"
+    over_http = classify(int(env["HTTP_PORT"]), texts, {"Authorization": f"Bearer {TOKEN}"})
+    assert over_http.status == 200, over_http
+    np.testing.assert_allclose([r["probabilities"] for r in over_http.json["results"]],
+                               [e.probabilities for e in reference.predict(texts)], atol=1e-4)
     with urllib.request.urlopen(f"http://127.0.0.1:{env['METRICS_PORT']}/metrics", timeout=10) as reply:
         assert "sentiment_requests_total" in reply.read().decode()
 

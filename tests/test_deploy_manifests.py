@@ -186,9 +186,10 @@ def _pod(path: Path) -> tuple[dict, dict, dict]:
 
 def test_the_proxy_is_the_pods_edge_and_the_server_listens_behind_it(rendered: dict[str, Path],
                                                                      tmp_path: Path) -> None:
-    """The base: the proxy takes the port named grpc that the Service, the NetworkPolicy and the probes name; the
-    server listens where the proxy sends, on loopback alone, --behind-proxy, its metrics reachable; the proxy's model
-    slots are what the server's queue holds; on SIGTERM the proxy outlives the server's drain and grace."""
+    """The base: the proxy takes the ports named grpc and http that the Service, the NetworkPolicy and the probes
+    name; the server listens where the proxy sends, on loopback alone, --behind-proxy, its metrics reachable; the
+    proxy's model slots are what the server's queue holds; on SIGTERM the proxy outlives the server's drain and
+    grace."""
     docs = _docs(rendered["base"])
     deployment, service, policy = _one(docs, "Deployment"), _one(docs, "Service"), _one(docs, "NetworkPolicy")
     pod, server, proxy = _pod(rendered["base"])
@@ -197,12 +198,14 @@ def test_the_proxy_is_the_pods_edge_and_the_server_listens_behind_it(rendered: d
     assert args[0] == "/mnt/models" and cfg.auth_token is not None
     assert cfg.host == "127.0.0.1" and cfg.behind_proxy and cfg.metrics_host == "0.0.0.0"
     env = {**_presets(), **{e["name"]: e["value"] for e in proxy["env"]}}
-    assert env["SERVER_ADDR"] == f"127.0.0.1:{cfg.port}"
+    assert env["SERVER_ADDR"] == f"127.0.0.1:{cfg.port}" and env["HTTP_SERVER_ADDR"] == f"127.0.0.1:{cfg.http_port}"
     assert int(env["MODEL_CALLS"]) == cfg.max_queue // cfg.max_texts
     assert "args" not in proxy and "command" not in proxy and "volumeMounts" not in proxy  # all in its image
     ports = {p["name"]: p["containerPort"] for c in pod["containers"] for p in c["ports"]}
-    assert [p["name"] for p in server["ports"]] == ["metrics"] and [p["name"] for p in proxy["ports"]] == ["grpc"]
-    assert ports == {"grpc": int(env["PROXY_BIND"].rsplit(":", 1)[1]), "metrics": cfg.metrics_port}
+    assert [p["name"] for p in server["ports"]] == ["metrics"]
+    assert [p["name"] for p in proxy["ports"]] == ["grpc", "http"]
+    assert ports == {"grpc": int(env["PROXY_BIND"].rsplit(":", 1)[1]), "http": int(env["HTTP_BIND"].rsplit(":", 1)[1]),
+                     "metrics": cfg.metrics_port}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert server[probe]["grpc"] == {"port": ports["grpc"]}, f"{probe}: the server's health, through the proxy"
     for probe in ("readinessProbe", "livenessProbe"):
@@ -257,7 +260,7 @@ def test_containerfile_defaults_are_server_flags(tmp_path: Path) -> None:
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
     cfg = _server_config(cmd, tmp_path)
     exposed = {int(p) for p in re.search(r"^EXPOSE (.*)$", text, re.M).group(1).split()}
-    assert exposed == {cfg.port, cfg.metrics_port}
+    assert exposed == {cfg.port, cfg.http_port, cfg.metrics_port}
     assert re.search(r"^USER (\d+):(\d+)$", text, re.M).groups() == (str(APP_UID), str(APP_UID))
     assert f'"127.0.0.1:{cfg.port}"]' in re.search(r"CMD \[\"/opt/venv/bin/python\", \"/opt/app/healthcheck.py\".*",
                                                     text).group(0)
@@ -265,7 +268,8 @@ def test_containerfile_defaults_are_server_flags(tmp_path: Path) -> None:
 
 def test_the_proxy_containerfile_runs_haproxy_cfg_where_it_copies_it() -> None:
     """Containerfile.proxy: haproxy reads the haproxy.cfg it copied, from the folder (PROXY_DIR's default) where the
-    answers it names are; it exposes PROXY_BIND's default port, runs as the pod's user and stops on SIGUSR1."""
+    answers it names are; it exposes PROXY_BIND's and HTTP_BIND's default ports, runs as the pod's user and stops on
+    SIGUSR1."""
     text = (REPO_ROOT / "Containerfile.proxy").read_text(encoding="utf-8")
     presets = _presets()
     sources, folder = re.search(r"^COPY (.*) (\S+)/$", text, re.M).groups()
@@ -274,7 +278,8 @@ def test_the_proxy_containerfile_runs_haproxy_cfg_where_it_copies_it() -> None:
         ["/usr/sbin/haproxy", "-f", f"{folder}/haproxy.cfg", "-db"]
     named = set(re.findall(r"\$\{PROXY_DIR\}/([\w-]+\.http)", (DEPLOY / "proxy" / "haproxy.cfg").read_text()))
     assert named and named == {p.name for p in (DEPLOY / "proxy").glob("*.http")}
-    assert re.search(r"^EXPOSE (.*)$", text, re.M).group(1).split() == [presets["PROXY_BIND"].rsplit(":", 1)[1]]
+    assert re.search(r"^EXPOSE (.*)$", text, re.M).group(1).split() == \
+        [presets[bind].rsplit(":", 1)[1] for bind in ("PROXY_BIND", "HTTP_BIND")]
     assert re.search(r"^USER (\d+):(\d+)$", text, re.M).groups() == (str(APP_UID), str(APP_UID))
     assert re.search(r"^STOPSIGNAL (\S+)$", text, re.M).group(1) == "SIGUSR1"  # haproxy catches no SIGTERM
 
@@ -301,6 +306,7 @@ def test_kserve_runtime_runs_the_server_for_the_inference_service(rendered: dict
     model = isvc["spec"]["predictor"]["model"]
     assert model["runtime"] == runtime["metadata"]["name"]
     assert model["protocolVersion"] in runtime["spec"]["protocolVersions"]
+    assert set(runtime["spec"]["protocolVersions"]) == {"grpc-v2", "v2"} and cfg.http_port == 8000
     formats = {(f["name"], f.get("version")) for f in runtime["spec"]["supportedModelFormats"]}
     assert (model["modelFormat"]["name"], model["modelFormat"].get("version")) in formats
     assert isvc["spec"]["predictor"]["terminationGracePeriodSeconds"] > cfg.drain_delay_s + 2 * cfg.grace_s

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hostile import HalfOpen, _Connection
+from http_fixtures import call, classify
 from images import config, ok, proxy_image
 from procs import REPO, free_port, run
 from serving_fixtures import FrontProxy, HeldRuns, certs, running_server
@@ -39,6 +41,13 @@ def proxy(server: SentimentServer | int, **settings: object) -> Iterator[int]:
     """The proxy's image in front of `server` (or of a port), `settings` through its environment; its port."""
     with FrontProxy(server if isinstance(server, int) else server.port, settings) as front:
         yield front.port
+
+
+@contextmanager
+def http_proxy(server: SentimentServer, **settings: object) -> Iterator[int]:
+    """The proxy's image in front of `server`'s HTTP port too; the proxy's HTTP port."""
+    with FrontProxy(server.port, settings, http_backend=server.http_port) as front:
+        yield front.http_port
 
 
 def _ended(conn: _Connection, sid: int) -> tuple[str, str]:
@@ -100,7 +109,7 @@ def test_past_its_model_slots_the_proxy_refuses_at_once_and_health_passes(tiny_b
         with HeldRuns(s) as held:
             running = stub.Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60, metadata=AUTH)
             assert held.wait_entered()
-            served = s.metrics.requests.labels("sentiment.v1.SentimentService/Classify", "OK")._value.get()
+            served = s.metrics.requests.labels("grpc", "sentiment.v1.SentimentService/Classify", "OK")._value.get()
             start = time.perf_counter()
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Classify(pb.ClassifyRequest(texts=["trop"]), timeout=10, metadata=AUTH)
@@ -110,7 +119,8 @@ def test_past_its_model_slots_the_proxy_refuses_at_once_and_health_passes(tiny_b
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert len(running.result().results) == 1
-        assert s.metrics.requests.labels("sentiment.v1.SentimentService/Classify", "OK")._value.get() == served + 1
+        assert s.metrics.requests.labels("grpc", "sentiment.v1.SentimentService/Classify",
+                                         "OK")._value.get() == served + 1
 
 
 def test_a_server_that_cannot_be_reached_is_unavailable_not_overloaded() -> None:
@@ -241,6 +251,41 @@ def test_a_call_whose_headers_never_end_loses_its_connection_an_idle_client_keep
         finally:
             slow.close()
             client.close()
+
+
+def test_http_calls_pass_through_the_proxy_under_the_same_rules(tiny_bundle: Path) -> None:
+    """The HTTP port (KServe v2 REST, /v1/classify) behind the proxy: calls and health pass; MODEL_CALLS 1: with the
+    one slot held in the model, the next call is answered 429 by the proxy in the server's JSON shape, health still
+    200; past AUTH_FAILURES_PER_SOURCE 3, wrong tokens are answered 401 by the proxy, and the server counts only the
+    first ones."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN, http_port=0,
+                        batch_workers=1) as s, http_proxy(s, MODEL_CALLS=1, AUTH_FAILURES_PER_SOURCE=3) as port:
+        served = classify(port, ["prêt"], auth)
+        assert served.status == 200 and served.json["results"][0]["label"] in s.predictor.label_names
+        with HeldRuns(s) as held:
+            with ThreadPoolExecutor(1) as pool:
+                running = pool.submit(classify, port, ["dans le calcul"], auth)
+                assert held.wait_entered()
+                refused = classify(port, ["trop"], auth)
+                assert refused.status == 429, refused
+                assert refused.json["code"] == "RESOURCE_EXHAUSTED" and "(proxy)" in refused.json["error"]
+                assert call(port, "GET", "/v2/health/ready").status == 200
+                held.release()
+                assert running.result().status == 200
+        answers = [classify(port, ["prêt"], {"Authorization": "Bearer wrong"}) for _ in range(6)]
+        assert {a.status for a in answers} == {401}
+        by_proxy = [a for a in answers if "(proxy)" in a.json["error"]]
+        assert len(by_proxy) == 2 and s.metrics.auth_failures._value.get() == 4, [a.json for a in answers]
+
+
+def test_http_calls_to_a_server_that_cannot_be_reached_are_503() -> None:
+    """Nothing behind the proxy's HTTP port: once its check has seen it, a call is answered 503 UNAVAILABLE by the
+    proxy, in the server's JSON shape."""
+    with FrontProxy(free_port(), http_backend=free_port()) as front:
+        time.sleep(2.5)  # two failed checks
+        reply = classify(front.http_port, ["prêt"], {"Authorization": f"Bearer {TOKEN}"})
+        assert reply.status == 503 and reply.json["code"] == "UNAVAILABLE" and "(proxy)" in reply.json["error"]
 
 
 def test_behind_a_proxy_the_server_limits_no_address(tiny_bundle: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -207,7 +207,7 @@ class Gate(grpc.ServerInterceptor):
         def abort(requests: Iterator[Any], context: grpc.ServicerContext, *callback: Any) -> Any:
             if auth:
                 self.metrics.auth_failures.inc()
-            self.metrics.requests.labels(method, error.code).inc()
+            self.metrics.requests.labels("grpc", method, error.code).inc()
             context.abort(grpc.StatusCode[error.code], str(error))
 
         abort.experimental_thread_pool = self.refusal_pool
@@ -258,8 +258,8 @@ class _Call:
                 self.slots.release()
             if code is None:  # also a code set without raising (health Check's NOT_FOUND)
                 code = context.code().name if context.code() is not None else "OK"
-            self.gate.metrics.requests.labels(self.method, code).inc()
-            self.gate.metrics.request_seconds.labels(self.method).observe(time.perf_counter() - start)
+            self.gate.metrics.requests.labels("grpc", self.method, code).inc()
+            self.gate.metrics.request_seconds.labels("grpc", self.method).observe(time.perf_counter() - start)
 
     def unary(self, inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
         def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
