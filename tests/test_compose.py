@@ -71,13 +71,26 @@ def _podman(env: dict[str, str], *args: str) -> str:
     return ok(["podman", *args], timeout=120, env=env).stdout
 
 
+def _serving(target: str, env: dict[str, str], project: str) -> None:
+    try:
+        wait_serving(target, 120)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{_logs(env, project)}") from None
+
+
+def _logs(env: dict[str, str], project: str) -> str:
+    """Both containers' output, for a failure's message."""
+    return "\n".join(f"--- {service}:\n" + run(["podman", "logs", f"{project}_{service}_1"], timeout=60, env=env).stderr
+                     for service in ("server", "proxy"))
+
+
 def test_compose_serves_through_the_proxy_follows_a_new_server_and_stops_cleanly(
         compose: tuple[list[str], dict[str, str]], tiny_bundle: Path, data_dir: Path) -> None:
     command, env = compose
     project = command[-1]
     ok([*command, "up", "-d"], timeout=300, env=env, cwd=REPO)
     target = f"127.0.0.1:{env['SENTIMENT_PORT']}"
-    wait_serving(target, 120)
+    _serving(target, env, project)
 
     # What the host publishes: the proxy's port to all, the server's metrics on loopback, nothing else.
     published = {}
@@ -118,7 +131,7 @@ def test_compose_serves_through_the_proxy_follows_a_new_server_and_stops_cleanly
     try:
         _podman(env, "start", f"{project}_server_1")
         assert _podman(env, *address) != before
-        wait_serving(target, 120)
+        _serving(target, env, project)
         with SentimentClient(target, token=TOKEN, timeout=30) as client:
             assert client.classify(texts[:1])[0].label == expected[0].label
     finally:
@@ -128,4 +141,4 @@ def test_compose_serves_through_the_proxy_follows_a_new_server_and_stops_cleanly
     ok([*command, "stop"], timeout=300, env=env, cwd=REPO)
     for service in ("server", "proxy"):
         state = json.loads(_podman(env, "inspect", f"{project}_{service}_1"))[0]["State"]
-        assert (state["Status"], state["ExitCode"]) == ("exited", 0), (service, state)
+        assert (state["Status"], state["ExitCode"]) == ("exited", 0), (service, state, _logs(env, project))
