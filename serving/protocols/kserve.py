@@ -9,7 +9,6 @@ Outputs (all unless the request names some, each at most once): "probabilities" 
 from __future__ import annotations
 
 import struct
-from importlib import metadata
 
 import grpc
 import numpy as np
@@ -17,6 +16,7 @@ import numpy as np
 from serving.errors import InvalidInput, ModelNotFound
 from serving.gen.inference import grpc_service_pb2 as pb
 from serving.gen.inference import grpc_service_pb2_grpc as pb_grpc
+from serving.metrics import package_version
 from serving.model.core import ServingCore
 from serving.protocols.calls import cancelled_of, deadline_of
 
@@ -25,11 +25,9 @@ VERSION = "1"  # the one version of the one model
 OUTPUTS = ("probabilities", "label", "token_count", "truncated")
 
 
-def _server_version() -> str:
-    try:
-        return metadata.version("transfer-sentiment")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
+def server_version() -> str:
+    """This package's version (ServerMetadata, the traces' service.version)."""
+    return package_version("transfer-sentiment") or "0+unknown"
 
 
 def encode_bytes(items: list[bytes]) -> bytes:
@@ -81,7 +79,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=self.core.reports_ready)
 
     def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name="sentiment-server", version=_server_version(), extensions=[])
+        return pb.ServerMetadataResponse(name="sentiment-server", version=server_version(), extensions=[])
 
     def ModelMetadata(self, request, context):
         self._check_model(request.name, request.version)
