@@ -215,7 +215,7 @@ def test_make_setup_adds_the_gpu_extra_with_a_cuda_torch(torch_index: str, gpu: 
                          cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr
     extras = out.stdout.strip().split(",")
-    assert set(extras) - {"gpu"} == {"train", "serve", "dev"} and ("gpu" in extras) == gpu
+    assert set(extras) - {"gpu"} == {"train", "serve", "dev", "trackers"} and ("gpu" in extras) == gpu
     assert set(extras) <= set(_extras())
 
 
