@@ -56,6 +56,8 @@ class Metrics:
                                  multiprocess_mode="livesum")
         self.dropped = Counter("sentiment_dropped_texts", "texts dropped before compute, by reason",
                                ["reason"], registry=r)
+        for reason in ("DeadlineExpired", "Cancelled"):  # every reason there is, from 0: a rate query finds it
+            self.dropped.labels(reason)
         self.response_bytes = Gauge("sentiment_response_bytes_in_flight",
                                     "bytes of answers built and not yet delivered to their clients", registry=r,
                                     multiprocess_mode="livesum")
@@ -71,6 +73,9 @@ class Metrics:
         self.suppressed_access_logs = Counter("sentiment_suppressed_access_log_lines", "access log lines not "
                                               "written (rate limit: access_log_rate per method and status)",
                                               registry=r)
+        self.serving = Gauge("sentiment_serving", "1 while the server's health says SERVING (grpc.health.v1, the "
+                             "whole server): 0 while it starts and from SIGTERM on, and in a --workers parent while no "
+                             "worker is ready", registry=r, multiprocess_mode="livemin")
         # Info metrics (value 1, the facts in the labels): the largest over the live workers, so that N workers
         # serving one bundle show one series, and a rollout's old and new bundles two.
         self.model_info = Gauge("sentiment_model_info", "the model this server holds: its bundle's digest, the "

@@ -21,7 +21,13 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as pb_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.sdk.trace import TracerProvider
 
+from serving.client import SentimentClient
+
+# The batcher waits up to max_queue_delay for as many texts as its previous batch held: a call of two texts first,
+# then two calls of one text each share a run. One batch thread: no second one takes the first text alone.
+BATCH_PAIRS = ("--max-queue-delay-ms", "1000", "--batch-workers", "1")
 KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 
 
@@ -62,8 +68,11 @@ class Span:
 class OtlpReceiver:
     """Both OTLP transports on free ports of 127.0.0.1; `spans` fills as exports arrive. Use as a context manager."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
+        """keep=False: only count the spans (`received`), as a benchmark's receiver, which should cost little."""
+        self.keep = keep
         self.spans: list[Span] = []
+        self.received = 0
         self.requests = {"grpc": 0, "http": 0}
         self._lock = threading.Condition()
         self._grpc = grpc.server(futures.ThreadPoolExecutor(4))
@@ -98,6 +107,11 @@ class OtlpReceiver:
         self._http.server_close()
 
     def take(self, request: pb.ExportTraceServiceRequest, transport: str) -> None:
+        if not self.keep:
+            with self._lock:
+                self.requests[transport] += 1
+                self.received += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            return
         received = []
         for rs in request.resource_spans:
             resource = _attributes(rs.resource.attributes)
@@ -110,6 +124,7 @@ class OtlpReceiver:
                         [e.name for e in s.events]))
         with self._lock:
             self.requests[transport] += 1
+            self.received += len(received)
             self.spans.extend(received)
             self._lock.notify_all()
 
@@ -182,3 +197,20 @@ def tree(spans: list[Span], trace_id: str, attributes: tuple[str, ...] = ()) -> 
     for root in sorted(children.get("", []), key=lambda s: s.start_ns):
         draw(root, 0)
     return "\n".join(lines)
+
+
+def paired_calls(target: str, text: str, token: str | None = None) -> list[Any]:
+    """Two concurrent calls of `text` through SentimentClient, each inside a client span of its own (a tracer of this
+    process, not the global provider), after a call of two texts: on a server started with BATCH_PAIRS they share one
+    run, unless the machine is so loaded that they arrive more than a second apart. The client spans' contexts."""
+    tracer = TracerProvider().get_tracer("client")
+    with SentimentClient(target, token=token, timeout=30) as client:
+        client.classify([text, text])  # the previous batch: two texts
+
+        def one(i: int) -> Any:
+            with tracer.start_as_current_span(f"client call {i}") as span:
+                client.classify([text])
+                return span.get_span_context()
+
+        with futures.ThreadPoolExecutor(2) as pool:
+            return list(pool.map(one, range(2)))

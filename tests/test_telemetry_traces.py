@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import psutil
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
-from otlp_receiver import OtlpReceiver, Span
+from otlp_receiver import BATCH_PAIRS, OtlpReceiver, Span, paired_calls
 from procs import REPO
 from serving_fixtures import ServerProcess
 
@@ -28,9 +27,6 @@ from serving.telemetry import tracing
 CLASSIFY = "sentiment.v1.SentimentService/Classify"
 TEXT = "Un roman lumineux, des personnages attachants."
 TOKEN = "a-test-token-of-some-length"
-# The batcher waits up to max_queue_delay for as many texts as its previous batch held: a call of two texts first,
-# then two calls of one text each share a run. One batch thread: no second one takes the first text alone.
-BATCH_PAIRS = ("--max-queue-delay-ms", "1000", "--batch-workers", "1")
 
 
 def _tracer():
@@ -42,24 +38,6 @@ def _server_spans(spans: list[Span], parents: set[str]) -> list[Span]:
     return [s for s in spans if s.name == CLASSIFY and s.parent_id in parents]
 
 
-def _paired_calls(target: str) -> list:
-    """Two concurrent calls from two client spans, after a call of two texts (see BATCH_PAIRS); the client spans'
-    contexts."""
-    tracer = _tracer()
-    with SentimentClient(target, token=TOKEN, timeout=30) as client:
-        client.classify([TEXT, TEXT])  # the previous batch: two texts
-        pool = futures.ThreadPoolExecutor(2)
-
-        def one(i: int):
-            with tracer.start_as_current_span(f"client call {i}") as span:
-                client.classify([TEXT])
-                return span.get_span_context()
-
-        contexts = list(pool.map(one, range(2)))
-        pool.shutdown()
-    return contexts
-
-
 def test_spans_arrive_over_grpc_with_parents_links_and_attributes(tiny_bundle: Path, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text(TOKEN)
@@ -69,7 +47,7 @@ def test_spans_arrive_over_grpc_with_parents_links_and_attributes(tiny_bundle: P
         try:
             port = server.wait_listening()
             for _ in range(3):  # a pair that missed one another (a loaded machine) is sent again
-                contexts = _paired_calls(f"127.0.0.1:{port}")
+                contexts = paired_calls(f"127.0.0.1:{port}", TEXT, token=TOKEN)
                 parents = {format(c.span_id, "016x") for c in contexts}
                 calls = receiver.wait_for(lambda spans, p=parents: len(found := _server_spans(spans, p)) == 2 and found,
                                           what="both calls' server spans")

@@ -119,6 +119,7 @@ class SentimentServer:
         )
         self.core = ServingCore(self.predictor, self.batcher, cfg)
         self.health = Health()
+        self.health.listen(lambda: self.metrics.serving.set(self.health.serving()))
         limit = cfg.max_concurrent_rpcs or cfg.max_workers
         # Memory freed by a burst of model calls goes back to the system once they are over (serving/limits/memory.py).
         self.reclaimer: Reclaimer | None = None

@@ -104,6 +104,7 @@ def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO", log_fo
         log.info("multiprocess metrics in %s (removed on exit)", folder)
         metrics = Metrics()  # the parent's own counts (health port calls), into the same folder
         health = Health()
+        health.listen(lambda: metrics.serving.set(health.serving()))
         for service in ("", SENTIMENT_SERVICE, KSERVE_SERVICE):
             health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         parent = _Parent(bundle, cfg.replace(port=port, health_port=None, metrics_port=None), log_level, log_format)
