@@ -5,7 +5,8 @@ load falls on all three alike:
   - off: this tree without OTEL_* variables (tracing off; request ids and access lines on, as by default);
   - on: this tree exporting every call's spans (OTEL_TRACES_SAMPLER=always_on) over OTLP/gRPC to a receiver in this
     process that counts them (tests/otlp_receiver.py, keep=False).
-Prints each round's rows, the ratios off/before and on/off (the median over rounds), spans received, and the load
+Prints each round's rows, the ratios off/before and on/off of texts/s and of the server's CPU time per text (the
+median over rounds: on a shared machine the CPU per text moves less than the rate), spans received, and the load
 average at the start and the end (docs/BENCHMARKS.md, Tracing).
 
     python bench/telemetry_bench.py --bundle /tmp/lab-bundle --before /tmp/before [--rounds 5] [--seconds 5]
@@ -73,24 +74,30 @@ def main() -> int:
         try:
             servers = {m: _Measured(s) for m, s in started.items()}
             rates: dict[str, list[float]] = {m: [] for m in MODES}
+            cpu: dict[str, list[float]] = {m: [] for m in MODES}  # server CPU ms per text
             for r in range(args.rounds):
                 order = MODES[r % 3:] + MODES[:r % 3]
                 for mode in order:
                     spans0 = receiver.received
                     row = bench_server(servers[mode], mode, texts, args.concurrency, args.seconds)
                     rates[mode].append(row["texts_per_s"])
+                    cpu[mode].append(1000 * row["server_cpu"] * (os.cpu_count() or 1) / row["texts_per_s"])
                     spans = (receiver.received - spans0) if mode == "on" else 0
                     print(f"round {r + 1} {mode:6s} {row['texts_per_s']:8.1f} texts/s  p50 {row['p50_ms']:.1f} ms  "
                           f"p99 {row['p99_ms']:.1f} ms  errors {row['errors'] or 0}  server CPU "
-                          f"{100 * row['server_cpu']:.0f}%  spans received {spans}", flush=True)
+                          f"{100 * row['server_cpu']:.0f}% ({cpu[mode][-1]:.2f} ms a text)  spans received {spans}",
+                          flush=True)
         finally:
             for s in started.values():
                 s.close()
-    off_before = statistics.median(o / b for o, b in zip(rates["off"], rates["before"], strict=True))
-    on_off = statistics.median(n / o for n, o in zip(rates["on"], rates["off"], strict=True))
+    def ratio(values: dict[str, list[float]], a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(values[a], values[b], strict=True))
+
     print("\nmean texts/s: " + ", ".join(f"{m} {statistics.mean(rates[m]):.1f}" for m in MODES))
-    print(f"off / before: {off_before:.3f} (median over {args.rounds} rounds)")
-    print(f"on / off:     {on_off:.3f}")
+    print(f"texts/s, off / before: {ratio(rates, 'off', 'before'):.3f}, on / off: {ratio(rates, 'on', 'off'):.3f} "
+          f"(medians over {args.rounds} rounds)")
+    print(f"server CPU per text, off / before: {ratio(cpu, 'off', 'before'):.3f}, on / off: "
+          f"{ratio(cpu, 'on', 'off'):.3f}")
     print(f"load average at start: {start_load}, at end: {_load()}")
     return 0
 

@@ -206,7 +206,8 @@ class Gate(grpc.ServerInterceptor):
     def finish(self, tele: Call, context: grpc.ServicerContext, code: str, reason: str = "") -> None:
         """The call's span and access line ended, with the code its client gets."""
         tele.peer = context.peer()
-        attributes = {"rpc.response.status_code": code, **_peer(tele.peer)} if tele.span is not None else None
+        attributes = {"rpc.response.status_code": code, **_peer(tele.peer)} if tele.span is not None \
+            and tele.span.recording else None
         tele.finish(code, failed=code in SERVER_ERRORS, attributes=attributes, reason=reason)
 
     def log_internal(self, method: str, error: Exception) -> None:

@@ -47,48 +47,39 @@ def step(name: str) -> Any:
 class Call:
     """One call: see the module docstring. `texts` and `tokens` are filled in by the core; `peer` by the protocol."""
 
-    __slots__ = ("protocol", "method", "request_id", "peer", "texts", "tokens", "span", "_parent", "_log",
-                 "_started")
+    __slots__ = ("protocol", "method", "request_id", "peer", "texts", "tokens", "span", "_log", "_started")
 
-    def __init__(self, log: CallLog, protocol: str, method: str, request_id: str, span: Any) -> None:
+    def __init__(self, log: CallLog, protocol: str, method: str, request_id: str,
+                 span: tracing.ServerSpan | None) -> None:
         self.protocol, self.method, self.request_id = protocol, method, request_id
         self.peer = ""
         self.texts = self.tokens = 0
-        self.span = span  # an OpenTelemetry span when tracing is on, else None
-        self._parent: Any = None  # the context of the span's children, made at the first child
+        self.span = span  # its server span when tracing is on, else None
         self._log = log
         self._started = time.perf_counter()
 
     @property
     def trace_id(self) -> str | None:
         """The trace's id as 32 hex digits (the logs' trace_id), None when not traced."""
-        return None if self.span is None else format(self.span.get_span_context().trace_id, "032x")
+        return None if self.span is None else format(self.span.context.trace_id, "032x")
 
     def link(self) -> Any:
         """The span context a batch links to (None when tracing is off or this call is not sampled): a small
         immutable value, so that a batch never holds the call itself."""
-        if self.span is None:
-            return None
-        context = self.span.get_span_context()
-        return context if context.trace_flags.sampled else None
+        return self.span.context if self.span is not None and self.span.recording else None
 
     @contextmanager
-    def step(self, name: str, **attributes: Any) -> Iterator[None]:
-        """A child span around the block (nothing when not traced)."""
-        if self.span is None or not self.span.is_recording():
-            yield
-            return
+    def step(self, name: str) -> Iterator[None]:
+        """A child span around the block (nothing when not sampled)."""
         t = tracing.active()
-        if t is None:
+        if self.span is None or not self.span.recording or t is None:
             yield
             return
-        if self._parent is None:
-            self._parent = t.parent(self.span)
-        span = t.child(self._parent, name, time.time_ns(), attributes=attributes or None)
+        start = time.time_ns()
         try:
             yield
         finally:
-            span.end()
+            t.record(name, self.span.context, start, time.time_ns())
 
     @contextmanager
     def serving(self) -> Iterator[Call]:
@@ -104,16 +95,12 @@ class Call:
         """End the call: its span (status, attributes; an error when `failed`) and its access line. `status`: the
         protocol's own (a gRPC code's name, an HTTP status)."""
         ms = (time.perf_counter() - self._started) * 1000
-        span = self.span
-        if span is not None and span.is_recording():
-            if attributes:
-                span.set_attributes(attributes)
-            span.set_attributes({"sentiment.texts": self.texts, "sentiment.tokens": self.tokens})
-            if failed:
-                t = tracing.active()
-                if t is not None:
-                    t.error(span, reason or status)
-            span.end()
+        span, t = self.span, tracing.active()
+        if span is not None and span.recording and t is not None:
+            span.attributes.update(attributes or {})
+            if self.texts:
+                span.attributes.update({"sentiment.texts": self.texts, "sentiment.tokens": self.tokens})
+            t.end(span, (reason or status) if failed else None)
         self._log.write(self, status, ms)
 
 
