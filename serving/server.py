@@ -29,9 +29,9 @@ import typing
 from pathlib import Path
 
 from contract.comments import comments
+from contract.version import version_line
 from serving.config import ServerConfig
 from serving.errors import BundleError, ServerConfigError
-from serving.process.app import SentimentServer, configure_process
 from serving.telemetry import logs, tracing
 
 log = logging.getLogger("serving.server")  # its own name also when run as __main__
@@ -87,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", default="text", choices=logs.FORMATS,
                    help="stderr's lines: text, or one JSON object per line for a log collector; the same fields "
                         "either way: timestamp, level, logger, message, request_id, trace_id (default: text)")
+    p.add_argument("--version", action="version", version=version_line("sentiment-server"))
     return p
 
 
@@ -111,6 +112,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from serving.process.app import SentimentServer, configure_process  # onnxruntime: after --help and --version
+
     logs.configure(args.log_level, args.log_format)
     try:
         cfg = config_from_args(args)

@@ -120,7 +120,7 @@ class HealthPort:
     async def _first(self, request_type: type, context: grpc.aio.ServicerContext) -> Any:
         try:
             raw = await asyncio.wait_for(context.read(), self.body_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _Refused(grpc.StatusCode.CANCELLED,
                            f"request message not received within body_timeout_s={self.body_timeout_s}") from None
         if raw is grpc.aio.EOF:

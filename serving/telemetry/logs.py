@@ -19,8 +19,6 @@ import time
 from contextvars import ContextVar
 from typing import Any, Literal
 
-from pythonjsonlogger.json import JsonFormatter
-
 Format = Literal["text", "json"]
 FORMATS: tuple[Format, ...] = ("text", "json")
 # The call the running code serves (serving/telemetry/calls.py sets it): its ids go in the lines written meanwhile.
@@ -81,11 +79,16 @@ class TextFormatter(_Utc, logging.Formatter):
         return f"{first} {' '.join(ids)}{newline}{rest}"
 
 
-class JsonLineFormatter(_Utc, JsonFormatter):
-    def __init__(self, static: dict[str, object] | None = None) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s %(trace_id)s",
-                         rename_fields={"asctime": "timestamp", "levelname": "level", "name": "logger"},
-                         static_fields=static or {})
+def json_formatter(static: dict[str, object] | None = None) -> logging.Formatter:
+    """python-json-logger's formatter with the schema's names (imported here: only a JSON log needs it)."""
+    from pythonjsonlogger.json import JsonFormatter
+
+    class JsonLineFormatter(_Utc, JsonFormatter):
+        pass
+
+    return JsonLineFormatter("%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s %(trace_id)s",
+                             rename_fields={"asctime": "timestamp", "levelname": "level", "name": "logger"},
+                             static_fields=static or {})
 
 
 def configure(level: str = "INFO", fmt: Format = "text", worker: int | None = None) -> None:
@@ -95,7 +98,7 @@ def configure(level: str = "INFO", fmt: Format = "text", worker: int | None = No
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         static = {} if worker is None else {"worker": worker, "pid": os.getpid()}
-        handler.setFormatter(JsonLineFormatter(static))
+        handler.setFormatter(json_formatter(static))
     else:
         handler.setFormatter(TextFormatter("" if worker is None else f"[worker {worker} pid {os.getpid()}]"))
     handler.addFilter(_CallFields())

@@ -190,7 +190,7 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
                 "model": asdict(mcfg),
             },
             versions=exporter_versions(),
-            created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             export_seconds=round(time.perf_counter() - t0, 2),
         )
         write_text_atomic(tmp / MANIFEST_FILE, manifest.to_json())
