@@ -115,7 +115,7 @@ class SentimentServer:
             enabled=cfg.batching,
             metrics=self.metrics,
             span_attributes={"sentiment.graph": p.graph, "sentiment.precision": p.precision,
-                             "sentiment.provider": p.provider},
+                             "sentiment.provider": p.provider, "sentiment.per_row": p.per_row},
         )
         self.core = ServingCore(self.predictor, self.batcher, cfg)
         self.health = Health()

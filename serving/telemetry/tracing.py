@@ -48,10 +48,9 @@ class Tracing:
 
     Spans are recorded as finished `ReadableSpan`s handed to the span processors, with their start and end times,
     rather than opened and closed through the SDK's Tracer: every span here is timed by the code around it anyway,
-    and at 100% sampling the Tracer's per-span machinery (a lock per attribute set, the sampler per child) cost twice
-    as much CPU per call, export included (4 spans a call: 180 against 90 us on the 2-core machine of
-    docs/BENCHMARKS.md). The sampler decides once per call, as the SDK's own does with a parent-based sampler: the
-    children of a sampled call are sampled.
+    so none needs the Tracer's per-span machinery (a lock per attribute set, the sampler asked again for every
+    child), which is CPU taken from the calls (docs/BENCHMARKS.md, "Tracing"). The sampler decides once per call;
+    the children of a sampled call are sampled, as a parent-based sampler would decide.
     """
 
     def __init__(self, provider: Any, processors: Sequence[Any], propagator: Any, version: str) -> None:
