@@ -136,7 +136,7 @@ def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO", log_fo
 class _Parent:
     """Starts, watches, restarts and stops the workers."""
 
-    def __init__(self, bundle: str | Path, worker_cfg: ServerConfig, log_level: str, log_format: str) -> None:
+    def __init__(self, bundle: str | Path, worker_cfg: ServerConfig, log_level: str, log_format: str = "text") -> None:
         self.bundle, self.cfg, self.log_level, self.log_format = str(bundle), worker_cfg, log_level, log_format
         self.slots = [_Slot(i) for i in range(worker_cfg.workers)]
         self._context = multiprocessing.get_context("spawn")
