@@ -43,7 +43,6 @@ from contract.tokens import PAD
 from trainer import artifact as artifact_mod
 from trainer.data import labelled
 from trainer.data.readers import read_labeled
-from trainer.data.tokenizer import Tokenizer
 from trainer.export import ExportOptions, export_bundle
 from trainer.export.score import torch_reference
 
@@ -154,7 +153,7 @@ def main() -> None:
     args = p.parse_args()
 
     art = artifact_mod.load(args.artifact)
-    tok = Tokenizer.load(art.tokenizer_dir)
+    tok = art.tokenizer()
     d = art.cfg.data
     examples = read_labeled(args.data, d.labels, d.text_field, d.label_field)
     seqs = [tok.encode_example(ex, tok.max_len) for ex in examples]

@@ -72,7 +72,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from contract.tokens import TOKENIZER_FILES, TOKENIZER_META, meta_path
 from trainer.artifact import write_text_atomic
 from trainer.config.presets import preset
 from trainer.config.schema import ModelConfig, OptimConfig, RunConfig, check_tokenizer, override
@@ -137,12 +136,8 @@ def tokenizer(cfg: RunConfig, folder: str | None) -> Tokenizer:
     (--tokenizer), cut at tokenizer.max_len (= --seq-len) and checked against the model's ids."""
     if folder is None:
         return build_tokenizer(cfg)
-    saved = Tokenizer.load(folder)
-    files = {n: (Path(folder) / n).read_bytes() for n in TOKENIZER_FILES[:-1]}
-    files[TOKENIZER_META] = meta_path(Path(folder)).read_bytes()
-    tok = Tokenizer.from_files(files, Path(folder), cfg.tokenizer.max_len)
-    check_tokenizer(tok.vocab_size, tok.max_len, cfg, f"--tokenizer {folder}")
-    assert tok.fingerprint == saved.fingerprint
+    tok = Tokenizer.load(folder, cfg.tokenizer.max_len)
+    check_tokenizer(tok.vocab_size, cfg, f"--tokenizer {folder}")
     return tok
 
 

@@ -46,9 +46,10 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, data_dir: Path)
 def tiny_tokenizer(tiny_tokenizer_dir: Path):
     """A Tokenizer trained on cls-books-fr train.review.txt with the `tiny` preset (95 pieces + 4 specials = 99
     ids, max_len 48), loaded back from its saved folder."""
+    from trainer.config.presets import tiny
     from trainer.data.tokenizer import Tokenizer
 
-    return Tokenizer.load(tiny_tokenizer_dir)
+    return Tokenizer.load(tiny_tokenizer_dir, tiny().tokenizer.max_len)
 
 
 @pytest.fixture(scope="session")

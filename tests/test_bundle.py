@@ -81,12 +81,6 @@ def _graph_of_another_bundle(bundle: Path) -> None:
     reseal(bundle, graphs=False)
 
 
-def _second_max_len(bundle: Path) -> None:
-    meta = json.loads((bundle / "tokenizer/meta.json").read_text())
-    (bundle / "tokenizer/meta.json").write_text(json.dumps({**meta, "max_len": 32}))
-    reseal(bundle)
-
-
 def _format_1(bundle: Path) -> None:
     edit_manifest(bundle, lambda m: m.update(format=1), sealed=True)
 
@@ -147,8 +141,6 @@ ATTACKS: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "a key twice in manifest.json": (_key_twice, "manifest.json", "key 'label_names' appears twice"),
     "a graph of another bundle": (_graph_of_another_bundle, "model.onnx",
                                   "its metadata_props differ from manifest.json on label_names"),
-    "a second max_len in the tokenizer folder": (_second_max_len, "tokenizer/meta.json",
-                                                 "max_len 32 in a bundle's tokenizer folder"),
     "a bundle of the earlier format": (_format_1, "manifest.json",
                                        "format 1, a bundle from an earlier exporter .*: export it again"),
 }

@@ -261,7 +261,6 @@ import numpy as np, torch
 from serving.model.predictor import Predictor
 from trainer import artifact
 from trainer.config import schema as config
-from trainer.data.tokenizer import Tokenizer
 
 class Refused(RuntimeError):
     pass
@@ -291,7 +290,7 @@ for attempt in (lambda: pickle.loads(pickle.dumps({"a": 1})), lambda: torch.load
         guarded.append(True)
 art = artifact.load(art_dir)
 model = art.model()
-tok = Tokenizer.load(art_dir / "tokenizer")
+tok = art.tokenizer()
 cfg = config.load(art_dir / "config.json")
 predictor = Predictor(bundle_dir, device="cpu", intra_op_threads=1)
 preds = predictor.predict(texts)

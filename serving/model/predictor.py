@@ -20,15 +20,14 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import onnxruntime as ort
 
-from contract import runtime
-from contract.bundle import Bundle, check_session, verify_bundle
-from contract.errors import one_line
+from contract.bundle import verify_bundle
+from contract.errors import SessionError
 from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS
-from contract.runtime import CUDA, OPT_LEVELS, Device
-from contract.tokens import PAD, Encoded, Encoder
-from serving.errors import BundleError, ServerConfigError
+from contract.runtime import OPT_LEVELS, Device
+from contract.session import open_graph
+from contract.tokens import PAD, Encoded, TokenEncoder
+from serving.errors import ServerConfigError
 
 log = logging.getLogger(__name__)
 
@@ -72,53 +71,27 @@ class Predictor:
         if intra_op_threads < 0 or inter_op_threads < 0:
             raise ServerConfigError(f"thread counts must be >= 0, got intra {intra_op_threads}, inter "
                                     f"{inter_op_threads}")
-        try:
-            providers = runtime.providers(device)
-        except ValueError as e:
-            raise ServerConfigError(str(e)) from None
         b = verify_bundle(bundle)
-        if graph is not None and graph not in b.manifest.graphs:
-            raise ServerConfigError(f"graph {graph!r} is not in {b.folder} "
-                                    f"(its graphs: {', '.join(b.manifest.graphs)})")
         self.bundle_dir = b.folder
         self.manifest = b.manifest
         self.bundle_sha256 = b.bundle_sha256  # the manifest's own digest, over every file: GetModelMetadata says it
         self.label_names: list[str] = list(b.manifest.label_names)  # what clients get, in logit order
         self.label_values: list[str] = list(b.manifest.label_values)  # the data's value of each label, same order
         self.max_len: int = b.manifest.max_len
-        self.tokenizer = Encoder.from_files(b.tokenizer, max_len=self.max_len)
-        self.optimization: str = optimization or b.manifest.runtime.graph_optimization_level
-        options = runtime.session_options(self.optimization, intra_op_threads, inter_op_threads, spinning)
-        self.graph = graph or b.manifest.graph_for("cuda" if providers[0] == CUDA else "cpu")
-        self.session = self._open(b, self.graph, options, providers)
-        # The provider actually in use: get_available_providers() and a silent CPU fallback both lie.
-        self.provider: str = self.session.get_providers()[0]
-        if device == "cuda" and self.provider != CUDA:
-            raise ServerConfigError(f"device='cuda' but onnxruntime runs on {self.provider}: "
-                                    f"{runtime.cuda_unavailable_reason()}")
-        cpu_graph = graph or b.manifest.graph_for("cpu")
-        if self.provider != CUDA and providers[0] == CUDA:  # 'auto' asked for CUDA, onnxruntime fell back to CPU
-            log.warning("CUDA did not load (%s): running %s, the bundle's CPU graph", runtime.cuda_unavailable_reason(),
-                        cpu_graph)
-        if self.provider != CUDA and self.graph != cpu_graph:
-            self.graph, self.session = cpu_graph, self._open(b, cpu_graph, options, [runtime.CPU])
-            self.provider = self.session.get_providers()[0]
+        self.tokenizer = TokenEncoder.from_files(b.tokenizer, max_len=self.max_len)
+        try:
+            opened = open_graph(b, device, graph, optimization, intra_op_threads, inter_op_threads, spinning)
+        except SessionError as e:
+            raise ServerConfigError(str(e)) from None
+        self.graph, self.session, self.provider, self.optimization = (opened.graph, opened.session, opened.provider,
+                                                                       opened.level)
         self.precision: str = b.manifest.graphs[self.graph].precision
         self.per_row: bool = b.manifest.graphs[self.graph].per_row  # int8: one text per run (contract/manifest.py)
-        check_session(self.session, b, self.graph)  # the warm-up at max_len, before the server says SERVING
         self._lock = threading.Lock()
         self._runs = 0
         log.info("loaded bundle %s (sha256 %s, %s: %s, max_len %d, labels %s, graph optimization %s) on %s",
                  b.folder, self.bundle_sha256[:12], self.graph, self.precision, self.max_len, self.label_names,
                  self.optimization, self.provider)
-
-    @staticmethod
-    def _open(b: Bundle, graph: str, options: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
-        try:
-            # From the verified bytes: the file on disk could change after the checksum check.
-            return ort.InferenceSession(b.graph_bytes(graph), options, providers=providers)
-        except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/... types
-            raise BundleError(f"{b.folder / graph}: onnxruntime cannot load it ({one_line(e)})") from None
 
     @property
     def runs(self) -> int:

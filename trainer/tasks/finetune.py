@@ -182,7 +182,7 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
 
     if pretrained is not None:
         if eng.is_main() and not (run_dir / "tokenizer").exists():
-            Tokenizer.load(pretrained.tokenizer_dir).save(run_dir / "tokenizer")
+            pretrained.tokenizer().save(run_dir / "tokenizer")
         eng.barrier()
     tok = run_tokenizer(cfg, run_dir, opts.tokenizer, labelled.texts(data.train.examples))
     encoded: dict[str, Split] = {}  # by file: a test file also among extra_test is encoded once

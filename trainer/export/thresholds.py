@@ -1,20 +1,20 @@
-"""`export --check` as a step of a CI pipeline: gates on the check's report, an exit code, and the report written as
-JSON (`--json`) and as JUnit XML (`--junit`, which CI servers show as test results).
+"""`export --check` as a step of a CI pipeline: thresholds on the check's report, an exit code, and the report written
+as JSON (`--json`) and as JUnit XML (`--junit`, which CI servers show as test results).
 
 Exit codes (`python -m trainer export --check`):
-  0  the bundle verified, every graph scored, every gate passed (no gate given: the check alone)
-  1  a gate failed (the reports say which, on which graph)
+  0  the bundle verified, every graph scored, every threshold met (none given: the check alone)
+  1  a threshold was not met (the reports say which, on which graph)
   2  bad input: an unreadable or tampered bundle or baseline, a missing data file, a bad option (one line on stderr,
      no report written)
 
-Gates, on every graph the bundle serves (manifest "serve": the CPU graph and the CUDA graph):
+Thresholds, on every graph the bundle serves (manifest "serve": the CPU graph and the CUDA graph):
   --min-accuracy PCT     accuracy on --data >= PCT percent
   --min-agreement PCT    labels equal to the PyTorch model's on >= PCT percent of --data (needs the source
                          artifact: the manifest's, or --artifact)
   --baseline BUNDLE --max-drop POINTS
                          accuracy at most POINTS below BUNDLE's graph for the same device, on the same --data
 The TF-IDF + logistic regression baseline (report key "tfidf_baseline", each graph's JUnit case: its accuracy and the
-verdict) is reported, not gated: `--baseline` is the bundle in production.
+verdict) is reported, not held to a threshold: `--baseline` is the bundle in production.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from contract.manifest import DEVICES
 from trainer.atomic import write_text_atomic
 from trainer.export.errors import ExportError
 
-EXIT_PASSED, EXIT_GATE_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_PASSED, EXIT_BELOW_THRESHOLD, EXIT_BAD_INPUT = 0, 1, 2
 SUITE = "export-check"
 
 
 @dataclass(frozen=True)
-class Gates:
+class Thresholds:
     """The limits a bundle must meet; None: not checked."""
 
     min_accuracy: float | None = None  # percent
@@ -55,8 +55,8 @@ class Gates:
 
 
 @dataclass(frozen=True)
-class GateResult:
-    gate: str  # "min-accuracy", "min-agreement", "max-drop"
+class ThresholdResult:
+    threshold: str  # "min-accuracy", "min-agreement", "max-drop"
     graph: str  # the graph file checked
     serves: list[str]  # the devices the manifest serves it on
     value: float  # the measure (percent, or accuracy change in points for max-drop)
@@ -65,27 +65,28 @@ class GateResult:
     message: str
 
 
-def evaluate(report: dict[str, Any], gates: Gates, baseline: dict[str, Any] | None = None) -> list[GateResult]:
-    """The gates on every served graph of a `check_bundle` report (and of the baseline's, for max-drop)."""
+def evaluate(report: dict[str, Any], limits: Thresholds,
+             baseline: dict[str, Any] | None = None) -> list[ThresholdResult]:
+    """The thresholds on every served graph of a `check_bundle` report (and of the baseline's, for max-drop)."""
     served = {name: g for name, g in report["graphs"].items() if g["serves"]}
     results = []
     for name, g in served.items():
         where = f"{name} ({', '.join(g['serves'])})"
-        if gates.min_accuracy is not None:
+        if limits.min_accuracy is not None:
             acc = g["bundle_accuracy"]
-            ok = acc >= gates.min_accuracy
-            results.append(GateResult("min-accuracy", name, g["serves"], acc, gates.min_accuracy, ok,
-                                      f"{where}: accuracy {acc:.2f}% {'>=' if ok else '<'} {gates.min_accuracy:g}%"))
-        if gates.min_agreement is not None:
+            ok = acc >= limits.min_accuracy
+            results.append(ThresholdResult("min-accuracy", name, g["serves"], acc, limits.min_accuracy, ok,
+                                      f"{where}: accuracy {acc:.2f}% {'>=' if ok else '<'} {limits.min_accuracy:g}%"))
+        if limits.min_agreement is not None:
             if "label_agreement" not in g:
                 raise ExportError("--min-agreement compares with the PyTorch model, and none was found (the "
                                   "manifest's source artifact is not here): pass --artifact ARTIFACT")
             agree = 100.0 * g["label_agreement"]
-            ok = agree >= gates.min_agreement
-            results.append(GateResult("min-agreement", name, g["serves"], agree, gates.min_agreement, ok,
+            ok = agree >= limits.min_agreement
+            results.append(ThresholdResult("min-agreement", name, g["serves"], agree, limits.min_agreement, ok,
                                       f"{where}: label agreement with PyTorch {agree:.2f}% "
-                                      f"{'>=' if ok else '<'} {gates.min_agreement:g}%"))
-    if baseline is not None and gates.max_drop is not None:
+                                      f"{'>=' if ok else '<'} {limits.min_agreement:g}%"))
+    if baseline is not None and limits.max_drop is not None:
         pairs: dict[tuple[str, str], list[str]] = {}
         for device in DEVICES:
             new = next(n for n, g in report["graphs"].items() if device in g["serves"])
@@ -94,19 +95,20 @@ def evaluate(report: dict[str, Any], gates: Gates, baseline: dict[str, Any] | No
         for (new, old), devices in pairs.items():
             now, before = report["graphs"][new]["bundle_accuracy"], baseline["graphs"][old]["bundle_accuracy"]
             change = round(now - before, 3)
-            ok = -change <= gates.max_drop
-            results.append(GateResult(
-                "max-drop", new, devices, change, -gates.max_drop, ok,
+            ok = -change <= limits.max_drop
+            results.append(ThresholdResult(
+                "max-drop", new, devices, change, -limits.max_drop, ok,
                 f"{new} ({', '.join(devices)}): accuracy {now:.2f}% vs the baseline's {old} {before:.2f}% "
-                f"({change:+.2f} points; allowed drop {gates.max_drop:g})"))
+                f"({change:+.2f} points; allowed drop {limits.max_drop:g})"))
     return results
 
 
-def full_report(report: dict[str, Any], results: list[GateResult], baseline: dict[str, Any] | None) -> dict[str, Any]:
-    """The check's report with the gates, the verdict and the exit code: what --json writes."""
+def full_report(report: dict[str, Any], results: list[ThresholdResult],
+                baseline: dict[str, Any] | None) -> dict[str, Any]:
+    """The check's report with the thresholds, the verdict and the exit code: what --json writes."""
     passed = all(r.passed for r in results)
-    return {**report, "baseline": baseline, "gates": [asdict(r) for r in results], "passed": passed,
-            "exit_code": EXIT_PASSED if passed else EXIT_GATE_FAILED}
+    return {**report, "baseline": baseline, "thresholds": [asdict(r) for r in results], "passed": passed,
+            "exit_code": EXIT_PASSED if passed else EXIT_BELOW_THRESHOLD}
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:
@@ -114,10 +116,10 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
 
 
 def write_junit(path: Path, report: dict[str, Any]) -> None:
-    """One test case per scored graph (its accuracy, as a property) and one per gate, failed when the gate failed."""
-    gates = report["gates"]
-    cases = len(report["graphs"]) + len(gates)
-    failures = sum(not g["passed"] for g in gates)
+    """One test case per scored graph (its accuracy, as a property) and one per threshold, failed when not met."""
+    thresholds = report["thresholds"]
+    cases = len(report["graphs"]) + len(thresholds)
+    failures = sum(not t["passed"] for t in thresholds)
     root = ET.Element("testsuites", name=SUITE, tests=str(cases), failures=str(failures), errors="0")
     suite = ET.SubElement(root, "testsuite", name=SUITE, tests=str(cases), failures=str(failures), errors="0",
                           skipped="0")
@@ -137,11 +139,11 @@ def write_junit(path: Path, report: dict[str, Any]) -> None:
             ET.SubElement(case, "system-out").text = tfidf["verdicts"][name]
         elif "skipped" in tfidf:
             ET.SubElement(case, "system-out").text = f"TF-IDF baseline not scored: {tfidf['skipped']}"
-    for g in gates:
-        case = ET.SubElement(suite, "testcase", classname=f"{SUITE}.{g['graph']}", name=g["gate"])
-        if not g["passed"]:
-            ET.SubElement(case, "failure", message=g["message"], type=g["gate"]).text = g["message"]
+    for t in thresholds:
+        case = ET.SubElement(suite, "testcase", classname=f"{SUITE}.{t['graph']}", name=t["threshold"])
+        if not t["passed"]:
+            ET.SubElement(case, "failure", message=t["message"], type=t["threshold"]).text = t["message"]
         else:
-            ET.SubElement(case, "system-out").text = g["message"]
+            ET.SubElement(case, "system-out").text = t["message"]
     ET.indent(root)
     write_text_atomic(path, '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n")

@@ -38,15 +38,15 @@ from contract.manifest import (
     Runtime,
     graph_metadata,
 )
-from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
-from contract.tokens import SPECIALS, TOKENIZER_META, TokenizerMeta
+from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS, inference_session
+from contract.tokens import SPECIALS, check_max_len
 from trainer import artifact as artifact_mod
-from trainer.artifact import replace_dir, sha256_file, write_text_atomic
-from trainer.atomic import temp_dir
+from trainer.artifact import replace_dir, write_text_atomic
+from trainer.atomic import sha256_file, temp_dir
 from trainer.config.schema import check_positions
 from trainer.data.tokenizer import Tokenizer
 from trainer.export.errors import ExportError, ExportValidationError
-from trainer.export.graph import check_graph, export_onnx, open_session
+from trainer.export.graph import check_graph, export_onnx
 from trainer.export.precision import INT8_CPU_BOUND, TOLERANCES, Tolerance, convert_fp16, quantize_int8
 from trainer.export.score import data_check, encode_file, torch_reference
 from trainer.export.validate import validate_graph
@@ -67,7 +67,7 @@ class ExportOptions:
     fuse_attention: bool = True  # one onnxruntime Attention node per layer instead of the exporter's decomposition
     per_channel: bool = False  # int8: per-channel weight scales
     reduce_range: bool = False  # int8: 7-bit weights (older x86 CPUs)
-    max_len: int | None = None  # longest sequence served; None: the tokenizer's max_len
+    max_len: int | None = None  # longest sequence served; None: the artifact's tokenizer.max_len
     opset: int | None = None  # None: the exporter's default
     data_file: Path | None = None  # labelled file whose accuracy change is recorded and held to the tolerance
     data_limit: int = 0  # score only the first N examples of data_file (0: all)
@@ -89,8 +89,8 @@ class ExportOptions:
                               "('all' writes a graph laid out for this machine's CPU)")
         if (self.per_channel or self.reduce_range) and self.precision not in (AUTO, "int8"):
             raise ExportError(f"per_channel and reduce_range apply to int8 only, not to {self.precision}")
-        if self.max_len is not None and self.max_len < 3:
-            raise ExportError(f"max_len must be >= 3 (<sos>, one piece, <eos>), got {self.max_len}")
+        if self.max_len is not None:
+            check_max_len(self.max_len, "max_len", ExportError)
         if self.data_limit < 0:
             raise ExportError(f"data_limit must be >= 0, got {self.data_limit}")
 
@@ -139,8 +139,8 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
     mcfg = art.cfg.model
     # label_values: the raw values of the data (data.labels); label_names: what the server answers (data.label_names)
     label_values, label_names = check_labels(art)
-    tok = Tokenizer.load(art.tokenizer_dir)
-    max_len = tok.max_len if opt.max_len is None else opt.max_len
+    tok = art.tokenizer()
+    max_len = tok.max_len if opt.max_len is None else opt.max_len  # the manifest's, the bundle's one copy
     check_positions(max_len, mcfg, f"{art.path}: max_len")
     model = art.model()
 
@@ -148,7 +148,7 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
     _prepare_out(out)
     tmp = temp_dir(out.parent, f".{out.name}.tmp-")
     try:
-        _write_tokenizer(art.tokenizer_dir, tok, tmp)
+        tok.save(tmp / TOKENIZER_DIR)
         tokenizer_sha256 = {rel: sha256_file(tmp / rel) for rel in TOKENIZER_BUNDLE_FILES}
         fp32 = tmp / ".fp32.onnx"
         graph = export_onnx(model, fp32, max_len, opt.opset, opt.fuse_attention)
@@ -217,16 +217,6 @@ def check_labels(art: artifact_mod.Artifact) -> tuple[list[str], list[str]]:
     return values, names
 
 
-def _write_tokenizer(src: Path, tok: Tokenizer, tmp: Path) -> None:
-    """tokenizer/ as the artifact has it, but meta.json without max_len: the manifest's is the bundle's one copy
-    (export --max-len may differ from the tokenizer's own)."""
-    (tmp / TOKENIZER_DIR).mkdir()
-    for name in ("spm.model", "vocab.txt"):
-        (tmp / TOKENIZER_DIR / name).write_bytes((src / name).read_bytes())
-    meta = TokenizerMeta(tok.kind, None, tok.vocab_size)
-    (tmp / TOKENIZER_DIR / TOKENIZER_META).write_text(meta.to_json(), encoding="utf-8")
-
-
 def _write_graph(fp32: Path, tmp: Path, name: str, precision: str, opt: ExportOptions, meta: dict[str, str],
                  num_classes: int) -> None:
     """tmp/name: the fp32 graph converted to `precision`, optionally optimised offline, with its metadata_props
@@ -239,11 +229,10 @@ def _write_graph(fp32: Path, tmp: Path, name: str, precision: str, opt: ExportOp
         staged = tmp / f".{name}.fp16"
         convert_fp16(fp32, staged)
     if opt.save_optimized:
-        # onnxruntime writes the graph it optimised, so a server skips that work at load time. Measured: at
-        # BASIC the dynamo graph (already folded by onnxscript) comes back with the same nodes; see
-        # docs/BENCHMARKS.md (Export).
+        # onnxruntime writes the graph it optimised, so a server skips that work at load time (whether that pays:
+        # docs/BENCHMARKS.md, Export).
         optimized = tmp / f".{name}.optimized"
-        open_session(staged, opt.optimize, prefer_gpu=False, optimized_out=optimized)
+        inference_session(staged, opt.optimize, "cpu", optimized_out=optimized)
         if staged != fp32:
             staged.unlink()
         staged = optimized
