@@ -6,6 +6,7 @@ links and attributes; the client's trace continued; two calls sharing one batch;
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -220,3 +221,21 @@ print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
                               timeout=120)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "[]", (extra, done.stdout)
+
+
+def test_a_collector_that_is_down_holds_the_exit_only_a_bounded_while(tiny_bundle: Path) -> None:
+    """Spans for an unreachable collector: the calls are answered, and on SIGTERM the server gives up on them after
+    its bound (a warning says so) rather than after the exporter's retries (which the SDK's exit hook waited for)."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{dead}", "OTEL_BSP_SCHEDULE_DELAY": "60000"}
+    server = ServerProcess(tiny_bundle, "--device", "cpu", "--grace-s", "1", env=env)
+    try:
+        with SentimentClient(f"127.0.0.1:{server.wait_listening()}", timeout=30) as client:
+            assert client.classify([TEXT])[0].label
+        assert server.stop() == 0
+        assert "spans not exported within 5 s of stopping (is the collector reachable?): dropped" in server.log
+    finally:
+        server.close()

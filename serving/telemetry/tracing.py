@@ -17,13 +17,17 @@ A bad value of any of these is a ServerConfigError naming the variable (the serv
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from serving.errors import ServerConfigError
+
+log = logging.getLogger(__name__)
 
 PROTOCOLS = ("grpc", "http/protobuf")
 SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
@@ -119,9 +123,16 @@ class Tracing:
         for context, queued_ns in served:
             self.record("queue wait", context, queued_ns, start_ns, links=[run])
 
-    def shutdown(self) -> None:
-        """Export what is queued (bounded by OTEL_BSP_EXPORT_TIMEOUT) and stop."""
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Export what is queued and stop, waiting at most `timeout_s`: a collector that is down (its exporter retries
+        for up to OTEL_EXPORTER_OTLP_TIMEOUT) must not hold a draining server past its grace. The export threads are
+        daemons: what they still hold is lost when the process exits."""
+        stopping = threading.Thread(target=self.provider.shutdown, name="tracing-shutdown", daemon=True)
+        stopping.start()
+        stopping.join(timeout_s)
+        if stopping.is_alive():
+            log.warning("spans not exported within %.0f s of stopping (is the collector reachable?): dropped",
+                        timeout_s)
 
 
 _tracing: Tracing | None = None
@@ -163,7 +174,9 @@ def configure(service_version: str, worker: int | None = None, environ: Mapping[
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-    provider = TracerProvider(resource=_resource(service_version, worker, environ), sampler=_sampler(environ))
+    # shutdown_on_exit=False: `shutdown` below bounds the wait; the SDK's own exit hook would wait without bound.
+    provider = TracerProvider(resource=_resource(service_version, worker, environ), sampler=_sampler(environ),
+                              shutdown_on_exit=False)
     processors = [BatchSpanProcessor(_otlp_exporter(environ) if name == "otlp" else ConsoleSpanExporter())
                   for name in exporters]
     for processor in processors:
