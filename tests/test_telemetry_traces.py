@@ -5,6 +5,7 @@ links and attributes; the client's trace continued; two calls sharing one batch;
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -17,13 +18,13 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from otlp_receiver import BATCH_PAIRS, OtlpReceiver, Span, paired_calls
 from procs import REPO
-from serving_fixtures import ServerProcess
+from serving_fixtures import ServerProcess, running_server
 
 from serving.client import SentimentClient
 from serving.errors import ServerConfigError
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
-from serving.telemetry import tracing
+from serving.telemetry import calls, tracing
 
 CLASSIFY = "sentiment.v1.SentimentService/Classify"
 TEXT = "Un roman lumineux, des personnages attachants."
@@ -239,3 +240,20 @@ def test_a_collector_that_is_down_holds_the_exit_only_a_bounded_while(tiny_bundl
         assert "spans not exported within 5 s of stopping (is the collector reachable?): dropped" in server.log
     finally:
         server.close()
+
+
+def test_no_call_outlives_its_answer_when_traced(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches and their spans hold span contexts, never a call: once answered, no call record is left (the
+    batcher's requests of two batched calls, the spans still queued for export)."""
+    with OtlpReceiver() as receiver:
+        for key, value in receiver.env("grpc", OTEL_BSP_SCHEDULE_DELAY="60000").items():
+            monkeypatch.setenv(key, value)
+        tracing.configure("test")
+        try:
+            with running_server(tiny_bundle, device="cpu", max_queue_delay_ms=1000, batch_workers=1) as server:
+                paired_calls(f"127.0.0.1:{server.port}", TEXT)
+                gc.collect()
+                assert [o for o in gc.get_objects() if isinstance(o, calls.Call)] == []
+        finally:
+            tracing.shutdown()
+    assert any(s.name == "onnxruntime run" and len(s.links) == 2 for s in receiver.spans)

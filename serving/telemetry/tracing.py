@@ -161,11 +161,11 @@ def check(environ: Mapping[str, str] = os.environ) -> list[str]:
     return exporters
 
 
-def configure(service_version: str, worker: int | None = None, environ: Mapping[str, str] = os.environ
-              ) -> Tracing | None:
-    """Tracing for this process from `environ` (see the module docstring); None when off. Once per process: a
-    server process and each worker call it at start."""
+def configure(service_version: str, worker: int | None = None) -> Tracing | None:
+    """Tracing for this process from its environment (see the module docstring; the SDK's exporters read their own
+    variables there too); None when off. Once per process: a server process and each worker call it at start."""
     global _tracing
+    environ = os.environ
     exporters = check(environ)
     if not exporters:
         _tracing = None
