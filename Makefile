@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 .PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-carry deploy-venv \
-	container-deps proxy-deps image gpu-serve-carry image-train image-train-cuda
+	container-deps proxy-deps browser-deps image gpu-serve-carry image-train image-train-cuda
 
 # torch's build comes from this package index, given to pip as an extra index: the CPU build by default. A CUDA
 # node picks its build on purpose: TORCH_INDEX=https://download.pytorch.org/whl/cu130 (a CUDA 13.0 build), or
@@ -91,6 +91,12 @@ proxy-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; \
 	  else echo "warning: haproxy missing and not root: tests/test_front_proxy.py needs it"; fi; fi
 
+# Debian's chromium and its chromedriver for the try-it page's browser test (tests/test_http_page.py, selenium).
+browser-deps:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	  else echo "warning: chromium/chromedriver missing and not root: tests/test_http_page.py needs them"; fi; fi
+
 # buildah builds and runs the image in tests/test_container.py, mmdebstrap makes its base from Debian's packages.
 container-deps:
 	@if ! command -v buildah >/dev/null || ! command -v mmdebstrap >/dev/null; then \
@@ -127,7 +133,7 @@ image-train-cuda:
 # TEST_WORKERS=0 runs it in one process. Tests marked `serial` (attacks that race the server's own timers) run
 # after it, alone. test-slow runs in one process: it holds the timed benchmarks and the soak.
 TEST_WORKERS ?= 2
-test: setup triton-venv deploy-venv container-deps proxy-deps
+test: setup triton-venv deploy-venv container-deps proxy-deps browser-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS)
 	$(BIN)/python -m pytest -q -m "serial and not slow"

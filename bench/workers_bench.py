@@ -66,8 +66,8 @@ def grpc_body(text: str) -> bytes:
 def ok_calls(servers: list[Server]) -> float:
     total = 0.0
     for server in servers:
-        m = re.search(r'^sentiment_requests_total\{code="OK",method="sentiment.v1.SentimentService/Classify"\} '
-                      r'(\S+)$', server.scrape(), re.M)
+        m = re.search(r'^sentiment_requests_total\{code="OK",method="sentiment.v1.SentimentService/Classify",'
+                      r'protocol="grpc"\} (\S+)$', server.scrape(), re.M)
         total += float(m.group(1)) if m else 0.0
     return total
 

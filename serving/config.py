@@ -21,12 +21,15 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus exporter port (0 = any free port, None = off); the CLI's
     # default is 8002, the port Triton serves its metrics on
     metrics_host: str | None = None  # bind address of the metrics exporter (None = `host`)
+    http_port: int | None = None  # HTTP/JSON port: KServe v2 REST, /v1/classify, /openapi.json (0 = any free port,
+    # None = off; the CLI's default is 8000, Triton's HTTP port). The same model, limits, token and TLS as `port`
+    http_page: bool = False  # on the HTTP port, a page at / where a person types reviews and reads their labels
     health_port: int | None = None  # a plain-text listener serving only grpc.health.v1, for probes that speak no
     # TLS (Kubernetes' gRPC probes); 0 = any free port, None = off. grpc.health.v1 stays on `port` too
     # Processes
-    workers: int = 1  # server processes sharing `port` (SO_REUSEPORT), each with its own predictor, batcher and
-    # threads, so that the request path's Python runs on several cores. Every limit below is per worker; the health
-    # and metrics ports are the parent's, for all workers
+    workers: int = 1  # server processes sharing `port` and `http_port` (SO_REUSEPORT), each with its own predictor,
+    # batcher and threads, so that the request path's Python runs on several cores. Every limit below is per worker;
+    # the health and metrics ports are the parent's, for all workers
     # Model
     model_name: str = "sentiment"  # the model's name in KServe v2 requests and in metadata
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when it really loads, else CPU
@@ -109,6 +112,10 @@ class ServerConfig:
             _in_range("metrics_port", self.metrics_port, 0, 65535)
         if self.health_port is not None:
             _in_range("health_port", self.health_port, 0, 65535)
+        if self.http_port is not None:
+            _in_range("http_port", self.http_port, 0, 65535)
+        if self.http_page and self.http_port is None:
+            raise ServerConfigError("http_page needs the HTTP port (http_port)")
         _in_range("workers", self.workers, 1, 256)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ServerConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

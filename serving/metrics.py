@@ -39,10 +39,12 @@ class Metrics:
         counters and histograms over the workers): also count its texts in a series of its own, labelled by its pid."""
         r = self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=r)
-        self.requests = Counter("sentiment_requests", "RPCs answered, by method and the status code the client got",
-                                ["method", "code"], registry=r)
-        self.request_seconds = Histogram("sentiment_request_seconds", "RPC handling time, by method",
-                                         ["method"], buckets=_SECONDS, registry=r)
+        # protocol: grpc or http; method: the RPC's full name, or an HTTP call's method and route ("POST
+        # /v1/classify"); code: the gRPC status name, also over HTTP (serving/protocols/http/errors.py maps them)
+        self.requests = Counter("sentiment_requests", "calls answered, by protocol, method and the status code the "
+                                "client got", ["protocol", "method", "code"], registry=r)
+        self.request_seconds = Histogram("sentiment_request_seconds", "call handling time, by protocol and method",
+                                         ["protocol", "method"], buckets=_SECONDS, registry=r)
         self.texts = Counter("sentiment_texts", "texts classified", registry=r)
         self.queue_seconds = Histogram("sentiment_queue_seconds", "time a text waited in the batching queue",
                                        buckets=_SECONDS, registry=r)

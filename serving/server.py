@@ -1,7 +1,7 @@
-"""The sentiment server's command line: one bundle, two protocols (sentiment.v1 and KServe v2), health,
-reflection, metrics. The server object itself is serving/process/app.py.
+"""The sentiment server's command line: one bundle, two protocols (sentiment.v1 and KServe v2) over gRPC and over
+HTTP (with a JSON /v1/classify), health, reflection, metrics. The server object itself is serving/process/app.py.
 
-    python -m serving.server BUNDLE [--port 50051] [--metrics-port 8002] [--health-port 50052] [--max-texts 64] ...
+    python -m serving.server BUNDLE [--port 50051] [--http-port 8000] [--metrics-port 8002] [--health-port 50052] ...
     (the same as the console script `sentiment-server`; `--help` lists every option of ServerConfig)
 
 A threaded gRPC server: handlers block on the batcher's futures while onnxruntime runs in the batcher's threads (it
@@ -41,10 +41,11 @@ log = logging.getLogger("serving.server")  # its own name also when run as __mai
 
 
 EXAMPLES = """examples:
-  python -m serving.server runs/demo/bundle                              # 127.0.0.1:50051, metrics on :8002
+  python -m serving.server runs/demo/bundle                 # gRPC on 127.0.0.1:50051, HTTP on :8000, metrics on :8002
   python -m serving.server runs/demo/bundle --host 0.0.0.0 --port 50051 --device cuda
   python -m serving.server runs/demo/bundle --max-texts 16 --long-text refuse --auth-token-file token.txt
   python -m serving.client --target 127.0.0.1:50051 "Un livre magnifique."   # then, from another shell
+  curl -H 'Content-Type: application/json' -d '{"texts": ["Un livre magnifique."]}' localhost:8000/v1/classify
 
 A bundle is the folder `python -m trainer export ARTIFACT --out BUNDLE` writes (not the training artifact).
 SIGTERM or Ctrl-C: NOT_SERVING, --drain-delay-s of serving, --grace-s for requests in flight, exit 0.
@@ -54,14 +55,14 @@ SIGTERM or Ctrl-C: NOT_SERVING, --drain-delay-s of serving, --grace-s for reques
 def _parser() -> argparse.ArgumentParser:
     """One flag per ServerConfig field (`max_texts` -> `--max-texts`), typed from its annotation, its help the
     field's comment in serving/config.py."""
-    p = argparse.ArgumentParser(prog="sentiment-server", description="Serve a sentiment bundle over gRPC.",
+    p = argparse.ArgumentParser(prog="sentiment-server", description="Serve a sentiment bundle over gRPC and HTTP.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
     p.add_argument("bundle", type=Path, help="bundle folder written by `python -m trainer export`")
     hints = typing.get_type_hints(ServerConfig)
     defaults = ServerConfig()
     meaning = comments(ServerConfig)
     for f in dataclasses.fields(ServerConfig):
-        if f.name in ("auth_token", "metrics_port", "batching"):
+        if f.name in ("auth_token", "metrics_port", "http_port", "batching"):
             continue
         tp, flag = hints[f.name], "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
@@ -78,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument(flag, type=tp, default=default, help=text)
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (0 = any free port) (default: 8002)")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus exporter")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="HTTP/JSON port: KServe v2 REST, /v1/classify, /openapi.json; the same model, limits, token "
+                        "and TLS as --port (0 = any free port) (default: 8000, Triton's)")
+    p.add_argument("--no-http", action="store_true", help="no HTTP port: gRPC only")
     p.add_argument("--no-batching", action="store_true", help="run every request alone (benchmark baseline)")
     p.add_argument("--auth-token-file", type=Path,
                    help="require 'authorization: Bearer <token>' with the token in this file (also: the "
@@ -94,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     values["metrics_port"] = None if args.no_metrics else args.metrics_port
+    values["http_port"] = None if args.no_http else args.http_port
     values["batching"] = not args.no_batching
     # An empty token is a mistake (a Secret mounted without its key), never a request to serve without auth.
     token, source = os.environ.get("SENTIMENT_AUTH_TOKEN"), "SENTIMENT_AUTH_TOKEN"

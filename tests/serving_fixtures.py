@@ -40,6 +40,7 @@ from serving.process.app import SentimentServer
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 METRICS_ON = re.compile(r"metrics on ([\d.]+):(\d+)")
+HTTP_ON = re.compile(r"HTTP on ([\d.]+):(\d+)")
 PROXY_DIR = REPO_ROOT / "deploy" / "proxy"  # the front proxy's files (haproxy.cfg, its answers), as deployed
 
 
@@ -129,9 +130,12 @@ class ServerProcess:
 
     def __init__(self, bundle: Path | str, *args: str, env: dict[str, str] | None = None,
                  repo: Path = REPO_ROOT, cpus: str | None = None) -> None:
-        """Metrics are off unless `args` name a --metrics-port. repo: the tree whose server runs (another one for a
-        benchmark's "before" column). cpus: the cores it may run on (taskset's list, e.g. '0-3')."""
+        """Metrics and HTTP are off unless `args` name a --metrics-port, an --http-port. repo: the tree whose server
+        runs (another one for a benchmark's "before" column). cpus: the cores it may run on (taskset's list, e.g.
+        '0-3')."""
         metrics = [] if any(a.startswith("--metrics-port") for a in args) else ["--no-metrics"]
+        if not any(a.startswith("--http-port") for a in args):
+            metrics.append("--no-http")
         pinned = ["taskset", "-c", cpus] if cpus else []
         self.cmd = cmd = [*pinned, sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics,
                           *args]
@@ -140,6 +144,7 @@ class ServerProcess:
         self.lines: list[str] = []
         self.port: int | None = None
         self.metrics_port: int | None = None  # when its args turn metrics on
+        self.http_port: int | None = None  # when its args turn HTTP on
         self._found = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -152,6 +157,8 @@ class ServerProcess:
             if m and self.port is None:
                 metrics = METRICS_ON.search(line)
                 self.metrics_port = int(metrics.group(2)) if metrics else None
+                http = HTTP_ON.search(line)
+                self.http_port = int(http.group(2)) if http else None
                 self.port = int(m.group(2))
                 self._found.set()
         self._found.set()  # exited

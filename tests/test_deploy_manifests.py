@@ -180,7 +180,7 @@ def test_deployment_flags_ports_probes_and_security(rendered: dict[str, Path], t
     cfg = _server_config(args, tmp_path)
     assert args[0] == "/mnt/models" and cfg.host == "0.0.0.0" and cfg.auth_token is not None
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": cfg.port, "metrics": cfg.metrics_port}
+    assert ports == {"grpc": cfg.port, "http": cfg.http_port, "metrics": cfg.metrics_port}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"] == {"port": cfg.port}, f"{probe}: a native gRPC probe on the gRPC port"
     # SIGTERM -> drain_delay_s serving while NOT_SERVING -> grace_s for requests, then as long for the batcher.
@@ -223,7 +223,7 @@ def test_containerfile_defaults_are_server_flags(tmp_path: Path) -> None:
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
     cfg = _server_config(cmd, tmp_path)
     exposed = {int(p) for p in re.search(r"^EXPOSE (.*)$", text, re.M).group(1).split()}
-    assert exposed == {cfg.port, cfg.metrics_port}
+    assert exposed == {cfg.port, cfg.http_port, cfg.metrics_port}
     assert re.search(r"^USER (\d+):(\d+)$", text, re.M).groups() == (str(APP_UID), str(APP_UID))
     assert f'"127.0.0.1:{cfg.port}"]' in re.search(r"CMD \[\"/opt/venv/bin/python\", \"/opt/app/healthcheck.py\".*",
                                                     text).group(0)
@@ -250,6 +250,7 @@ def test_kserve_runtime_runs_the_server_for_the_inference_service(rendered: dict
     model = isvc["spec"]["predictor"]["model"]
     assert model["runtime"] == runtime["metadata"]["name"]
     assert model["protocolVersion"] in runtime["spec"]["protocolVersions"]
+    assert set(runtime["spec"]["protocolVersions"]) == {"grpc-v2", "v2"} and cfg.http_port == 8000
     formats = {(f["name"], f.get("version")) for f in runtime["spec"]["supportedModelFormats"]}
     assert (model["modelFormat"]["name"], model["modelFormat"].get("version")) in formats
     assert isvc["spec"]["predictor"]["terminationGracePeriodSeconds"] > cfg.drain_delay_s + 2 * cfg.grace_s

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import datetime
 import io
+import json
 import os
 import re
 import shlex
@@ -470,9 +471,27 @@ def check(command: Command) -> str:
     if head == "cp":
         missing = [a for a in args[:-1] if not a.startswith("-") and not (REPO / a).exists()]
         return f"cp: {missing[0]}: no such file in the repository" if missing else ""
+    if head == "curl":
+        return check_curl(args)
     if head in UTILITIES or not command.in_block:
         return ""
     return f"{head}: not a command this test knows (mark the block <!-- illustration: why -->, or label it text)"
+
+
+def check_curl(args: list[str]) -> str:
+    """A call of the server's HTTP API: its path is one of the server's routes, its -d body is JSON."""
+    routes = re.findall(r'at\("(/[^"]*)"', (REPO / "serving" / "protocols" / "http" / "routes.py").read_text())
+    url = next(a for a in reversed(args) if not a.startswith("-"))
+    path = "/" + url.split("://")[-1].split("/", 1)[-1].split("?")[0]
+    pattern = lambda route: re.fullmatch(re.sub(r"\{\w+\}", "[^/]+", route), path)  # noqa: E731
+    if not any(pattern(r) for r in routes):
+        return f"curl: {path} is not a path the server serves ({routes})"
+    body = next((args[i + 1] for i, a in enumerate(args[:-1]) if a in ("-d", "--data")), None)
+    try:
+        json.loads(body) if body is not None else None
+    except ValueError as e:
+        return f"curl: its body is not JSON: {e}"
+    return ""
 
 
 COMMANDS = all_commands()

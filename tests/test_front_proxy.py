@@ -105,7 +105,7 @@ def test_past_its_model_slots_the_proxy_refuses_at_once_and_health_passes(tiny_b
         with HeldRuns(s) as held:
             running = stub.Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60, metadata=AUTH)
             assert held.wait_entered()
-            served = s.metrics.requests.labels("sentiment.v1.SentimentService/Classify", "OK")._value.get()
+            served = s.metrics.requests.labels("grpc", "sentiment.v1.SentimentService/Classify", "OK")._value.get()
             start = time.perf_counter()
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Classify(pb.ClassifyRequest(texts=["trop"]), timeout=10, metadata=AUTH)
@@ -115,7 +115,8 @@ def test_past_its_model_slots_the_proxy_refuses_at_once_and_health_passes(tiny_b
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert len(running.result().results) == 1
-        assert s.metrics.requests.labels("sentiment.v1.SentimentService/Classify", "OK")._value.get() == served + 1
+        assert s.metrics.requests.labels("grpc", "sentiment.v1.SentimentService/Classify",
+                                         "OK")._value.get() == served + 1
 
 
 def test_a_server_that_cannot_be_reached_is_unavailable_not_overloaded() -> None:

@@ -90,8 +90,8 @@ def test_half_open_unauthenticated_streams_hold_nothing(tiny_bundle: Path, certs
         finally:
             for a in attackers:
                 a.close()
-        refused = sum(s.metrics.registry.get_sample_value("sentiment_requests_total", {"method": m.lstrip("/"),
-                      "code": "UNAUTHENTICATED"}) or 0 for m in (CLASSIFY, INFER))
+        refused = sum(s.metrics.registry.get_sample_value("sentiment_requests_total", {"protocol": "grpc",
+                      "method": m.lstrip("/"), "code": "UNAUTHENTICATED"}) or 0 for m in (CLASSIFY, INFER))
         assert refused == 600
 
 
@@ -406,10 +406,10 @@ def test_reflection_v1_with_a_real_reflection_client(server_for_reflection: Sent
         stub = client.service_stub_class("sentiment.v1.SentimentService")(channel)
         assert len(stub.Classify(request_type(texts=["Réfléchi."]), timeout=10).results) == 1
     registry = server_for_reflection.metrics.registry
-    v1 = registry.get_sample_value("sentiment_requests_total", {
+    v1 = registry.get_sample_value("sentiment_requests_total", {"protocol": "grpc",
         "method": "grpc.reflection.v1.ServerReflection/ServerReflectionInfo", "code": "OK"})
     assert v1 and v1 >= 2
-    assert registry.get_sample_value("sentiment_requests_total", {
+    assert registry.get_sample_value("sentiment_requests_total", {"protocol": "grpc",
         "method": "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "code": "OK"}) is None
 
 

@@ -141,7 +141,8 @@ def test_token_missing_or_wrong_is_unauthenticated_and_nothing_is_computed(tiny_
         assert s.predictor.runs == runs
         assert s.metrics.registry.get_sample_value("sentiment_texts_total") == texts
         refusals = s.metrics.registry.get_sample_value(
-            "sentiment_requests_total", {"method": "sentiment.v1.SentimentService/Classify", "code": "UNAUTHENTICATED"})
+            "sentiment_requests_total", {"protocol": "grpc", "method": "sentiment.v1.SentimentService/Classify",
+                                         "code": "UNAUTHENTICATED"})
         assert refusals == len(wrong)
         # Health stays open for probes; reflection does not.
         assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status == \

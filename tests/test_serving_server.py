@@ -344,9 +344,10 @@ def test_health_reflection_and_metrics(server: SentimentServer, channel: grpc.Ch
         health.Check(health_pb2.HealthCheckRequest(service="nope"))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     page = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    assert 'sentiment_requests_total{code="OK",method="sentiment.v1.SentimentService/Classify"}' in page
-    assert 'sentiment_requests_total{code="INVALID_ARGUMENT",method="sentiment.v1.SentimentService/Classify"}' in page
-    assert 'sentiment_requests_total{code="NOT_FOUND",method="grpc.health.v1.Health/Check"} 1.0' in page
+    assert 'sentiment_requests_total{code="OK",method="sentiment.v1.SentimentService/Classify",protocol="grpc"}' in page
+    assert ('sentiment_requests_total{code="INVALID_ARGUMENT",method="sentiment.v1.SentimentService/Classify",'
+            'protocol="grpc"}') in page
+    assert 'sentiment_requests_total{code="NOT_FOUND",method="grpc.health.v1.Health/Check",protocol="grpc"} 1.0' in page
     for name in ("sentiment_queue_seconds_bucket", "sentiment_batch_size_bucket", "sentiment_inference_seconds_sum",
                  "sentiment_request_seconds_count", "sentiment_queue_depth", "sentiment_response_bytes_in_flight",
                  "process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds"):

@@ -85,7 +85,8 @@ def test_two_workers_answer_like_the_predictor_share_the_calls_and_sum_their_met
         assert sum(per_worker.values()) == calls * len(texts)
         # The parent's page: the workers' counts summed, per-worker rows, its own process.
         assert server.metric("sentiment_texts_total") == calls * len(texts)
-        assert server.metric("sentiment_requests_total", {"method": CLASSIFY, "code": "OK"}) == calls
+        assert server.metric("sentiment_requests_total",
+                             {"protocol": "grpc", "method": CLASSIFY, "code": "OK"}) == calls
         assert server.metric("sentiment_batch_size_sum") == calls * len(texts)
         for w in ("0", "1"):
             assert server.metric("sentiment_worker_ready", {"worker": w}) == 1
@@ -246,7 +247,8 @@ def test_tls_and_token_auth_hold_in_every_worker(tiny_bundle: Path, tmp_path: Pa
                 stub.Classify(pb.ClassifyRequest(texts=["x"]), timeout=30,
                               metadata=[("authorization", f"Bearer {token}")])
         assert all(n > 0 for n in worker_texts(server).values()), worker_texts(server)  # both took calls
-        assert server.metric("sentiment_requests_total", {"method": CLASSIFY, "code": "UNAUTHENTICATED"}) == CHANNELS
+        assert server.metric("sentiment_requests_total", {"protocol": "grpc", "method": CLASSIFY,
+                                                          "code": "UNAUTHENTICATED"}) == CHANNELS
         with channel(port) as ch, pytest.raises(grpc.RpcError):  # plain text on a TLS port
             pb_grpc.SentimentServiceStub(ch).Classify(pb.ClassifyRequest(texts=["x"]), timeout=10)
     finally:

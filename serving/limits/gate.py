@@ -226,7 +226,7 @@ class Gate(grpc.ServerInterceptor):
         def abort(requests: Iterator[Any], context: grpc.ServicerContext, *callback: Any) -> Any:
             if auth:
                 self.metrics.auth_failures.inc()
-            self.metrics.requests.labels(method, error.code).inc()
+            self.metrics.requests.labels("grpc", method, error.code).inc()
             if tele is not None:
                 context.set_trailing_metadata(((REQUEST_ID, tele.request_id),))
                 self.finish(tele, context, error.code, str(error))
@@ -287,8 +287,8 @@ class _Call:
                 self.slots.release()
             if code is None:  # also a code set without raising (health Check's NOT_FOUND)
                 code = context.code().name if context.code() is not None else "OK"
-            self.gate.metrics.requests.labels(self.method, code).inc()
-            self.gate.metrics.request_seconds.labels(self.method).observe(time.perf_counter() - start)
+            self.gate.metrics.requests.labels("grpc", self.method, code).inc()
+            self.gate.metrics.request_seconds.labels("grpc", self.method).observe(time.perf_counter() - start)
             if tele is not None:
                 self.gate.finish(tele, context, code, reason)
 

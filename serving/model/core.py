@@ -8,8 +8,10 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from contract.tokens import Encoded
 from serving.config import ServerConfig
 from serving.errors import DeadlineExpired, InvalidInput, NotReady, Overloaded
 from serving.model.batcher import Batcher
@@ -52,9 +54,48 @@ class ServingCore:
         try:
             return self._classify(texts, deadline, cancelled)
         finally:
-            with self._idle:
-                self._active -= 1
-                self._idle.notify_all()
+            self._leave()
+
+    def submit(
+        self,
+        texts: Sequence[str],
+        deadline: float | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Future:
+        """`classify` without blocking, for an event loop: the texts are checked, tokenized and queued now (a
+        ServingError is raised here), the Future gives their predictions or the batcher's ServingError. The call
+        counts as accepted, and a drain waits for it, until the Future is done."""
+        with self._idle:
+            if not self.ready:
+                raise NotReady("server is not ready (starting or draining); retry another replica or later")
+            self._active += 1
+        try:
+            encoded = self._encode(texts)
+            queued = self._queue(encoded, deadline, cancelled)
+        except BaseException:
+            self._leave()
+            raise
+        answer: Future = Future()
+
+        def done(probs: Future) -> None:  # probs: (n, C)
+            try:
+                error = probs.exception()  # read, not raised: a raised one's traceback would hold this frame
+                if error is None:
+                    answer.set_result(self.predictor.predictions(encoded, probs.result()))
+                else:
+                    answer.set_exception(error)
+            except Exception as e:  # a bug: its caller answers INTERNAL rather than wait forever
+                answer.set_exception(e)
+            finally:
+                self._leave()
+
+        queued.add_done_callback(done)
+        return answer
+
+    def _leave(self) -> None:
+        with self._idle:
+            self._active -= 1
+            self._idle.notify_all()
 
     def refuse_and_wait(self, timeout: float) -> bool:
         """Refuse new calls (UNAVAILABLE), wait up to `timeout` s for the accepted ones; True when all done."""
@@ -68,6 +109,28 @@ class ServingCore:
         deadline: float | None,
         cancelled: Callable[[], bool] | None,
     ) -> list[Prediction]:
+        encoded = self._encode(texts)
+        future = self._queue(encoded, deadline, cancelled)
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            probs = future.result(timeout)  # (n, C)
+        except FutureTimeout:
+            raise DeadlineExpired("deadline passed while the texts waited for a batch") from None
+        finally:
+            # A failed future holds its exception, whose traceback holds this frame, which holds the future: a
+            # cycle that kept every refused or cancelled call's texts, tokens and request message alive until
+            # Python's cyclic collector ran, which an idle server never does (31 calls of 512 texts, 13 MB).
+            del future
+        return self.predictor.predictions(encoded, probs)
+
+    def _queue(self, encoded: list[Encoded], deadline: float | None, cancelled: Callable[[], bool] | None) -> Future:
+        """The texts into the batcher, with their call's span context when traced (its queue wait and batch spans)."""
+        call = calls.current()
+        return self.batcher.submit([e.ids for e in encoded], deadline, cancelled,
+                                   trace=call.link() if call is not None else None)
+
+    def _encode(self, texts: Sequence[str]) -> list[Encoded]:
+        """The texts checked against the limits, then tokenized; InvalidInput or Overloaded naming the problem."""
         cfg = self.cfg
         call = calls.current()  # the protocol's record of this call: texts and tokens for its access line
         if call is not None:
@@ -100,16 +163,4 @@ class ServingCore:
                 if e.truncated:
                     raise InvalidInput(f"texts[{i}]: more than max_tokens={self.predictor.max_len} tokens and "
                                        "the server refuses long texts (long_text=refuse)")
-        future = self.batcher.submit([e.ids for e in encoded], deadline, cancelled,
-                                     trace=call.link() if call is not None else None)
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            probs = future.result(timeout)  # (n, C)
-        except FutureTimeout:
-            raise DeadlineExpired("deadline passed while the texts waited for a batch") from None
-        finally:
-            # A failed future holds its exception, whose traceback holds this frame, which holds the future: a
-            # cycle that kept every refused or cancelled call's texts, tokens and request message alive until
-            # Python's cyclic collector ran, which an idle server never does (31 calls of 512 texts, 13 MB).
-            del future
-        return self.predictor.predictions(encoded, probs)
+        return encoded

@@ -1,6 +1,7 @@
 """One server process: the bundle's predictor and batcher, the gRPC server with its gate, health, reflection and
-metrics, and its lifecycle (start, drain, stop). `python -m serving.server` (serving/server.py) builds one from the
-command line; `--workers N` runs N of them on one port under a parent (serving/process/workers.py).
+metrics, the HTTP server on the same core and gate (serving/protocols/http/), and its lifecycle (start, drain, stop).
+`python -m serving.server` (serving/server.py) builds one from the command line; `--workers N` runs N of them on one
+port under a parent (serving/process/workers.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from serving.protocols import reflection
 from serving.protocols.health import SERVICE_NAME as HEALTH_SERVICE
 from serving.protocols.health import Health
 from serving.protocols.health_port import HealthPort
+from serving.protocols.http.calls import HttpCalls
+from serving.protocols.http.routes import router
+from serving.protocols.http.server import HttpServer
 from serving.protocols.kserve import VERSION as MODEL_VERSION
 from serving.protocols.kserve import KServeServicer, server_version
 from serving.protocols.sentiment import SentimentServicer
@@ -151,6 +155,8 @@ class SentimentServer:
                                              KSERVE_SERVICE: grpc_service_pb2.DESCRIPTOR,
                                              HEALTH_SERVICE: health_pb2.DESCRIPTOR})
         self.port: int | None = None
+        self.http: HttpServer | None = None
+        self.http_port: int | None = None
         self.health_server: HealthPort | None = None
         self.health_port: int | None = None
         self._metrics_server: MetricsServer | None = None
@@ -163,6 +169,10 @@ class SentimentServer:
         cfg = self.cfg
         try:
             self.port = _add_port(self.grpc_server, cfg.host, cfg.port, server_credentials(cfg), "gRPC")
+            if cfg.http_port is not None:  # the same core, gate and files: serving/protocols/http/
+                app = router(self.core, HttpCalls(self.gate, cfg), page_on=cfg.http_page)
+                self.http = HttpServer(app, cfg, cfg.http_port, self.shared_port)
+                self.http_port = self.http.port
             if cfg.health_port is not None:  # health alone, for probes: serving/protocols/health_port.py
                 self.health_server = HealthPort(self.health, self.metrics, cfg.host, cfg.health_port,
                                                 transport_options(cfg), cfg.body_timeout_s, self.reclaimer)
@@ -182,6 +192,8 @@ class SentimentServer:
         if self.port is None:
             self.bind()
         self.grpc_server.start()
+        if self.http is not None:
+            self.http.start()
         if self.health_server is not None:
             self.health_server.start()
         if self._metrics_server is not None:
@@ -191,11 +203,12 @@ class SentimentServer:
         self.core.ready = True
         if not self.shared_port:  # a worker's parent warns for all, and its line is the one scripts wait for
             warn_if_open(self.cfg)
-        log.info("%s %s:%d (%s%s), model %r on %s, batching %s, health port %s, metrics %s",
+        log.info("%s %s:%d (%s%s), %s, model %r on %s, batching %s, health port %s, metrics %s",
                  "worker serving on" if self.shared_port else "listening on", self.cfg.host, self.port,
                  "mutual TLS" if self.cfg.tls_client_ca else "TLS" if self.cfg.tls_cert else "plaintext",
                  (", token auth" if self.cfg.auth_token else "")
                  + (", behind a proxy" if self.cfg.behind_proxy else ""),
+                 f"HTTP on {self.cfg.host}:{self.http_port}" if self.http_port is not None else "HTTP off",
                  self.cfg.model_name, self.predictor.provider,
                  "on" if self.cfg.batching else "off",
                  f":{self.health_port}" if self.health_port is not None else "off",
@@ -221,12 +234,16 @@ class SentimentServer:
         if not self.core.refuse_and_wait(grace):
             log.warning("grace %.1f s over with requests still running: they are cancelled", grace)
         self.grpc_server.stop(max(0.0, end - time.monotonic())).wait()
+        if self.http is not None:  # idle connections closed, answers in progress finished
+            self.http.stop()
         self.batcher.close(timeout=grace)
         self._close_listeners()
         self._stopped.set()
         log.info("stopped")
 
     def _close_listeners(self) -> None:
+        if self.http is not None:
+            self.http.stop()
         if self.health_server is not None:
             self.health_server.stop()
         if self._metrics_server is not None:
@@ -246,7 +263,8 @@ def check_distinct_ports(cfg: ServerConfig, shared_port: bool = False) -> None:
     """ServerConfigError when one port number is given to two listeners on one address (port 0 and off are
     skipped). Nothing is bound here: each listener binds its port once, and reports a taken one itself."""
     seen: dict[tuple[str, int], str] = {}
-    listeners = (("gRPC", cfg.host, None if shared_port else cfg.port), ("health", cfg.host, cfg.health_port),
+    listeners = (("gRPC", cfg.host, None if shared_port else cfg.port),
+                 ("HTTP", cfg.host, None if shared_port else cfg.http_port), ("health", cfg.host, cfg.health_port),
                  ("metrics", cfg.metrics_host or cfg.host, cfg.metrics_port))
     for what, host, port in listeners:
         if not port:

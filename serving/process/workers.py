@@ -2,9 +2,9 @@
 
 One Python process runs every request's gRPC handling, protobuf and tokenization under one interpreter lock, so
 past a point it, not onnxruntime, sets the server's ceiling. With `--workers N` a parent process starts N workers,
-each a full `SentimentServer` (its own predictor, batcher, handler threads and limits) on the same gRPC port:
-gRPC's multiprocessing pattern (grpc/examples/python/multiprocessing). The parent binds the port with SO_REUSEPORT
-and keeps it bound while the workers bind it too; the kernel then hands each new connection to one of the
+each a full `SentimentServer` (its own predictor, batcher, handler threads and limits) on the same gRPC port (and HTTP
+port): gRPC's multiprocessing pattern (grpc/examples/python/multiprocessing). The parent binds each port with
+SO_REUSEPORT and keeps it bound while the workers bind it too; the kernel then hands each new connection to one of the
 listening workers. A connection stays with its worker: a client needs several connections (channels) to use
 several workers (one channel reaches one worker).
 
@@ -100,14 +100,16 @@ def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO", log_fo
     server_credentials(cfg)  # unreadable or mismatched TLS files: one line now, before any worker starts
     warn_if_open(cfg)
     metrics_host = cfg.metrics_host or cfg.host
-    with _reserved_port(cfg.host, cfg.port) as port, _multiprocess_folder() as folder:
+    with _reserved_port(cfg.host, cfg.port, "gRPC") as port, _reserved_port(cfg.host, cfg.http_port, "HTTP") as \
+            http_port, _multiprocess_folder() as folder:
         log.info("multiprocess metrics in %s (removed on exit)", folder)
         metrics = Metrics()  # the parent's own counts (health port calls), into the same folder
         health = Health()
         health.listen(lambda: metrics.serving.set(health.serving()))
         for service in ("", SENTIMENT_SERVICE, KSERVE_SERVICE):
             health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        parent = _Parent(bundle, cfg.replace(port=port, health_port=None, metrics_port=None), log_level, log_format)
+        parent = _Parent(bundle, cfg.replace(port=port, http_port=http_port, health_port=None, metrics_port=None),
+                         log_level, log_format)
         health_server: HealthPort | None = None
         metrics_server: MetricsServer | None = None
         try:
@@ -123,7 +125,8 @@ def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO", log_fo
             for listener in (health_server, metrics_server):
                 if listener is not None:
                     listener.start()
-            where = (f"health port {'off' if health_server is None else f':{health_server.port}'}, metrics "
+            where = (f"{'HTTP off' if http_port is None else f'HTTP on {cfg.host}:{http_port}'}, "
+                     f"health port {'off' if health_server is None else f':{health_server.port}'}, metrics "
                      f"{'off' if metrics_server is None else f'on {metrics_host}:{metrics_server.port}'}")
             return parent.run(health, (SENTIMENT_SERVICE, KSERVE_SERVICE), where)
         finally:
@@ -319,9 +322,13 @@ def proc_usage(pid: int) -> tuple[float, int] | None:
 
 
 @contextmanager
-def _reserved_port(host: str, port: int) -> Iterator[int]:
-    """The gRPC port bound (not listening) with SO_REUSEPORT while the workers bind it too: port 0 picks one for
-    all of them, and a process of another user cannot take it in between. A taken port: ServerConfigError."""
+def _reserved_port(host: str, port: int | None, what: str) -> Iterator[int | None]:
+    """A port (gRPC's, HTTP's) bound (not listening) with SO_REUSEPORT while the workers bind it too: port 0 picks one
+    for all of them, and a process of another user cannot take it in between. A taken port: ServerConfigError.
+    None (off): None."""
+    if port is None:
+        yield None
+        return
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
     with socket.socket(family, kind, proto) as sock:
@@ -330,7 +337,7 @@ def _reserved_port(host: str, port: int) -> Iterator[int]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind(address)
         except OSError as e:
-            raise ServerConfigError(f"cannot listen on {host}:{port} (gRPC): {e.strerror or e}") from None
+            raise ServerConfigError(f"cannot listen on {host}:{port} ({what}): {e.strerror or e}") from None
         yield int(sock.getsockname()[1])
 
 

@@ -111,7 +111,7 @@ class HealthPort:
                 code = "CANCELLED"
                 raise
             finally:
-                self.metrics.requests.labels(name, code).inc()
+                self.metrics.requests.labels("grpc", name, code).inc()
                 if self.reclaimer is not None:
                     self.reclaimer.leave()
 

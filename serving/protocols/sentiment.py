@@ -31,17 +31,22 @@ class SentimentServicer(pb_grpc.SentimentServiceServicer):
 
     def GetModelMetadata(self, request: pb.GetModelMetadataRequest,
                          context: grpc.ServicerContext) -> pb.GetModelMetadataResponse:
-        p, cfg = self.core.predictor, self.core.cfg
-        policy = {"truncate": pb.LONG_TEXT_POLICY_TRUNCATE, "refuse": pb.LONG_TEXT_POLICY_REFUSE}[cfg.long_text]
-        return pb.GetModelMetadataResponse(
-            model_name=cfg.model_name,
-            labels=p.label_names,  # the proto's `labels` field: the names
-            max_tokens=p.max_len,
-            bundle_sha256=p.bundle_sha256,
-            execution_provider=p.provider,
-            precision=p.precision,
-            max_texts=cfg.max_texts,
-            max_chars=cfg.max_chars,
-            long_text_policy=policy,
-            label_values=p.label_values,
-        )
+        return metadata(self.core)
+
+
+def metadata(core: ServingCore) -> pb.GetModelMetadataResponse:
+    """The model's labels and the server's limits (GetModelMetadata's answer; /v1/metadata's, as JSON)."""
+    p, cfg = core.predictor, core.cfg
+    policy = {"truncate": pb.LONG_TEXT_POLICY_TRUNCATE, "refuse": pb.LONG_TEXT_POLICY_REFUSE}[cfg.long_text]
+    return pb.GetModelMetadataResponse(
+        model_name=cfg.model_name,
+        labels=p.label_names,  # the proto's `labels` field: the names
+        max_tokens=p.max_len,
+        bundle_sha256=p.bundle_sha256,
+        execution_provider=p.provider,
+        precision=p.precision,
+        max_texts=cfg.max_texts,
+        max_chars=cfg.max_chars,
+        long_text_policy=policy,
+        label_values=p.label_values,
+    )

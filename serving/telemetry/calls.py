@@ -120,12 +120,14 @@ class CallLog:
         t = tracing.active()
         wanted = t.fields if t is not None else frozenset()
         request_id, carrier = None, {}
-        for key, value in headers or ():
-            key = key.lower()
-            if key == REQUEST_ID:
-                request_id = value if isinstance(value, str) else value.decode("ascii", "replace")
-            elif key in wanted and isinstance(value, str):
-                carrier[key] = value
+        for key, value in headers or ():  # gRPC's are str (binary values bytes), ASGI's bytes
+            key = (key.decode("latin-1") if isinstance(key, bytes) else key).lower()
+            if key == REQUEST_ID or key in wanted:
+                value = value if isinstance(value, str) else value.decode("latin-1")
+                if key == REQUEST_ID:
+                    request_id = value
+                else:
+                    carrier[key] = value
         if request_id is None or not _SANE_ID.fullmatch(request_id):
             request_id = str(uuid.uuid4())
         span = None if t is None else t.start(method, carrier, span_attributes or {})
