@@ -10,9 +10,11 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent import futures
 from pathlib import Path
 
 import grpc
+import http_fixtures
 import psutil
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -257,3 +259,49 @@ def test_no_call_outlives_its_answer_when_traced(tiny_bundle: Path, monkeypatch:
         finally:
             tracing.shutdown()
     assert any(s.name == "onnxruntime run" and len(s.links) == 2 for s in receiver.spans)
+
+
+def test_http_calls_are_traced_and_batched_with_grpc_calls(tiny_bundle: Path) -> None:
+    """An HTTP call with a W3C traceparent header continues its client's trace (semantic conventions for HTTP
+    servers), returns its x-request-id, and shares a run with a gRPC call (one batcher for both protocols)."""
+    client_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    with OtlpReceiver() as receiver:
+        server = ServerProcess(tiny_bundle, "--device", "cpu", "--http-port", "0", *BATCH_PAIRS,
+                               env=receiver.env("http/protobuf"))
+        try:
+            port = server.wait_listening()
+            for attempt in range(3):  # a pair that missed one another (a loaded machine) is sent again
+                client_span = f"00f067aa0ba902b{attempt}"
+                with SentimentClient(f"127.0.0.1:{port}", timeout=30) as client:
+                    client.classify([TEXT, TEXT])  # the previous batch: two texts (BATCH_PAIRS)
+                    with futures.ThreadPoolExecutor(2) as pool:
+                        over_grpc = pool.submit(client.classify, [TEXT])
+                        reply = http_fixtures.classify(server.http_port, [TEXT], headers={
+                            "traceparent": f"00-{client_trace}-{client_span}-01", "x-request-id": "http-1"})
+                        over_grpc.result()
+                assert reply.status == 200 and reply.headers["x-request-id"] == "http-1"
+                (call,) = receiver.wait_for(lambda spans, p=client_span: [s for s in spans if s.parent_id == p])
+                spans = receiver.wait_for(lambda spans, c=call: {s.name for s in spans if s.parent_id == c.span_id}
+                                          >= {"admission", "tokenize", "queue wait"} and spans)
+                runs = [s for s in spans if s.name == "onnxruntime run" and (client_trace, call.span_id) in s.links]
+                grpc_calls = {s.span_id for s in spans if s.name == CLASSIFY}
+                if any({sid for _, sid in r.links} & grpc_calls for r in runs):
+                    break
+            else:
+                pytest.fail("no run served an HTTP and a gRPC call in 3 attempts")
+            assert (call.name, call.kind, call.trace_id) == ("POST /v1/classify", "SERVER", client_trace)
+            a = call.attributes
+            assert (a["http.request.method"], a["http.route"], a["url.path"], a["http.response.status_code"]) == \
+                ("POST", "/v1/classify", "/v1/classify", 200)
+            assert a["client.address"] == "127.0.0.1" and a["sentiment.texts"] == 1
+            refused = http_fixtures.classify(server.http_port, [])
+            assert refused.status == 400 and len(refused.headers["x-request-id"]) == 36
+            bad = receiver.wait_for(lambda spans: [s for s in spans if s.attributes.get("http.response.status_code")
+                                                   == 400])
+            assert bad[0].status == 0  # a 4xx is the client's: not an error of the server span
+            access = [line for line in server.log.splitlines() if "serving.access: POST /v1/classify" in line]
+            assert any(" 200 texts=1 " in line and f"request_id=http-1 trace_id={client_trace}" in line
+                       for line in access), access
+            assert any(" 400 texts=0 " in line and refused.headers["x-request-id"] in line for line in access)
+        finally:
+            server.close()
