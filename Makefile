@@ -25,7 +25,7 @@ TORCH_CHECK = import sys, torch; cpu = "$(TORCH_INDEX)".rstrip("/").endswith("/c
            if cpu and torch.version.cuda else 0)
 # The extras installed: with a CUDA torch also `gpu` (onnxruntime-gpu's CUDA and cuDNN libraries).
 comma := ,
-EXTRAS ?= train,serve,dev$(if $(CPU_TORCH),,$(comma)gpu)
+EXTRAS ?= train,serve,dev,trackers$(if $(CPU_TORCH),,$(comma)gpu)
 # After a GPU install: whether onnxruntime's CUDA provider and its libraries load (the driver is the node's: a build
 # machine without one gets a warning naming libcuda.so.1, not an error).
 ORT_CUDA_CHECK = from contract import runtime as r; problem = r.cuda_library_problem(); \

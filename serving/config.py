@@ -90,6 +90,11 @@ class ServerConfig:
     switch_interval_ms: float = 1.0  # Python's interpreter-lock switch interval: gRPC's one polling thread, where
     # every call arrives and admission refuses, waits at most this long behind the handler threads. 0 = Python's
     # own (5 ms)
+    # Telemetry
+    access_log_rate: int = 20  # access log lines per second at most for each method and status (one line per call:
+    # method, peer, status, texts, tokens, ms, request id); the rest are counted in
+    # sentiment_suppressed_access_log_lines_total. 0 = no access log. Traces: the OTEL_* variables
+    # (docs/OBSERVABILITY.md)
     # Lifecycle
     drain_delay_s: float = 0.0  # after SIGTERM: health says NOT_SERVING but requests are still served this
     # long, so that load balancers watching health stop routing here first; then grace_s begins
@@ -151,6 +156,7 @@ class ServerConfig:
         _in_range("min_client_ping_interval_s", self.min_client_ping_interval_s, 0.0, 1e7, integer=False)
         _in_range("max_ping_strikes", self.max_ping_strikes, 0, 1000)
         _in_range("max_connections", self.max_connections, 1, 1_000_000)
+        _in_range("access_log_rate", self.access_log_rate, 0, 1_000_000)
         _in_range("grace_s", self.grace_s, 0.0, 3600.0, integer=False)
         _in_range("drain_delay_s", self.drain_delay_s, 0.0, 3600.0, integer=False)
         if (self.tls_cert is None) != (self.tls_key is None):

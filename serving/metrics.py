@@ -11,10 +11,12 @@ requests cannot pin its threads.
 from __future__ import annotations
 
 import io
+import platform
 import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import metadata
 from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -29,7 +31,8 @@ MAX_CONNECTIONS = 32  # scrapes handled at once (a Prometheus server scrapes one
 
 class Metrics:
     """Requests and errors by code, queue time, batch size and tokens, inference time, queue depth, the bounds
-    against hostile clients, and the process (`process_*`: CPU, resident memory, open files, threads)."""
+    against hostile clients, the model and build served (`*_info`), and the process (`process_*`: CPU, resident
+    memory, open files, threads). docs/OBSERVABILITY.md has the table of every metric."""
 
     def __init__(self, registry: CollectorRegistry | None = None, per_worker: bool = False) -> None:
         """per_worker: a worker of serving/process/workers.py (prometheus_client's multiprocess mode, which sums
@@ -55,6 +58,8 @@ class Metrics:
                                  multiprocess_mode="livesum")
         self.dropped = Counter("sentiment_dropped_texts", "texts dropped before compute, by reason",
                                ["reason"], registry=r)
+        for reason in ("DeadlineExpired", "Cancelled"):  # every reason there is, from 0: a rate query finds it
+            self.dropped.labels(reason)
         self.response_bytes = Gauge("sentiment_response_bytes_in_flight",
                                     "bytes of answers built and not yet delivered to their clients", registry=r,
                                     multiprocess_mode="livesum")
@@ -67,10 +72,36 @@ class Metrics:
                                      registry=r)
         self.suppressed_logs = Counter("sentiment_suppressed_tracebacks", "internal-error tracebacks not logged "
                                        "(rate limit)", registry=r)
+        self.suppressed_access_logs = Counter("sentiment_suppressed_access_log_lines", "access log lines not "
+                                              "written (rate limit: access_log_rate per method and status)",
+                                              registry=r)
+        self.serving = Gauge("sentiment_serving", "1 while the server's health says SERVING (grpc.health.v1, the "
+                             "whole server): 0 while it starts and from SIGTERM on, and in a --workers parent while no "
+                             "worker is ready", registry=r, multiprocess_mode="livemin")
+        # Info metrics (value 1, the facts in the labels): the largest over the live workers, so that N workers
+        # serving one bundle show one series, and a rollout's old and new bundles two.
+        self.model_info = Gauge("sentiment_model_info", "the model this server holds: its bundle's digest, the "
+                                "graph's precision, the onnxruntime provider it runs on, its name and version",
+                                ["bundle_sha256", "precision", "provider", "model", "version"], registry=r,
+                                multiprocess_mode="livemax")
+        build = Gauge("sentiment_build_info", "the server's version and the versions of what it runs on",
+                      ["version", "onnxruntime", "grpcio", "python"], registry=r, multiprocess_mode="livemax")
+        build.labels(*(package_version(p) or "unknown" for p in ("transfer-sentiment", "onnxruntime", "grpcio")),
+                     platform.python_version()).set(1)
         self.worker_texts: Gauge | None = None
         if per_worker:  # a gauge: multiprocess mode keeps a gauge's pid label ("liveall"), sums a counter's away
             self.worker_texts = Gauge("sentiment_worker_texts", "texts classified by this worker process since it "
                                       "started, by pid (--workers > 1)", registry=r, multiprocess_mode="liveall")
+
+
+def package_version(package: str) -> str | None:
+    """An installed distribution's version (None when not installed as one); onnxruntime-gpu counts as onnxruntime."""
+    for name in (package, f"{package}-gpu"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 class MetricsServer:

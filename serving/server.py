@@ -32,6 +32,7 @@ from contract.comments import comments
 from contract.version import version_line
 from serving.config import ServerConfig
 from serving.errors import BundleError, ServerConfigError
+from serving.telemetry import logs, tracing
 
 log = logging.getLogger("serving.server")  # its own name also when run as __main__
 
@@ -88,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                         "SENTIMENT_AUTH_TOKEN variable); never on the command line, where `ps` shows it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="lowest level of the log lines written to stderr (default: INFO)")
+    p.add_argument("--log-format", default="text", choices=logs.FORMATS,
+                   help="stderr's lines: text, or one JSON object per line for a log collector; the same fields "
+                        "either way: timestamp, level, logger, message, request_id, trace_id (default: text)")
     p.add_argument("--version", action="version", version=version_line("sentiment-server"))
     return p
 
@@ -116,13 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from serving.process.app import SentimentServer, configure_process  # onnxruntime: after --help and --version
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format)
     try:
         cfg = config_from_args(args)
         if cfg.workers > 1:
             from serving.process import workers  # the parent of several processes: its own module
 
-            return workers.serve(args.bundle, cfg, args.log_level)
+            return workers.serve(args.bundle, cfg, args.log_level, args.log_format)
         configure_process(cfg)
         server = SentimentServer(args.bundle, cfg).bind()
     except (BundleError, ServerConfigError) as e:
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     log.info("signal received: NOT_SERVING, draining in-flight requests (grace %.1f s)", server.cfg.grace_s)
     server.stop()
+    tracing.shutdown()  # the spans still queued are exported
     return 0
 
 

@@ -2,8 +2,7 @@
 
 - `Slots`: calls in progress at once, refused past the limit (no queue);
 - `ResponseBudget`: bytes of answers built and not yet delivered;
-- `Watchdog`: cancels a call whose request message has not arrived in time (one thread for all calls);
-- `LogThrottle`: at most a few tracebacks per kind of failure and period, the rest counted.
+- `Watchdog`: cancels a call whose request message has not arrived in time (one thread for all calls).
 Each one that holds work in progress tells the memory reclaimer (serving/limits/memory.py).
 """
 
@@ -119,29 +118,6 @@ class ResponseBudget:
             self._gauge.set(self.used)
         if self._reclaimer is not None:
             self._reclaimer.leave()
-
-
-class LogThrottle:
-    """At most `burst` full tracebacks per `period` s for one kind of failure; the rest are counted, and the count
-    is logged with the next traceback allowed."""
-
-    def __init__(self, period: float = 60.0, burst: int = 3) -> None:
-        self.period, self.burst = period, burst
-        self._lock = threading.Lock()
-        self._seen: dict[str, tuple[float, int, int]] = {}  # key -> (window start, logged, suppressed)
-
-    def allow(self, key: str) -> tuple[bool, int]:
-        """(log this one?, how many were suppressed since the last one logged)."""
-        now = time.monotonic()
-        with self._lock:
-            start, logged, suppressed = self._seen.get(key, (now, 0, 0))
-            if now - start >= self.period:
-                start, logged = now, 0
-            if logged < self.burst:
-                self._seen[key] = (start, logged + 1, 0)
-                return True, suppressed
-            self._seen[key] = (start, logged, suppressed + 1)
-            return False, 0
 
 
 class Slots:

@@ -21,20 +21,25 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from serving.errors import BodyTimeout, InvalidInput, Overloaded, ServingError, Unauthenticated
-from serving.limits.bounds import LogThrottle, ResponseBudget, Slots, Watchdog
+from serving.limits.bounds import ResponseBudget, Slots, Watchdog
 from serving.limits.memory import Reclaimer
 from serving.metrics import Metrics
+from serving.telemetry.calls import REQUEST_ID, Call, CallLog
+from serving.telemetry.logs import LogThrottle
 
 log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # open without a token (load balancers, probes)
+# The codes that make a server span an error (OpenTelemetry's semantic conventions for gRPC): the others are the
+# client's doing (a bad argument, a missing token, a refusal it may retry).
+SERVER_ERRORS = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"})
 
 
 class _Malformed:
@@ -77,10 +82,13 @@ class Gate(grpc.ServerInterceptor):
 
     def __init__(self, metrics: Metrics, *, auth_token: str | None, max_calls: int, health_workers: int,
                  body_timeout_s: float, max_message_bytes: int, max_response_bytes: int,
-                 reclaimer: Reclaimer | None = None, queue_full: Callable[[], str | None] = lambda: None) -> None:
+                 reclaimer: Reclaimer | None = None, queue_full: Callable[[], str | None] = lambda: None,
+                 calls: CallLog | None = None) -> None:
         """queue_full: why the batcher might have no room for the call's texts (their number is known only once its
-        body is read), or None (model calls are then refused at admission with that reason)."""
+        body is read), or None (model calls are then refused at admission with that reason). calls: where every call
+        but health's gets its request id, span and access line (serving/telemetry/calls.py)."""
         self.metrics = metrics
+        self.calls = calls or CallLog(0)
         self.queue_full = queue_full
         self.expected = f"Bearer {auth_token}".encode() if auth_token else None
         self.body_timeout_s = body_timeout_s
@@ -111,20 +119,28 @@ class Gate(grpc.ServerInterceptor):
         if handler is None:
             return None  # unknown method: grpc answers UNIMPLEMENTED at once, without a thread
         method = details.method.lstrip("/")
-        if not self._authorized(details):
-            return self._refusal(handler, method, Unauthenticated("missing or wrong bearer token (metadata "
-                                                                  "'authorization: Bearer <token>')"), auth=True)
         health = details.method.startswith(HEALTH_PREFIX)
-        if not health:  # admission: refused here, in gRPC's polling thread, rather than after a wait for a thread
-            refusal = self.admission()
-            if refusal is not None:
-                return self._refusal(handler, method, refusal)
+        # Every call but health's (probes would flood the access log and the traces) is a telemetry Call from here.
+        tele = None if health else self.calls.begin("grpc", method, details.invocation_metadata,
+                                                     {"rpc.system.name": "grpc", "rpc.method": method})
+        with tele.step("auth") if tele is not None and self.expected is not None else nullcontext():
+            authorized = self._authorized(details)
+        if not authorized:
+            return self._refusal(handler, method, Unauthenticated("missing or wrong bearer token (metadata "
+                                                                  "'authorization: Bearer <token>')"), tele, auth=True)
         # A unary model call takes its slot here, before gRPC queues it for a thread of its pool: a call that got
         # past admission is one the pool has a thread for, never one that waits in the pool's queue to be refused
         # there. (Streams, reflection's, take theirs when they start: a generator's code runs only once iterated.)
         prepaid = not health and handler.unary_unary is not None
+        if tele is not None:  # admission: refused here, in gRPC's polling thread, rather than after a wait for a thread
+            with tele.step("admission"):
+                refusal = self.admission()
+                if refusal is None and prepaid:
+                    refusal = self.model_slots.acquire()  # released when the behaviour ends (gRPC always runs it)
+            if refusal is not None:
+                return self._refusal(handler, method, refusal, tele)
         call = _Call(self, method, self.health_slots if health else self.model_slots, model=not health,
-                     prepaid=prepaid)
+                     prepaid=prepaid, tele=tele)
         parse = _safe(handler.request_deserializer)
         if handler.unary_unary is not None:
             made = grpc.stream_unary_rpc_method_handler(call.unary(handler.unary_unary), request_deserializer=parse,
@@ -142,10 +158,6 @@ class Gate(grpc.ServerInterceptor):
             for behavior in (made.stream_unary, made.stream_stream):
                 if behavior is not None:
                     behavior.experimental_thread_pool = self.health_pool
-        if prepaid:
-            refusal = self.model_slots.acquire()  # released when the behaviour ends (gRPC always runs it)
-            if refusal is not None:
-                return self._refusal(handler, method, refusal)
         return made
 
     def admission(self) -> Overloaded | None:
@@ -191,6 +203,13 @@ class Gate(grpc.ServerInterceptor):
             self.budget.release(size)  # the call has already ended
         return response
 
+    def finish(self, tele: Call, context: grpc.ServicerContext, code: str, reason: str = "") -> None:
+        """The call's span and access line ended, with the code its client gets."""
+        tele.peer = context.peer()
+        attributes = {"rpc.response.status_code": code, **_peer(tele.peer)} if tele.span is not None \
+            and tele.span.recording else None
+        tele.finish(code, failed=code in SERVER_ERRORS, attributes=attributes, reason=reason)
+
     def log_internal(self, method: str, error: Exception) -> None:
         allowed, suppressed = self.throttle.allow(f"{method}:{type(error).__name__}")
         if allowed:
@@ -199,7 +218,7 @@ class Gate(grpc.ServerInterceptor):
         else:
             self.metrics.suppressed_logs.inc()
 
-    def _refusal(self, handler: grpc.RpcMethodHandler, method: str, error: ServingError,
+    def _refusal(self, handler: grpc.RpcMethodHandler, method: str, error: ServingError, tele: Call | None,
                  auth: bool = False) -> grpc.RpcMethodHandler:
         """A request-streaming handler that only aborts: it never reads the body, so a client that never sends it
         holds nothing; it runs in gRPC's polling thread (`_Inline`). auth: a failed authentication, counted."""
@@ -208,6 +227,9 @@ class Gate(grpc.ServerInterceptor):
             if auth:
                 self.metrics.auth_failures.inc()
             self.metrics.requests.labels("grpc", method, error.code).inc()
+            if tele is not None:
+                context.set_trailing_metadata(((REQUEST_ID, tele.request_id),))
+                self.finish(tele, context, error.code, str(error))
             context.abort(grpc.StatusCode[error.code], str(error))
 
         abort.experimental_thread_pool = self.refusal_pool
@@ -220,15 +242,21 @@ class _Call:
     """The behaviours of one call of `method`: each takes a slot (or holds the one taken at admission), reads under
     the watchdog, maps errors to codes, counts the call with the code its client got."""
 
-    def __init__(self, gate: Gate, method: str, slots: Slots, model: bool, prepaid: bool = False) -> None:
-        """prepaid: its slot was taken at admission; it is released when the behaviour ends."""
+    def __init__(self, gate: Gate, method: str, slots: Slots, model: bool, prepaid: bool = False,
+                 tele: Call | None = None) -> None:
+        """prepaid: its slot was taken at admission; it is released when the behaviour ends. tele: its telemetry
+        record (None for health)."""
         self.gate, self.method, self.slots, self.model, self.prepaid = gate, method, slots, model, prepaid
+        self.tele = tele
 
     @contextmanager
     def _served(self, context: grpc.ServicerContext) -> Iterator[None]:
-        start, code = time.perf_counter(), None
+        start, code, reason = time.perf_counter(), None, ""
         prepaid = self.prepaid  # a slot this call holds, released at the end whatever happens
+        tele = self.tele
         try:
+            if tele is not None:  # the request id is in the trailing metadata whatever the outcome
+                context.set_trailing_metadata(((REQUEST_ID, tele.request_id),))
             if not prepaid:
                 refusal = self.slots.acquire()
                 if refusal is not None:
@@ -238,12 +266,13 @@ class _Call:
                 b = self.gate.budget
                 raise Overloaded(f"{b.used} bytes of answers wait for their clients "
                                  f"(max_response_bytes_in_flight {b.limit}); retry later")
-            yield
+            with tele.serving() if tele is not None else nullcontext():
+                yield
         except grpc.RpcError:
             code = "CANCELLED"  # the client went away: gRPC raised this itself and ends the call quietly
             raise
         except ServingError as e:
-            code = e.code
+            code, reason = e.code, str(e)
             context.abort(grpc.StatusCode[e.code], str(e))
         except Exception as e:
             chosen = context.code()
@@ -260,6 +289,8 @@ class _Call:
                 code = context.code().name if context.code() is not None else "OK"
             self.gate.metrics.requests.labels("grpc", self.method, code).inc()
             self.gate.metrics.request_seconds.labels("grpc", self.method).observe(time.perf_counter() - start)
+            if tele is not None:
+                self.gate.finish(tele, context, code, reason)
 
     def unary(self, inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
         def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
@@ -288,3 +319,13 @@ class _Call:
                 yield from inner(messages(requests, context), context)
 
         return behavior
+
+
+def _peer(peer: str) -> dict[str, Any]:
+    """network.peer.* of a gRPC peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/path")."""
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        host, _, port = address.rpartition(":")
+        if port.isdigit():
+            return {"network.peer.address": host.strip("[]"), "network.peer.port": int(port)}
+    return {"network.peer.address": address} if address else {}

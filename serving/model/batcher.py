@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from serving.errors import Cancelled, DeadlineExpired, NotReady, Overloaded
 from serving.metrics import Metrics
+from serving.telemetry import tracing
 
 Infer = Callable[[Sequence[np.ndarray]], np.ndarray]  # rows of ids -> (n, C) probabilities, one run
 
@@ -37,6 +39,8 @@ class _Request:
     deadline: float | None  # time.monotonic() seconds, None = no deadline
     cancelled: Callable[[], bool] | None  # True once the client has gone away
     enqueued: float  # time.monotonic() at submit
+    trace: Any = None  # the span context of its call when traced and sampled (links hold contexts, never calls)
+    queued_ns: int = 0  # time.time_ns() at submit, when traced: its queue wait's span starts there
     future: Future = field(default_factory=Future)
     out: np.ndarray | None = None  # (n, C), allocated at the first computed row
     remaining: int = 0  # rows not computed yet
@@ -72,8 +76,11 @@ class Batcher:
         workers: int = 1,
         enabled: bool = True,
         metrics: Metrics | None = None,
+        span_attributes: Mapping[str, Any] | None = None,
     ) -> None:
+        """span_attributes: what a batch's span says of the model besides the batch (graph, provider)."""
         self.infer = infer
+        self.span_attributes = dict(span_attributes or {})
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_queue_delay_s = max_queue_delay_s
@@ -99,10 +106,13 @@ class Batcher:
         rows: Sequence[np.ndarray],
         deadline: float | None = None,
         cancelled: Callable[[], bool] | None = None,
+        trace: Any = None,
     ) -> Future:
-        """Queue one request's rows; the Future gives (n, C) probabilities or raises a ServingError."""
+        """Queue one request's rows; the Future gives (n, C) probabilities or raises a ServingError. trace: the span
+        context of its call (serving/telemetry/calls.py, Call.link), for the spans of its queue wait and its batch."""
         now = time.monotonic()
-        req = _Request(rows, deadline, cancelled, now, remaining=len(rows))
+        req = _Request(rows, deadline, cancelled, now, trace, time.time_ns() if trace is not None else 0,
+                       remaining=len(rows))
         with self._cond:
             if self._closing:
                 raise NotReady("server is shutting down: no new requests")
@@ -248,16 +258,23 @@ class Batcher:
 
     def _compute(self, batch: list[_Row]) -> None:
         start = time.monotonic()
+        traced: dict[int, _Request] = {}  # the traced requests served, oldest first (none when tracing is off)
         for row in batch:
             self.metrics.queue_seconds.observe(start - row.request.enqueued)
+            if row.request.trace is not None:
+                traced[id(row.request)] = row.request
+        start_ns = time.time_ns() if traced else 0
         try:
             probs = self.infer([row.request.rows[row.index] for row in batch])  # (len(batch), C)
         except Exception as e:  # a failed run fails every request in it, and only those
+            if traced:
+                self._trace(batch, traced, start_ns, time.time_ns(), e)
             with self._cond:
                 for req in {id(r.request): r.request for r in batch}.values():
                     if not req.future.done():
                         req.future.set_exception(e)
             return
+        end_ns = time.time_ns() if traced else 0
         m = self.metrics
         m.inference_seconds.observe(time.monotonic() - start)
         m.batch_size.observe(len(batch))
@@ -276,3 +293,20 @@ class Batcher:
                 req.remaining -= 1
                 if req.remaining == 0:
                     req.future.set_result(req.out)
+        if traced:
+            self._trace(batch, traced, start_ns, end_ns, None)
+
+    def _trace(self, batch: list[_Row], traced: dict[int, _Request], start_ns: int, end_ns: int,
+               error: Exception | None) -> None:
+        """The run's span, linked to the traced calls it served, and their queue waits (serving/telemetry); after
+        the answers are handed over, so that no caller waits for it."""
+        t = tracing.active()
+        if t is None:
+            return
+        served = sorted(traced.values(), key=lambda r: r.queued_ns)
+        lengths = [r.length for r in batch]
+        attributes = {**self.span_attributes, "sentiment.batch.texts": len(batch),
+                      "sentiment.batch.calls": len({id(r.request) for r in batch}),
+                      "sentiment.batch.tokens": sum(lengths),
+                      "sentiment.batch.padded_tokens": len(batch) * max(lengths)}
+        t.batch([(r.trace, r.queued_ns) for r in served], start_ns, end_ns, attributes, error)

@@ -16,6 +16,7 @@ from serving.config import ServerConfig
 from serving.errors import DeadlineExpired, InvalidInput, NotReady, Overloaded
 from serving.model.batcher import Batcher
 from serving.model.predictor import Prediction, Predictor
+from serving.telemetry import calls
 
 # A letter or a digit (str.isalnum: Unicode categories L and N). A text without one (NUL, control or format
 # characters, punctuation, symbols, emoji) gives the model nothing it was trained to read: refused, not answered
@@ -70,7 +71,7 @@ class ServingCore:
             self._active += 1
         try:
             encoded = self._encode(texts)
-            queued = self.batcher.submit([e.ids for e in encoded], deadline, cancelled)
+            queued = self._queue(encoded, deadline, cancelled)
         except BaseException:
             self._leave()
             raise
@@ -109,7 +110,7 @@ class ServingCore:
         cancelled: Callable[[], bool] | None,
     ) -> list[Prediction]:
         encoded = self._encode(texts)
-        future = self.batcher.submit([e.ids for e in encoded], deadline, cancelled)
+        future = self._queue(encoded, deadline, cancelled)
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             probs = future.result(timeout)  # (n, C)
@@ -122,9 +123,18 @@ class ServingCore:
             del future
         return self.predictor.predictions(encoded, probs)
 
+    def _queue(self, encoded: list[Encoded], deadline: float | None, cancelled: Callable[[], bool] | None) -> Future:
+        """The texts into the batcher, with their call's span context when traced (its queue wait and batch spans)."""
+        call = calls.current()
+        return self.batcher.submit([e.ids for e in encoded], deadline, cancelled,
+                                   trace=call.link() if call is not None else None)
+
     def _encode(self, texts: Sequence[str]) -> list[Encoded]:
         """The texts checked against the limits, then tokenized; InvalidInput or Overloaded naming the problem."""
         cfg = self.cfg
+        call = calls.current()  # the protocol's record of this call: texts and tokens for its access line
+        if call is not None:
+            call.texts = len(texts)
         if not texts:
             raise InvalidInput(f"texts: empty list; send 1 to max_texts={cfg.max_texts} texts")
         if len(texts) > cfg.max_texts:
@@ -140,7 +150,10 @@ class ServingCore:
         full = self.batcher.no_room(len(texts))
         if full:  # refused before its texts are tokenized, work the batcher would throw away
             raise Overloaded(full)
-        encoded = self.predictor.encode(texts)
+        with calls.step("tokenize"):
+            encoded = self.predictor.encode(texts)
+        if call is not None:
+            call.tokens = sum(e.token_count for e in encoded)
         for i, e in enumerate(encoded):
             if e.token_count <= 2:  # <sos> <eos> only: nothing to classify, answered as blank text is
                 raise InvalidInput(f"texts[{i}]: no tokens: the text holds only characters the tokenizer drops "

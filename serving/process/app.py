@@ -36,8 +36,11 @@ from serving.protocols.health_port import HealthPort
 from serving.protocols.http.calls import HttpCalls
 from serving.protocols.http.routes import router
 from serving.protocols.http.server import HttpServer
-from serving.protocols.kserve import KServeServicer
+from serving.protocols.kserve import VERSION as MODEL_VERSION
+from serving.protocols.kserve import KServeServicer, server_version
 from serving.protocols.sentiment import SentimentServicer
+from serving.telemetry import tracing
+from serving.telemetry.calls import CallLog
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +77,13 @@ def transport_options(cfg: ServerConfig, shared_port: bool = False) -> list[tupl
     ]
 
 
-def configure_process(cfg: ServerConfig) -> None:
+def configure_process(cfg: ServerConfig, worker: int | None = None) -> None:
     """Process-wide settings, once per server process and before the model's and gRPC's buffers exist: glibc's
-    mmap threshold (serving/limits/memory.py) and the interpreter lock's switch interval (ServerConfig says why).
-    `python -m serving.server` and each worker call it; a server made inside another program (a test) leaves that
-    program's allocator and interpreter as they are."""
+    mmap threshold (serving/limits/memory.py), the interpreter lock's switch interval (ServerConfig says why) and
+    tracing (serving/telemetry/tracing.py: from the OTEL_* variables; a ServerConfigError names a bad one).
+    `python -m serving.server` and each worker (`worker`: its index) call it; a server made inside another program (a
+    test) leaves that program's allocator, interpreter and tracing as they are."""
+    tracing.configure(server_version(), worker)
     fix_mmap_threshold(cfg.malloc_mmap_threshold_bytes)
     if cfg.switch_interval_ms > 0:
         sys.setswitchinterval(cfg.switch_interval_ms / 1000)
@@ -101,6 +106,8 @@ class SentimentServer:
                                    spinning=cfg.ort_spinning)
         cfg.check_bundle_fit(self.predictor.max_len)
         self.metrics = Metrics(per_worker=shared_port)
+        p = self.predictor
+        self.metrics.model_info.labels(p.bundle_sha256, p.precision, p.provider, cfg.model_name, MODEL_VERSION).set(1)
         self.batcher = Batcher(
             self.predictor.infer,
             max_batch_size=cfg.max_batch_size,
@@ -111,9 +118,12 @@ class SentimentServer:
             workers=cfg.batch_workers,
             enabled=cfg.batching,
             metrics=self.metrics,
+            span_attributes={"sentiment.graph": p.graph, "sentiment.precision": p.precision,
+                             "sentiment.provider": p.provider, "sentiment.per_row": p.per_row},
         )
         self.core = ServingCore(self.predictor, self.batcher, cfg)
         self.health = Health()
+        self.health.listen(lambda: self.metrics.serving.set(self.health.serving()))
         limit = cfg.max_concurrent_rpcs or cfg.max_workers
         # Memory freed by a burst of model calls goes back to the system once they are over (serving/limits/memory.py).
         self.reclaimer: Reclaimer | None = None
@@ -123,7 +133,8 @@ class SentimentServer:
         self.gate = Gate(self.metrics, auth_token=cfg.auth_token, max_calls=limit, health_workers=cfg.health_workers,
                          body_timeout_s=cfg.body_timeout_s, max_message_bytes=cfg.max_message_bytes,
                          max_response_bytes=cfg.max_response_bytes_in_flight, reclaimer=self.reclaimer,
-                         queue_full=lambda: self.batcher.no_room_for_any(cfg.max_texts))
+                         queue_full=lambda: self.batcher.no_room_for_any(cfg.max_texts),
+                         calls=CallLog(cfg.access_log_rate, self.metrics.suppressed_access_logs.inc))
         # The gate counts a call until its behaviour returns; the thread then still sends the answer, so a caller
         # that sends its next request at once can need a second thread. Without spare threads, 128 closed-loop
         # callers at max_workers 128 were refused 184 times in 159k requests (bench/soak.py, docs/RELIABILITY.md):

@@ -56,6 +56,7 @@ from serving.errors import BundleError, ServerConfigError
 from serving.metrics import Metrics, MetricsServer
 from serving.protocols.health import Health
 from serving.protocols.health_port import HealthPort
+from serving.telemetry import logs, tracing
 
 log = logging.getLogger("serving.process.workers")
 
@@ -81,7 +82,7 @@ class _Slot:
     pids: list[int] = field(default_factory=list)
 
 
-def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO") -> int:
+def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO", log_format: str = "text") -> int:
     """Run `cfg.workers` server processes until SIGTERM or SIGINT; the exit code."""
     from serving.process.app import (
         KSERVE_SERVICE,
@@ -94,6 +95,7 @@ def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO") -> int
     from serving.process.app import metrics_server as bind_metrics
 
     cfg.check_bundle_fit(verify_bundle(bundle).manifest.max_len)  # one line now, rather than one per worker
+    tracing.check()  # each worker exports its own spans (serving/telemetry/tracing.py); a bad variable: one line now
     check_distinct_ports(cfg)
     server_credentials(cfg)  # unreadable or mismatched TLS files: one line now, before any worker starts
     warn_if_open(cfg)
@@ -103,10 +105,11 @@ def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO") -> int
         log.info("multiprocess metrics in %s (removed on exit)", folder)
         metrics = Metrics()  # the parent's own counts (health port calls), into the same folder
         health = Health()
+        health.listen(lambda: metrics.serving.set(health.serving()))
         for service in ("", SENTIMENT_SERVICE, KSERVE_SERVICE):
             health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         parent = _Parent(bundle, cfg.replace(port=port, http_port=http_port, health_port=None, metrics_port=None),
-                         log_level)
+                         log_level, log_format)
         health_server: HealthPort | None = None
         metrics_server: MetricsServer | None = None
         try:
@@ -136,8 +139,8 @@ def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO") -> int
 class _Parent:
     """Starts, watches, restarts and stops the workers."""
 
-    def __init__(self, bundle: str | Path, worker_cfg: ServerConfig, log_level: str) -> None:
-        self.bundle, self.cfg, self.log_level = str(bundle), worker_cfg, log_level
+    def __init__(self, bundle: str | Path, worker_cfg: ServerConfig, log_level: str, log_format: str = "text") -> None:
+        self.bundle, self.cfg, self.log_level, self.log_format = str(bundle), worker_cfg, log_level, log_format
         self.slots = [_Slot(i) for i in range(worker_cfg.workers)]
         self._context = multiprocessing.get_context("spawn")
         self._stop = threading.Event()
@@ -160,7 +163,7 @@ class _Parent:
         parent_end, child_end = self._context.Pipe(duplex=False)
         process = self._context.Process(target=_worker_main, name=f"sentiment-worker-{slot.index}",
                                         args=(slot.index, self.bundle, self.cfg, child_end, self.log_level,
-                                              os.getpid()))
+                                              self.log_format, os.getpid()))
         process.start()
         child_end.close()
         slot.process, slot.conn, slot.ready, slot.restart_at = process, parent_end, False, None
@@ -359,18 +362,17 @@ def _multiprocess_folder() -> Iterator[str]:
 # ---------------------------------------------------------------------------------------------------- worker
 
 
-def _worker_main(index: int, bundle: str, cfg: ServerConfig, conn: Connection, log_level: str,
+def _worker_main(index: int, bundle: str, cfg: ServerConfig, conn: Connection, log_level: str, log_format: str,
                  parent_pid: int) -> None:
     """One worker: a SentimentServer on the shared port until SIGTERM (or its parent is gone)."""
     from serving.process.app import SentimentServer, configure_process
 
-    logging.basicConfig(level=log_level,
-                        format=f"%(asctime)s %(levelname)s %(name)s[worker {index} pid {os.getpid()}]: %(message)s")
+    logs.configure(log_level, log_format, worker=index)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
-    configure_process(cfg)
     try:
+        configure_process(cfg, worker=index)
         server = SentimentServer(bundle, cfg, shared_port=True).bind()
     except (BundleError, ServerConfigError) as e:
         print(f"sentiment-server: error: worker {index}: {e}", file=sys.stderr)
@@ -382,4 +384,5 @@ def _worker_main(index: int, bundle: str, cfg: ServerConfig, conn: Connection, l
             log.error("the parent process is gone: draining")
             break
     server.stop()
+    tracing.shutdown()
     sys.exit(0)

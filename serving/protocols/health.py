@@ -35,6 +35,11 @@ class Health(health.HealthServicer):
         with self._statuses_lock:
             self._listeners.append(listener)
 
+    def serving(self) -> bool:
+        """The whole server ("") says SERVING."""
+        with self._statuses_lock:
+            return self._statuses.get("") == health_pb2.HealthCheckResponse.SERVING
+
     def statuses(self) -> dict[str, int]:
         """A copy of every service's status."""
         with self._statuses_lock:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import metadata
 
 import grpc
 import numpy as np
@@ -20,6 +19,7 @@ import numpy as np
 from serving.errors import InvalidInput, ModelNotFound
 from serving.gen.inference import grpc_service_pb2 as pb
 from serving.gen.inference import grpc_service_pb2_grpc as pb_grpc
+from serving.metrics import package_version
 from serving.model.core import ServingCore
 from serving.model.predictor import Prediction
 from serving.protocols.calls import cancelled_of, deadline_of
@@ -31,10 +31,8 @@ SERVER_NAME = "sentiment-server"
 
 
 def server_version() -> str:
-    try:
-        return metadata.version("transfer-sentiment")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
+    """This package's version (ServerMetadata, the traces' service.version)."""
+    return package_version("transfer-sentiment") or "0+unknown"
 
 
 def encode_bytes(items: list[bytes]) -> bytes:

@@ -180,6 +180,20 @@ class EngineConfig:
     deterministic: bool = False
 
 
+@section("monitor")
+class MonitorConfig:
+    """Where a run's metrics go besides metrics.csv: the trackers of DeepSpeed's monitor, which trainer/engine turns
+    on through its DeepSpeed JSON (sections tensorboard, csv_monitor, wandb; a user's JSON may add comet)."""
+
+    tensorboard: bool = True  # TensorBoard event files in RUN/tb/
+    csv: bool = False  # DeepSpeed's CSV monitor: one CSV file per series in RUN/csv/
+    # Weights & Biases (pip's `trackers` extra); WANDB_MODE=offline keeps the run in RUN/wandb/ for `wandb sync`
+    wandb: bool = False
+    wandb_project: str = "transfer-sentiment"  # W&B project
+    wandb_team: str = ""  # W&B entity, a team or a user ("" = the account's default)
+    wandb_group: str = ""  # W&B group, e.g. one per experiment ("" = none)
+
+
 @section("pretrain")
 class PretrainConfig:
     """Language-model pretraining."""
@@ -223,6 +237,7 @@ class RunConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 

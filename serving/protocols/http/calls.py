@@ -12,6 +12,9 @@ metrics, under the bounds of the gRPC gate (serving/limits/gate.py), shared with
 - the model slot is released once the answer is built; the answer counts against the answers' budget until it is
   handed to the connection.
 Every call is counted in sentiment_requests_total{protocol="http"} with the code (the gRPC status name) its client got.
+Every call but health's is a telemetry call (serving/telemetry/calls.py) as on gRPC: its `x-request-id` (taken or
+made) is a response header, its span follows the semantic conventions for HTTP servers, its access line gives the
+HTTP status (499: the client left before its answer).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +184,16 @@ def parse_json(data: bytes) -> Any:
 
 
 Work = Callable[[Call], Awaitable[Answer]]
+HEALTH_PATHS = "/v2/health/"  # probes: neither traced nor in the access log (they would flood both)
+
+
+def _span_attributes(scope: Scope, label: str) -> dict[str, Any]:
+    """OpenTelemetry's semantic conventions for an HTTP server span; `label`: "METHOD /route/{param}"."""
+    client = scope.get("client") or ("", 0)
+    return {"http.request.method": scope["method"], "http.route": label.partition(" ")[2],
+            "url.path": scope["path"], "url.scheme": scope.get("scheme", "http"),
+            "network.protocol.version": scope.get("http_version", "1.1"), "client.address": client[0],
+            "client.port": client[1]}
 
 
 class HttpCalls:
@@ -203,20 +217,26 @@ class HttpCalls:
         """One call: auth -> admission -> body -> work -> answer -> metrics. method: its label ("POST
         /v1/classify"); model: takes a model slot (admission first); open: served without a token (health)."""
         call = Call(scope, receive, self.cfg, time.monotonic())
+        tele = None if scope["path"].startswith(HEALTH_PATHS) else \
+            self.gate.calls.begin("http", method, scope["headers"], _span_attributes(scope, method))
         code, slot, answer = "OK", False, None
         try:
-            if not open and not self._authorized(call):
+            with tele.step("auth") if tele is not None and self.token and not open else nullcontext():
+                authorized = open or self._authorized(call)
+            if not authorized:
                 self.metrics.auth_failures.inc()
                 raise Unauthenticated("missing or wrong bearer token (header 'Authorization: Bearer <token>')")
             timeout = call.header(TIMEOUT_HEADER)
             if timeout is not None:
                 call.set_timeout(timeout_seconds(timeout))
             if model:
-                refusal = self.gate.admission() or self.gate.model_slots.acquire()
+                with tele.step("admission") if tele is not None else nullcontext():
+                    refusal = self.gate.admission() or self.gate.model_slots.acquire()
                 if refusal is not None:
                     raise refusal
                 slot = True
-            answer = await work(call)
+            with tele.serving() if tele is not None else nullcontext():  # the core sees it: texts, tokens, spans
+                answer = await work(call)
         except ServingError as e:
             code = e.code
             answer = self._refusal(e, call)
@@ -227,6 +247,8 @@ class HttpCalls:
         finally:
             if slot:
                 self.gate.model_slots.release()
+        if tele is not None:
+            answer.headers.append((b"x-request-id", tele.request_id.encode()))
         if call.gone:
             code = "CANCELLED"  # no one to answer
         else:
@@ -242,6 +264,12 @@ class HttpCalls:
                     self.gate.budget.release(size)
         self.metrics.requests.labels("http", method, code).inc()
         self.metrics.request_seconds.labels("http", method).observe(time.monotonic() - call.start)
+        if tele is not None:
+            status = 499 if call.gone else answer.status
+            client = scope.get("client") or ("", 0)
+            tele.peer = f"{client[0]}:{client[1]}"
+            attributes = {"http.response.status_code": status} if tele.span is not None else None
+            tele.finish(str(status), failed=status >= 500, attributes=attributes, reason=code)
 
     def _refusal(self, error: ServingError, call: Call) -> Answer:
         headers = list(error.headers) if isinstance(error, HttpError) else []
