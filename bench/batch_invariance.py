@@ -43,7 +43,6 @@ from contract.tokens import PAD
 from trainer import artifact as artifact_mod
 from trainer.data import labelled
 from trainer.data.readers import read_labeled
-from trainer.data.tokenizer import Tokenizer
 from trainer.export import ExportOptions, export_bundle
 from trainer.export.score import torch_reference
 
@@ -51,7 +50,7 @@ Run = Callable[[list[list[int]]], np.ndarray]  # rows of ids -> (n, C) probabili
 
 
 def padded(rows: list[list[int]]) -> dict[str, np.ndarray]:
-    """Right-padded to the longest row, as serving/predictor.py's infer does."""
+    """Right-padded to the longest row, as serving/model/predictor.py's infer does."""
     width = max(len(r) for r in rows)
     ids = np.full((len(rows), width), PAD, dtype=np.int64)  # (n, T)
     mask = np.zeros((len(rows), width), dtype=np.int64)  # (n, T)
@@ -61,7 +60,7 @@ def padded(rows: list[list[int]]) -> dict[str, np.ndarray]:
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
-    """As serving/predictor.py's: float64 arithmetic, float32 out."""
+    """As serving/model/predictor.py's: float64 arithmetic, float32 out."""
     z = z.astype(np.float64) - z.max(axis=1, keepdims=True)
     e = np.exp(z)
     return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
@@ -154,7 +153,7 @@ def main() -> None:
     args = p.parse_args()
 
     art = artifact_mod.load(args.artifact)
-    tok = Tokenizer.load(art.tokenizer_dir)
+    tok = art.tokenizer()
     d = art.cfg.data
     examples = read_labeled(args.data, d.labels, d.text_field, d.label_field)
     seqs = [tok.encode_example(ex, tok.max_len) for ex in examples]

@@ -183,9 +183,8 @@ def score_bundles(art: artifact.Artifact, model: torch.nn.Module, bundles: dict[
                   cfg: config_mod.RunConfig, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Accuracy on cls-books-fr test (2000 reviews, up to 512 ids): PyTorch once, then every bundle."""
     from trainer.data.readers import read_labeled
-    from trainer.data.tokenizer import Tokenizer
 
-    tok = Tokenizer.load(art.tokenizer_dir)
+    tok = art.tokenizer()
     examples = read_labeled(cfg.data.path(cfg.data.test), cfg.data.labels)[: args.eval_limit or None]
     seqs = [tok.encode_example(ex) for ex in examples]
     labels = np.array([ex.label for ex in examples])
@@ -313,7 +312,7 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "model": what,
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "model": what,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}",
             "threads": args.threads, "versions": {"torch": torch.__version__, "onnxruntime": ort.__version__},
             "load_before": load_before, "load_after": load_after, "timing": results, "quality": quality,

@@ -10,7 +10,7 @@ this and `python -m serving.server` is what serving/ adds, the difference betwee
 predictor is gRPC's own (the C core, HTTP/2, and grpcio's Python per call).
 
 It prints the line the benchmarks wait for ("listening on 127.0.0.1:PORT ... metrics on 127.0.0.1:PORT") and
-exports, on the metrics port, the series they read: sentiment_requests_total{code="OK",method=...},
+exports, on the metrics port, the series they read: sentiment_requests_total{code="OK",method=...,protocol="grpc"},
 sentiment_batch_size (count and sum: one text per run) and sentiment_inference_seconds (sum).
 """
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb  # noqa: E402
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc  # noqa: E402
-from serving.predictor import Predictor  # noqa: E402
+from serving.model.predictor import Predictor  # noqa: E402
 
 METHOD = "sentiment.v1.SentimentService/Classify"
 
@@ -40,8 +40,8 @@ METHOD = "sentiment.v1.SentimentService/Classify"
 class FloorServicer(pb_grpc.SentimentServiceServicer):
     def __init__(self, predictor: Predictor, registry: CollectorRegistry) -> None:
         self.predictor = predictor
-        self.ok = Counter("sentiment_requests", "answered calls", ["code", "method"],
-                          registry=registry).labels("OK", METHOD)
+        self.ok = Counter("sentiment_requests", "answered calls", ["code", "method", "protocol"],
+                          registry=registry).labels("OK", METHOD, "grpc")
         self.batch_size = Histogram("sentiment_batch_size", "texts per run", registry=registry)
         self.inference = Histogram("sentiment_inference_seconds", "predict time", registry=registry)
 

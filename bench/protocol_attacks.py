@@ -36,9 +36,9 @@ the authorised client's p50/p99/max and refusals. Attacks:
                   difference)
 `--server-cpus` and `--client-cpus` pin the server and everything else (this process, the authorised client, the
 load generator) to cores of their own (Linux CPU affinity): on a machine with few cores the attackers otherwise take
-the server's cores, and an attacker on another machine would not. `--via-haproxy MAXCONN` puts HAProxy in front of
-the server (deploy/proxy/haproxy.cfg, the server started with `--behind-proxy`): the clients and attackers then talk
-to it.
+the server's cores, and an attacker on another machine would not. `--via-haproxy MAXCONN` puts the proxy's image
+(Containerfile.proxy: HAProxy with deploy/proxy/haproxy.cfg, run by buildah) in front of the server (started with
+`--behind-proxy`): the clients and attackers then talk to it.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def load_main(args: argparse.Namespace) -> None:
 
 
 def refused_where(details: str) -> str | None:
-    """Where the server refused a call for want of room in its queue, from the wording of serving/batcher.py:
+    """Where the server refused a call for want of room in its queue, from the wording of serving/model/batcher.py:
     'at_admission' (before the body was read, in gRPC's polling thread) or 'after_body' (in a handler thread, once
     the texts were counted: a call admitted while there was room for a full request, overtaken by others). Also
     an older server's wording at admission ("no room for one more", when it admitted a call on room for one text)."""
@@ -480,9 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-cpus", help="cores this script, the authorised client and the load generator run on "
                                          "(default: all)")
     p.add_argument("--via-haproxy", type=int, metavar="MAXCONN",
-                   help="put HAProxy with deploy/proxy/haproxy.cfg in front of the server (started --behind-proxy), "
-                        "admitting MAXCONN calls at once (MODEL_CALLS) and refusing a call that waited 1 ms for a "
-                        "slot; its per-address limits at their defaults, but for the call rate (plain text only)")
+                   help="put the proxy's image (HAProxy with deploy/proxy/haproxy.cfg) in front of the server (started "
+                        "--behind-proxy), admitting MAXCONN calls at once (MODEL_CALLS) and refusing a call that "
+                        "waited 1 ms for a slot; its per-address limits at their defaults, but for the call rate "
+                        "(plain text only)")
     p.add_argument("--haproxy-source-limit", type=int, metavar="REQS",
                    help="with --via-haproxy: the connections of an address that makes more than REQS calls a second "
                         "are dropped (CALLS_PER_SOURCE_S; default: no limit)")
@@ -517,8 +518,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--via-haproxy serves plain text only (no --tls)")
         if args.haproxy_source_limit is not None and args.haproxy_source_limit < 1:
             p.error(f"--haproxy-source-limit must be >= 1, got {args.haproxy_source_limit}")
-        if shutil.which("haproxy") is None:
-            p.error("--via-haproxy: haproxy not found (apt-get install haproxy)")
+        missing = [t for t in ("buildah", "mmdebstrap") if shutil.which(t) is None]
+        if missing:  # the proxy's image (Containerfile.proxy) is built and run with them (tests/images.py)
+            p.error(f"--via-haproxy: {' and '.join(missing)} not found (make container-deps)")
     from contract.bundle import verify_bundle
 
     try:

@@ -71,7 +71,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from contract.tokens import TOKENIZER_FILES, TOKENIZER_META, meta_path
 from trainer.artifact import write_text_atomic
 from trainer.config.presets import preset
 from trainer.config.schema import ModelConfig, OptimConfig, RunConfig, check_tokenizer, override
@@ -140,12 +139,8 @@ def tokenizer(cfg: RunConfig, folder: str | None) -> Tokenizer:
     (--tokenizer), cut at tokenizer.max_len (= --seq-len) and checked against the model's ids."""
     if folder is None:
         return build_tokenizer(cfg)
-    saved = Tokenizer.load(folder)
-    files = {n: (Path(folder) / n).read_bytes() for n in TOKENIZER_FILES[:-1]}
-    files[TOKENIZER_META] = meta_path(Path(folder)).read_bytes()
-    tok = Tokenizer.from_files(files, Path(folder), cfg.tokenizer.max_len)
-    check_tokenizer(tok.vocab_size, tok.max_len, cfg, f"--tokenizer {folder}")
-    assert tok.fingerprint == saved.fingerprint
+    tok = Tokenizer.load(folder, cfg.tokenizer.max_len)
+    check_tokenizer(tok.vocab_size, cfg, f"--tokenizer {folder}")
     return tok
 
 
@@ -574,7 +569,7 @@ def run(args: argparse.Namespace) -> None:
         task = (lm_task if name == "lm" else classifier_task)(cfg, plan, need, args.tokenizer)
         windows, profiles = measure(task, variants, plan, info, args)
         rows += rows_for(task, windows, cfg, plan, info, peak, args, profiles)
-    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
+    meta = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "processes": info.world_size,
             "loadavg_start": load0, "loadavg_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "peak": peak_what, "peak_flops": peak, "warmup": args.warmup, "windows": args.windows,

@@ -66,8 +66,8 @@ def grpc_body(text: str) -> bytes:
 def ok_calls(servers: list[Server]) -> float:
     total = 0.0
     for server in servers:
-        m = re.search(r'^sentiment_requests_total\{code="OK",method="sentiment.v1.SentimentService/Classify"\} '
-                      r'(\S+)$', server.scrape(), re.M)
+        m = re.search(r'^sentiment_requests_total\{code="OK",method="sentiment.v1.SentimentService/Classify",'
+                      r'protocol="grpc"\} (\S+)$', server.scrape(), re.M)
         total += float(m.group(1)) if m else 0.0
     return total
 
@@ -87,8 +87,10 @@ def h2load(port: int, body: Path, seconds: float, args: argparse.Namespace) -> t
 AREAS = [  # (area, substring of a frame's file), first match wins
     ("onnxruntime run", "onnxruntime"), ("tokenizer (sentencepiece, contract/tokens.py)", "sentencepiece"),
     ("tokenizer (sentencepiece, contract/tokens.py)", "contract/tokens.py"), ("protobuf", "protobuf"),
-    ("prometheus_client", "prometheus_client"), ("gRPC Python (grpc/)", "grpc/"), ("batcher", "serving/batcher.py"),
-    ("gate", "serving/gate.py"), ("servicer", "serving/servicer.py"), ("predictor", "serving/predictor.py"),
+    ("prometheus_client", "prometheus_client"), ("gRPC Python (grpc/)", "grpc/"),
+    ("batcher", "serving/model/batcher.py"), ("gate", "serving/limits/gate.py"),
+    ("servicer", "serving/protocols/sentiment.py"), ("core", "serving/model/core.py"),
+    ("predictor", "serving/model/predictor.py"),
     ("numpy", "numpy"), ("threading / futures", "threading.py"), ("threading / futures", "concurrent/futures"),
 ]
 

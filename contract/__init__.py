@@ -3,11 +3,13 @@ manifest and files, the graph's input and output names, and how onnxruntime open
 
 Torch-free (numpy, sentencepiece, onnx, onnxruntime): `trainer/` writes what these modules describe and `serving/`
 reads it, and neither retypes a constant. Modules, lowest first:
-  errors.py    TokenizerError, BundleError
-  tokens.py    special ids, the vocabulary rule, the tokenizer folder and the encoder
+  errors.py    TokenizerError, BundleError, SessionError
+  tokens.py    special ids, the vocabulary rule, the tokenizer folder and TokenEncoder (text -> ids)
   graph.py     input/output names and axes of model.onnx
   runtime.py   onnxruntime graph-optimisation levels, providers, session options
   manifest.py  the typed manifest.json
   bundle.py    the one bundle verifier
+  session.py   the one opener of a bundle's graph (the server's, and the trainer's `predict` and `export --check`)
   comments.py  a config dataclass's field comments as its documentation (trainer config, the server's --help)
+  version.py   the `--version` line of every command line, from the installed package's metadata
 """

@@ -4,8 +4,7 @@ A bundle comes from outside, so nothing in it is trusted until checked, cheapest
   - manifest.json and every file it lists are regular files inside the folder, read without following a link
     (contract/files.py), each under its size cap (MAX_BYTES);
   - manifest.json is strict JSON, describes a bundle (contract/manifest.py) and matches its own digest;
-  - each file matches its sha256 in the manifest, and the tokenizer files agree with each other (tokenizer/meta.json
-    holds no max_len: in a bundle the manifest's is the one copy);
+  - each file matches its sha256 in the manifest, and the tokenizer files agree with each other;
   - each graph file has the declared signature (contract/graph.py), one logit per label, a token embedding with one
     row per id of the tokenizer, a positional table of at least max_len rows, and the metadata_props the manifest
     implies (contract/manifest.py: a graph of another bundle, or with other labels, is refused).
@@ -89,9 +88,6 @@ def verify_bundle(folder: str | Path) -> Bundle:
         tokenizer = read_tokenizer_files({n: files[f"{TOKENIZER_DIR}/{n}"] for n in TOKENIZER_FILES}, tokenizer_dir)
     except TokenizerError as e:
         raise BundleError(str(e)) from None
-    if tokenizer.meta.max_len is not None:
-        raise BundleError(f"{tokenizer_dir / TOKENIZER_META}: max_len {tokenizer.meta.max_len} in a bundle's "
-                          f"tokenizer folder (the bundle's one copy is {MANIFEST_FILE}'s max_len {manifest.max_len})")
     for name in manifest.graphs:
         _check_graph(files[name], name, manifest, tokenizer, folder / name, manifest_path)
     return Bundle(folder, manifest, files, tokenizer)

@@ -1,4 +1,4 @@
-"""The contract's two errors. Both are ValueErrors: every command shows them as one line and exits 2."""
+"""The contract's errors. All are ValueErrors: every command shows them as one line and exits 2."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ class TokenizerError(ValueError):
 
 class BundleError(ValueError):
     """A bundle folder is missing, incomplete, corrupt or tampered with; the message names the file."""
+
+
+class SessionError(ValueError):
+    """A bundle's graph cannot be opened as asked: a graph the bundle does not hold, an unknown device, or
+    device='cuda' where CUDA does not run; the message names the choice and why."""
 
 
 def one_line(error: BaseException | str, limit: int = 400) -> str:

@@ -46,7 +46,7 @@ from typing import Any
 from contract.errors import BundleError
 from contract.graph import TensorSpec
 from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
-from contract.tokens import SPECIALS, TOKENIZER_FILES
+from contract.tokens import SPECIALS, TOKENIZER_FILES, check_max_len
 
 FORMAT = 3
 READABLE_FORMATS = (2, 3)  # format 2: label names under "labels" (module docstring)
@@ -127,8 +127,7 @@ def graph_metadata(label_names: list[str], label_values: list[str], max_len: int
 class Manifest:
     label_names: list[str]  # what the server answers, in logit order
     label_values: list[str]  # the training data's raw label values, in logit order
-    max_len: int  # longest id sequence served, <sos> and <eos> included (the bundle's one stored copy; the server's
-    # GetModelMetadata calls it max_tokens, the published proto's name)
+    max_len: int  # longest id sequence served, <sos> and <eos> included: the bundle's copy (contract/tokens.py)
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     files: dict[str, str]  # bundle-relative path -> sha256 (hex) of its bytes
@@ -221,9 +220,7 @@ class Manifest:
                 and all(isinstance(v, str) and v for v in fields.values())):
             raise BundleError(f"{path}: field 'data_fields' must name the data's text_field and label_field, got "
                               f"{fields!r}")
-        max_len = m.get("max_len")
-        if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 3:
-            raise BundleError(f"{path}: field 'max_len' must be an int >= 3, got {max_len!r}")
+        max_len = check_max_len(m.get("max_len"), f"{path}: field 'max_len'", BundleError)
         if m.get("special_ids") != SPECIALS:
             raise BundleError(f"{path}: field 'special_ids' must be {SPECIALS}, got {m.get('special_ids')!r}")
         digest = m.get(DIGEST_KEY)

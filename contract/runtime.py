@@ -130,6 +130,15 @@ def cuda_unavailable_reason() -> str:
         f"than CUDA {major} needs): onnxruntime's log above says why")
 
 
+def inference_session(model: bytes | str | Path, level: str = DEFAULT_OPT_LEVEL, device: Device = "auto",
+                      intra_op_threads: int = 0, inter_op_threads: int = 0, spinning: bool | None = None,
+                      optimized_out: str | Path | None = None) -> ort.InferenceSession:
+    """A graph (its bytes, or its file) in an onnxruntime session with `session_options`, on `providers(device)`."""
+    options = session_options(level, intra_op_threads, inter_op_threads, spinning, optimized_out)
+    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options,
+                                providers=providers(device))
+
+
 def session_options(level: str, intra_op_threads: int = 0, inter_op_threads: int = 0,
                     spinning: bool | None = None, optimized_out: str | Path | None = None) -> ort.SessionOptions:
     """Options at graph optimisation `level` (a key of OPT_LEVELS); threads 0 = onnxruntime's default (one per

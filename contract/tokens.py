@@ -1,4 +1,4 @@
-"""Token ids, the tokenizer folder and the encoder: the one definition the trainer and the server run.
+"""Token ids, the tokenizer folder and TokenEncoder (text -> ids): the one definition the trainer and the server run.
 
 Ids: <sos>=0 <pad>=1 <eos>=2 <oov>=3, then the piece on line i (0-based) of vocab.txt has id i + 4. A sequence is
 [<sos>] + piece ids + [<eos>], cut to max_len ids in total (pieces cut to max_len - 2, <eos> kept). Pieces come from
@@ -6,16 +6,18 @@ the folder's sentencepiece model; a piece that is not in vocab.txt (sentencepiec
 is <oov>.
 
 A tokenizer folder holds spm.model (the sentencepiece model proto), vocab.txt (one piece a line, "\\n"-separated,
-UTF-8) and meta.json (format, kind, vocab_size = pieces + 4, specials, and max_len: the default cut of a standalone
-folder; absent from a bundle's folder, where manifest.json's max_len is the one stored copy). meta.json was called
-tokenizer.json before: the name of the Hugging Face tokenizers format, which it is not (`tokenizers` cannot parse it);
-a folder written then is still read (`meta_path`), a bundle must be exported again.
+UTF-8) and meta.json (format, kind, vocab_size = pieces + 4, specials). It holds no cut: max_len belongs to whoever
+cuts (`check_max_len`). meta.json was called tokenizer.json before: the name of the Hugging Face tokenizers format,
+which it is not (`tokenizers` cannot parse it); a folder written then is still read (`meta_path`), a bundle must be
+exported again. An earlier version's meta.json also holds max_len, the copy of its artifact's config.json: no reader
+takes it.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import numbers
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +47,20 @@ def meta_path(folder: Path) -> Path:
     if not (folder / TOKENIZER_META).exists() and legacy.is_file():
         return legacy
     return folder / TOKENIZER_META
+
+
+# max_len: the longest id sequence, <sos> and <eos> included. Stored once per folder: an artifact's config.json
+# (tokenizer.max_len, the run's setting) and a bundle's manifest.json (max_len; each graph's metadata_props repeat it
+# for other ONNX tools, checked equal). Called max_len in configs, files and CLIs (`export --max-len`), and max_tokens
+# on the wire (sentiment.v1 GetModelMetadataResponse.max_tokens: a published proto field, not renamed).
+MIN_MAX_LEN = 3  # <sos>, one piece, <eos>
+
+
+def check_max_len(value: object, what: str = "max_len", error: type[ValueError] = TokenizerError) -> int:
+    """`value` if it is a max_len (an int >= MIN_MAX_LEN); else `error` saying so, `what` naming where it was read."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < MIN_MAX_LEN:
+        raise error(f"{what} must be an int >= {MIN_MAX_LEN} (<sos>, one piece, <eos>), got {value!r}")
+    return int(value)
 
 
 def piece_id(line: int) -> int:
@@ -86,14 +102,11 @@ class TokenizerMeta:
     """meta.json."""
 
     kind: Kind
-    max_len: int | None  # the cut a user of the folder gets by default; None in a bundle (manifest.json's max_len)
     vocab_size: int  # pieces in vocab.txt + N_SPECIALS
 
     def to_json(self) -> str:
-        meta: dict[str, object] = {"format": TOKENIZER_FORMAT, "kind": self.kind}
-        if self.max_len is not None:
-            meta["max_len"] = self.max_len
-        meta.update({"vocab_size": self.vocab_size, "specials": dict(SPECIALS)})
+        meta = {"format": TOKENIZER_FORMAT, "kind": self.kind, "vocab_size": self.vocab_size,
+                "specials": dict(SPECIALS)}
         return json.dumps(meta, indent=2) + "\n"
 
     @classmethod
@@ -114,10 +127,7 @@ class TokenizerMeta:
             raise TokenizerError(f"{path}: specials {meta['specials']} differ from {SPECIALS}")
         if meta["kind"] not in ("lab", "train"):
             raise TokenizerError(f"{path}: tokenizer kind must be 'lab' or 'train', got {meta['kind']!r}")
-        max_len = meta.get("max_len")
-        if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 3):
-            raise TokenizerError(f"{path}: max_len must be an int >= 3 (<sos>, one piece, <eos>), got {max_len!r}")
-        return cls(meta["kind"], max_len, meta["vocab_size"])
+        return cls(meta["kind"], meta["vocab_size"])
 
 
 @dataclass(frozen=True)
@@ -152,13 +162,12 @@ def _threads() -> int:
     return max(1, min(n, 8))
 
 
-class Encoder:
+class TokenEncoder:
     """Text -> [<sos>] + piece ids + [<eos>], cut to `max_len`, for one sentencepiece model and one vocabulary."""
 
     def __init__(self, model_proto: bytes, pieces: Sequence[str], max_len: int) -> None:
         """`pieces[i]` gets id piece_id(i)."""
-        if max_len < 3:
-            raise TokenizerError(f"max_len must be >= 3 (<sos>, one piece, <eos>), got {max_len}")
+        self.max_len = check_max_len(max_len)
         if not pieces:
             raise TokenizerError("the vocabulary is empty")
         self.processor = spm.SentencePieceProcessor()
@@ -167,7 +176,6 @@ class Encoder:
         except (RuntimeError, OSError) as e:  # sentencepiece's errors on a corrupt proto
             raise TokenizerError(f"not a sentencepiece model: {e}") from None
         self.pieces = list(pieces)
-        self.max_len = int(max_len)
         self.vocab_size = len(self.pieces) + N_SPECIALS
         self.piece_to_id: dict[str, int] = {}  # the rule itself; the table below is its fast form
         for line, p in enumerate(self.pieces):
@@ -188,15 +196,12 @@ class Encoder:
                 self.spm_to_id[s] = self.piece_to_id.get(sp.id_to_piece(s), OOV)
 
     def __repr__(self) -> str:
-        return f"Encoder(vocab_size={self.vocab_size}, max_len={self.max_len})"
+        return f"TokenEncoder(vocab_size={self.vocab_size}, max_len={self.max_len})"
 
     @classmethod
-    def from_files(cls, files: TokenizerFiles, max_len: int | None = None) -> Encoder:
-        """max_len: the cut (default: meta.json's; a bundle's folder has none: pass the manifest's)."""
-        cut = files.meta.max_len if max_len is None else max_len
-        if cut is None:
-            raise TokenizerError(f"no max_len given and {TOKENIZER_META} has none (a bundle's: use manifest.json's)")
-        return cls(files.model_proto, files.pieces, cut)
+    def from_files(cls, files: TokenizerFiles, max_len: int) -> TokenEncoder:
+        """The encoder of a checked folder, cutting at `max_len` (a bundle's: its manifest's)."""
+        return cls(files.model_proto, files.pieces, max_len)
 
     def piece_ids(self, texts: Sequence[str], threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Piece ids of many texts, no specials and no cut: (flat ids int64 (N,), lengths int64 (len(texts),)).
@@ -227,8 +232,7 @@ class Encoder:
 
     def encode_many(self, texts: Sequence[str]) -> list[Encoded]:
         """`encode` of each text, in one sentencepiece call on one thread and one gather: the server's request path,
-        where a text-by-text loop held the interpreter lock three times as long (1.6 ms against 0.5 ms for 64
-        short texts), time that gRPC's one polling thread then waits for."""
+        where every moment the interpreter lock is held is one that gRPC's polling thread waits for."""
         if len(texts) <= 1:
             return [self.encode(t) for t in texts]
         ids, lengths = self.piece_ids(texts, threads=1)

@@ -8,7 +8,8 @@ Every call has a deadline (`timeout`, the whole call including retries). UNAVAIL
 draining, restarting) is retried with exponential backoff and jitter; every other error is raised at once, as a
 ClientError subclass naming the target and the server's reason (a grpc.RpcError too: `.code()`, `.details()`).
 `classify` takes any number of texts: more than the server's max_texts (its metadata, read once) are sent as
-several requests, in order.
+several requests, in order. A caller inside an OpenTelemetry span sends it as W3C `traceparent` with every call, so
+that the server's spans continue the caller's trace.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from contract.version import version_line
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 
@@ -137,7 +139,7 @@ class SentimentClient:
         while True:
             left = deadline - time.monotonic()
             try:
-                return method(request, timeout=max(left, 0.0), metadata=self.metadata_headers)
+                return method(request, timeout=max(left, 0.0), metadata=self.metadata_headers + _trace_context())
             except grpc.RpcError as e:
                 pause = self.backoff * 2**attempt * random.uniform(0.5, 1.5)
                 if e.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self.retries \
@@ -187,6 +189,18 @@ class SentimentClient:
         self.close()
 
 
+def _trace_context() -> list[tuple[str, str]]:
+    """The caller's current span as W3C traceparent (and tracestate, baggage), by OpenTelemetry's propagator; none
+    without one. A caller with a span has imported OpenTelemetry: any other pays one dictionary look-up."""
+    if "opentelemetry.trace" not in sys.modules:
+        return []
+    from opentelemetry import propagate
+
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return list(carrier.items())
+
+
 def _chunks(items: list[T], size: int) -> Iterable[list[T]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
@@ -217,6 +231,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", help="CA certificate of the server (turns TLS on)")
     p.add_argument("--tls-cert", help="client certificate (mutual TLS)")
     p.add_argument("--tls-key", help="client private key (mutual TLS)")
+    p.add_argument("--version", action="version", version=version_line("sentiment-client"))
     return p
 
 

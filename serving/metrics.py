@@ -11,10 +11,12 @@ requests cannot pin its threads.
 from __future__ import annotations
 
 import io
+import platform
 import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import metadata
 from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -29,17 +31,20 @@ MAX_CONNECTIONS = 32  # scrapes handled at once (a Prometheus server scrapes one
 
 class Metrics:
     """Requests and errors by code, queue time, batch size and tokens, inference time, queue depth, the bounds
-    against hostile clients, and the process (`process_*`: CPU, resident memory, open files, threads)."""
+    against hostile clients, the model and build served (`*_info`), and the process (`process_*`: CPU, resident
+    memory, open files, threads). docs/OBSERVABILITY.md has the table of every metric."""
 
     def __init__(self, registry: CollectorRegistry | None = None, per_worker: bool = False) -> None:
-        """per_worker: a worker of serving/workers.py (prometheus_client's multiprocess mode, which sums counters
-        and histograms over the workers): also count its texts in a series of its own, labelled by its pid."""
+        """per_worker: a worker of serving/process/workers.py (prometheus_client's multiprocess mode, which sums
+        counters and histograms over the workers): also count its texts in a series of its own, labelled by its pid."""
         r = self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=r)
-        self.requests = Counter("sentiment_requests", "RPCs answered, by method and the status code the client got",
-                                ["method", "code"], registry=r)
-        self.request_seconds = Histogram("sentiment_request_seconds", "RPC handling time, by method",
-                                         ["method"], buckets=_SECONDS, registry=r)
+        # protocol: grpc or http; method: the RPC's full name, or an HTTP call's method and route ("POST
+        # /v1/classify"); code: the gRPC status name, also over HTTP (serving/protocols/http/errors.py maps them)
+        self.requests = Counter("sentiment_requests", "calls answered, by protocol, method and the status code the "
+                                "client got", ["protocol", "method", "code"], registry=r)
+        self.request_seconds = Histogram("sentiment_request_seconds", "call handling time, by protocol and method",
+                                         ["protocol", "method"], buckets=_SECONDS, registry=r)
         self.texts = Counter("sentiment_texts", "texts classified", registry=r)
         self.queue_seconds = Histogram("sentiment_queue_seconds", "time a text waited in the batching queue",
                                        buckets=_SECONDS, registry=r)
@@ -53,6 +58,8 @@ class Metrics:
                                  multiprocess_mode="livesum")
         self.dropped = Counter("sentiment_dropped_texts", "texts dropped before compute, by reason",
                                ["reason"], registry=r)
+        for reason in ("DeadlineExpired", "Cancelled"):  # every reason there is, from 0: a rate query finds it
+            self.dropped.labels(reason)
         self.response_bytes = Gauge("sentiment_response_bytes_in_flight",
                                     "bytes of answers built and not yet delivered to their clients", registry=r,
                                     multiprocess_mode="livesum")
@@ -60,24 +67,41 @@ class Metrics:
                                      "did not arrive within body_timeout_s", registry=r)
         self.memory_reclaim_seconds = Histogram("sentiment_memory_reclaim_seconds", "collections of unreachable "
                                                 "objects + glibc trims after a burst of model calls, and how long "
-                                                "each took (serving/memory.py)", buckets=_SECONDS, registry=r)
+                                                "each took (serving/limits/memory.py)", buckets=_SECONDS, registry=r)
         self.auth_failures = Counter("sentiment_auth_failures", "calls refused for a missing or wrong bearer token",
                                      registry=r)
-        self.auth_throttled = Counter("sentiment_auth_throttled", "calls refused because their address failed "
-                                      "authentication too often (auth_failures_per_peer), whatever their token",
-                                      registry=r)
-        self.connections = Gauge("sentiment_connections", "open connections on the gRPC and health ports (the "
-                                 "connection guard's last look, serving/guard.py)", registry=r,
-                                 multiprocess_mode="livesum")
-        self.connections_cut = Counter("sentiment_connections_cut", "connections cut by the connection guard, by "
-                                       "reason (flood, resets, stalled_answers, per_peer_limit, banned)",
-                                       ["reason"], registry=r)
         self.suppressed_logs = Counter("sentiment_suppressed_tracebacks", "internal-error tracebacks not logged "
                                        "(rate limit)", registry=r)
+        self.suppressed_access_logs = Counter("sentiment_suppressed_access_log_lines", "access log lines not "
+                                              "written (rate limit: access_log_rate per method and status)",
+                                              registry=r)
+        self.serving = Gauge("sentiment_serving", "1 while the server's health says SERVING (grpc.health.v1, the "
+                             "whole server): 0 while it starts and from SIGTERM on, and in a --workers parent while no "
+                             "worker is ready", registry=r, multiprocess_mode="livemin")
+        # Info metrics (value 1, the facts in the labels): the largest over the live workers, so that N workers
+        # serving one bundle show one series, and a rollout's old and new bundles two.
+        self.model_info = Gauge("sentiment_model_info", "the model this server holds: its bundle's digest, the "
+                                "graph's precision, the onnxruntime provider it runs on, its name and version",
+                                ["bundle_sha256", "precision", "provider", "model", "version"], registry=r,
+                                multiprocess_mode="livemax")
+        build = Gauge("sentiment_build_info", "the server's version and the versions of what it runs on",
+                      ["version", "onnxruntime", "grpcio", "python"], registry=r, multiprocess_mode="livemax")
+        build.labels(*(package_version(p) or "unknown" for p in ("transfer-sentiment", "onnxruntime", "grpcio")),
+                     platform.python_version()).set(1)
         self.worker_texts: Gauge | None = None
         if per_worker:  # a gauge: multiprocess mode keeps a gauge's pid label ("liveall"), sums a counter's away
             self.worker_texts = Gauge("sentiment_worker_texts", "texts classified by this worker process since it "
                                       "started, by pid (--workers > 1)", registry=r, multiprocess_mode="liveall")
+
+
+def package_version(package: str) -> str | None:
+    """An installed distribution's version (None when not installed as one); onnxruntime-gpu counts as onnxruntime."""
+    for name in (package, f"{package}-gpu"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 class MetricsServer:

@@ -1,22 +1,18 @@
-"""The gRPC sentiment server's command line (the server object itself: serving/app.py): one bundle, two
-protocols (sentiment.v1 and KServe v2), health, reflection, metrics.
+"""The sentiment server's command line: one bundle, two protocols (sentiment.v1 and KServe v2) over gRPC and over
+HTTP (with a JSON /v1/classify), health, reflection, metrics. The server object itself is serving/process/app.py.
 
-    python -m serving.server BUNDLE [--port 50051] [--metrics-port 8002] [--health-port 50052] [--max-texts 64] ...
+    python -m serving.server BUNDLE [--port 50051] [--http-port 8000] [--metrics-port 8002] [--health-port 50052] ...
     (the same as the console script `sentiment-server`; `--help` lists every option of ServerConfig)
 
-A threaded grpc server: handlers block on the batcher's futures while onnxruntime runs in the batcher's threads (it
-releases the GIL). bench/grpc_mode_bench.py measured the threaded server faster than grpc.aio, alone and at 64
-callers (docs/BENCHMARKS.md, "Threaded or asyncio gRPC server"), and blocking code stays simple. What a
-thread-per-call server owes to hostile clients (a token checked before the body is read, a bound on the time to send
-it, slots, answers held for slow readers, per-connection limits) is in serving/gate.py and the transport options
-below. The health port alone is served by grpc.aio (serving/health_port.py): probes need answers while half-open
-calls wait there, not throughput.
+A threaded gRPC server: handlers block on the batcher's futures while onnxruntime runs in the batcher's threads (it
+releases the GIL); bench/grpc_mode_bench.py measured it faster than grpc.aio (docs/BENCHMARKS.md), and blocking code
+stays simple. What a thread-per-call server owes to hostile clients is in serving/limits/gate.py and the transport
+options of serving/process/app.py; per-address limits are the front proxy's (deploy/proxy/).
 
-Lifecycle: process-wide settings (serving/app.py `configure_process`), then the bundle is loaded and verified, then
-every port (gRPC, health, metrics) is bound, each once, before anything is served: a bad bundle, an unreadable or
-mismatched TLS file or a taken port exits 2 with one line naming it. SIGTERM or SIGINT: health goes NOT_SERVING
-and new requests get UNAVAILABLE, in-flight requests finish (up to grace_s), the batcher drains, exit 0.
-`--workers N` runs N such servers on one port under a parent process (serving/workers.py).
+Lifecycle: the bundle is loaded and verified, then every port (gRPC, health, metrics) is bound, each once, before
+anything is served: a bad bundle, an unreadable or mismatched TLS file or a taken port exits 2 with one line naming
+it. SIGTERM or SIGINT: health goes NOT_SERVING and new requests get UNAVAILABLE, in-flight requests finish (up to
+grace_s), the batcher drains, exit 0. `--workers N` runs N such servers on one port (serving/process/workers.py).
 """
 
 from __future__ import annotations
@@ -33,9 +29,10 @@ import typing
 from pathlib import Path
 
 from contract.comments import comments
-from serving.app import SentimentServer, configure_process
+from contract.version import version_line
 from serving.config import ServerConfig
 from serving.errors import BundleError, ServerConfigError
+from serving.telemetry import logs, tracing
 
 log = logging.getLogger("serving.server")  # its own name also when run as __main__
 
@@ -44,10 +41,11 @@ log = logging.getLogger("serving.server")  # its own name also when run as __mai
 
 
 EXAMPLES = """examples:
-  python -m serving.server runs/demo/bundle                              # 127.0.0.1:50051, metrics on :8002
+  python -m serving.server runs/demo/bundle                 # gRPC on 127.0.0.1:50051, HTTP on :8000, metrics on :8002
   python -m serving.server runs/demo/bundle --host 0.0.0.0 --port 50051 --device cuda
   python -m serving.server runs/demo/bundle --max-texts 16 --long-text refuse --auth-token-file token.txt
   python -m serving.client --target 127.0.0.1:50051 "Un livre magnifique."   # then, from another shell
+  curl -H 'Content-Type: application/json' -d '{"texts": ["Un livre magnifique."]}' localhost:8000/v1/classify
 
 A bundle is the folder `python -m trainer export ARTIFACT --out BUNDLE` writes (not the training artifact).
 SIGTERM or Ctrl-C: NOT_SERVING, --drain-delay-s of serving, --grace-s for requests in flight, exit 0.
@@ -57,14 +55,14 @@ SIGTERM or Ctrl-C: NOT_SERVING, --drain-delay-s of serving, --grace-s for reques
 def _parser() -> argparse.ArgumentParser:
     """One flag per ServerConfig field (`max_texts` -> `--max-texts`), typed from its annotation, its help the
     field's comment in serving/config.py."""
-    p = argparse.ArgumentParser(prog="sentiment-server", description="Serve a sentiment bundle over gRPC.",
+    p = argparse.ArgumentParser(prog="sentiment-server", description="Serve a sentiment bundle over gRPC and HTTP.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
     p.add_argument("bundle", type=Path, help="bundle folder written by `python -m trainer export`")
     hints = typing.get_type_hints(ServerConfig)
     defaults = ServerConfig()
     meaning = comments(ServerConfig)
     for f in dataclasses.fields(ServerConfig):
-        if f.name in ("auth_token", "metrics_port", "batching"):
+        if f.name in ("auth_token", "metrics_port", "http_port", "batching"):
             continue
         tp, flag = hints[f.name], "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
@@ -81,18 +79,27 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument(flag, type=tp, default=default, help=text)
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port (0 = any free port) (default: 8002)")
     p.add_argument("--no-metrics", action="store_true", help="no Prometheus exporter")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="HTTP/JSON port: KServe v2 REST, /v1/classify, /openapi.json; the same model, limits, token "
+                        "and TLS as --port (0 = any free port) (default: 8000, Triton's)")
+    p.add_argument("--no-http", action="store_true", help="no HTTP port: gRPC only")
     p.add_argument("--no-batching", action="store_true", help="run every request alone (benchmark baseline)")
     p.add_argument("--auth-token-file", type=Path,
                    help="require 'authorization: Bearer <token>' with the token in this file (also: the "
                         "SENTIMENT_AUTH_TOKEN variable); never on the command line, where `ps` shows it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="lowest level of the log lines written to stderr (default: INFO)")
+    p.add_argument("--log-format", default="text", choices=logs.FORMATS,
+                   help="stderr's lines: text, or one JSON object per line for a log collector; the same fields "
+                        "either way: timestamp, level, logger, message, request_id, trace_id (default: text)")
+    p.add_argument("--version", action="version", version=version_line("sentiment-server"))
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     values["metrics_port"] = None if args.no_metrics else args.metrics_port
+    values["http_port"] = None if args.no_http else args.http_port
     values["batching"] = not args.no_batching
     # An empty token is a mistake (a Secret mounted without its key), never a request to serve without auth.
     token, source = os.environ.get("SENTIMENT_AUTH_TOKEN"), "SENTIMENT_AUTH_TOKEN"
@@ -111,13 +118,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from serving.process.app import SentimentServer, configure_process  # onnxruntime: after --help and --version
+
+    logs.configure(args.log_level, args.log_format)
     try:
         cfg = config_from_args(args)
         if cfg.workers > 1:
-            from serving import workers  # the parent of several processes: its own module
+            from serving.process import workers  # the parent of several processes: its own module
 
-            return workers.serve(args.bundle, cfg, args.log_level)
+            return workers.serve(args.bundle, cfg, args.log_level, args.log_format)
         configure_process(cfg)
         server = SentimentServer(args.bundle, cfg).bind()
     except (BundleError, ServerConfigError) as e:
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     log.info("signal received: NOT_SERVING, draining in-flight requests (grace %.1f s)", server.cfg.grace_s)
     server.stop()
+    tracing.shutdown()  # the spans still queued are exported
     return 0
 
 

@@ -46,9 +46,10 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, data_dir: Path)
 def tiny_tokenizer(tiny_tokenizer_dir: Path):
     """A Tokenizer trained on cls-books-fr train.review.txt with the `tiny` preset (95 pieces + 4 specials = 99
     ids, max_len 48), loaded back from its saved folder."""
+    from trainer.config.presets import tiny
     from trainer.data.tokenizer import Tokenizer
 
-    return Tokenizer.load(tiny_tokenizer_dir)
+    return Tokenizer.load(tiny_tokenizer_dir, tiny().tokenizer.max_len)
 
 
 @pytest.fixture(scope="session")
@@ -107,8 +108,8 @@ def default_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_classifier_art
 
 @pytest.fixture(scope="session")
 def predictor(tiny_bundle: Path):
-    """serving.predictor.Predictor on `tiny_bundle`, CPU, one onnxruntime thread (thread-safe: shared)."""
-    from serving.predictor import Predictor
+    """serving.model.predictor.Predictor on `tiny_bundle`, CPU, one onnxruntime thread (thread-safe: shared)."""
+    from serving.model.predictor import Predictor
 
     return Predictor(tiny_bundle, device="cpu", intra_op_threads=1)
 

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -30,17 +31,18 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from images import PROXY_NOFILE, config, ok, proxy_image
 from procs import REPO as REPO_ROOT
-from procs import free_port
+from procs import free_port, kill_group, popen, run
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.app import SentimentServer
-from serving.batcher import Batcher
 from serving.config import ServerConfig
+from serving.model.batcher import Batcher
+from serving.process.app import SentimentServer
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 METRICS_ON = re.compile(r"metrics on ([\d.]+):(\d+)")
-PROXY_DIR = REPO_ROOT / "deploy" / "proxy"  # the front proxy's files (haproxy.cfg, its answers), as deployed
+HTTP_ON = re.compile(r"HTTP on ([\d.]+):(\d+)")
 
 
 def reviews(data_dir: Path, n: int, split: str = "test") -> list[str]:
@@ -129,9 +131,12 @@ class ServerProcess:
 
     def __init__(self, bundle: Path | str, *args: str, env: dict[str, str] | None = None,
                  repo: Path = REPO_ROOT, cpus: str | None = None) -> None:
-        """Metrics are off unless `args` name a --metrics-port. repo: the tree whose server runs (another one for a
-        benchmark's "before" column). cpus: the cores it may run on (taskset's list, e.g. '0-3')."""
+        """Metrics and HTTP are off unless `args` name a --metrics-port, an --http-port. repo: the tree whose server
+        runs (another one for a benchmark's "before" column). cpus: the cores it may run on (taskset's list, e.g.
+        '0-3')."""
         metrics = [] if any(a.startswith("--metrics-port") for a in args) else ["--no-metrics"]
+        if not any(a.startswith("--http-port") for a in args):
+            metrics.append("--no-http")
         pinned = ["taskset", "-c", cpus] if cpus else []
         self.cmd = cmd = [*pinned, sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics,
                           *args]
@@ -140,6 +145,7 @@ class ServerProcess:
         self.lines: list[str] = []
         self.port: int | None = None
         self.metrics_port: int | None = None  # when its args turn metrics on
+        self.http_port: int | None = None  # when its args turn HTTP on
         self._found = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -152,6 +158,8 @@ class ServerProcess:
             if m and self.port is None:
                 metrics = METRICS_ON.search(line)
                 self.metrics_port = int(metrics.group(2)) if metrics else None
+                http = HTTP_ON.search(line)
+                self.http_port = int(http.group(2)) if http else None
                 self.port = int(m.group(2))
                 self._found.set()
         self._found.set()  # exited
@@ -232,38 +240,59 @@ def cpu_seconds(processes: Iterable[psutil.Process]) -> float:
 
 
 class FrontProxy:
-    """HAProxy running deploy/proxy/haproxy.cfg in front of the server port `backend`, listening on a free loopback
-    port; `settings` (MODEL_CALLS, HEADERS_TIMEOUT...) through the environment, the file's defaults for the others;
-    `cpus`: the cores it runs on (taskset's list). A context manager; started once it accepts a connection.
-    tests/test_front_proxy.py and bench/protocol_attacks.py --via-haproxy run it."""
+    """The proxy's image (Containerfile.proxy, built by tests/images.py) in front of the server port `backend` (and its
+    HTTP port `http_backend`): HAProxy with the image's deploy/proxy/haproxy.cfg, run by `buildah run` on the host's
+    network and listening on free loopback ports (`port`, `http_port`); `settings` (MODEL_CALLS, HEADERS_TIMEOUT...)
+    through the environment, the file's defaults for the others, a Path among them (PROXY_TLS_CERT) mounted
+    read-only at the same path; `cpus`: the cores it runs on (taskset's list). A context manager; started once it
+    accepts a connection. tests/test_front_proxy.py and bench/protocol_attacks.py --via-haproxy run it."""
 
-    def __init__(self, backend: int, settings: dict[str, object] | None = None, cpus: str | None = None) -> None:
-        self.port = free_port()
-        env = {**os.environ, "PROXY_BIND": f"127.0.0.1:{self.port}", "SERVER_ADDR": f"127.0.0.1:{backend}",
-               "PROXY_DIR": str(PROXY_DIR), **{k: str(v) for k, v in (settings or {}).items()}}
+    def __init__(self, backend: int, settings: dict[str, object] | None = None, cpus: str | None = None,
+                 http_backend: int | None = None) -> None:
+        image = proxy_image()
+        self.port, self.http_port = free_port(), free_port()
+        settings = {"PROXY_BIND": f"127.0.0.1:{self.port}", "SERVER_ADDR": f"127.0.0.1:{backend}",
+                    "HTTP_BIND": f"127.0.0.1:{self.http_port}",
+                    "HTTP_SERVER_ADDR": f"127.0.0.1:{http_backend or free_port()}", **(settings or {})}
+        mounts = [a for v in settings.values() if isinstance(v, Path) for a in ("--volume", f"{v}:{v}:ro")]
+        env = [a for k, v in settings.items() for a in ("--env", f"{k}={v}")]
+        self.container = ok(["buildah", "from", "--pull-never", "--ulimit", f"nofile={PROXY_NOFILE}:{PROXY_NOFILE}",
+                             image], timeout=120).stdout.strip()
         pinned = ["taskset", "-c", cpus] if cpus else []
-        self.proc = subprocess.Popen([*pinned, "haproxy", "-f", str(PROXY_DIR / "haproxy.cfg"), "-db"], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        end = time.monotonic() + 10
+        self.log = tempfile.TemporaryFile("w+")  # haproxy's warnings: a file never blocks it, a full pipe would
+        self.proc = popen([*pinned, "buildah", "run", "--isolation", "chroot", *mounts, *env, self.container, "--",
+                           *config(image)["Entrypoint"]], stdout=subprocess.DEVNULL, stderr=self.log)
+        end = time.monotonic() + 30
         while True:
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
+                break
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > end:
                     self.close()
-                    why = self.proc.stderr.read() if self.proc.stderr else ""
-                    raise RuntimeError(f"haproxy did not start: {why}") from None
+                    raise RuntimeError(f"haproxy did not start: {self.output()}") from None
                 time.sleep(0.05)
+        (self.haproxy,) = [p for p in psutil.Process(self.proc.pid).children(recursive=True) if p.name() == "haproxy"]
+
+    def output(self) -> str:
+        """What haproxy wrote so far (its warnings and alerts)."""
+        self.log.seek(0)
+        return self.log.read()
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the proxy so far."""
-        return cpu_seconds([psutil.Process(self.proc.pid)])
+        return cpu_seconds([self.haproxy])
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
-        self.proc.wait(10)
+            self.proc.terminate()  # buildah passes it on to haproxy
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_group(self.proc)
+        run(["buildah", "rm", self.container], timeout=120)
+        self.log.close()
 
     def __enter__(self) -> FrontProxy:
         return self
@@ -279,7 +308,7 @@ def _name(cn: str) -> x509.Name:
 def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[str, ec.EllipticCurvePrivateKey] | None,
           *, ca: bool = False, server: bool = False, expired: bool = False) -> x509.Certificate:
     """A certificate for `key`, signed by issuer (None: self-signed). EC P-256: fast to generate."""
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     start, end = (now - dt.timedelta(days=10), now - dt.timedelta(days=1)) if expired else \
         (now - dt.timedelta(minutes=5), now + dt.timedelta(days=1))
     issuer_name, issuer_key = (subject, key) if issuer is None else issuer

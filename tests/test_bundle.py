@@ -27,7 +27,7 @@ from contract.bundle import check_session, verify_bundle
 from contract.errors import BundleError
 from contract.manifest import MODEL_FILE, manifest_digest
 from contract.runtime import session_options
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 from trainer.__main__ import main as trainer_cli
 
 TEST_FILE = "cls-books-fr/test.review.txt"
@@ -79,12 +79,6 @@ def _graph_of_another_bundle(bundle: Path) -> None:
             prop.value = json.dumps(json.loads(prop.value)[::-1], separators=(",", ":"))
     onnx.save(model, str(bundle / "model.onnx"))
     reseal(bundle, graphs=False)
-
-
-def _second_max_len(bundle: Path) -> None:
-    meta = json.loads((bundle / "tokenizer/meta.json").read_text())
-    (bundle / "tokenizer/meta.json").write_text(json.dumps({**meta, "max_len": 32}))
-    reseal(bundle)
 
 
 def _format_1(bundle: Path) -> None:
@@ -147,8 +141,6 @@ ATTACKS: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "a key twice in manifest.json": (_key_twice, "manifest.json", "key 'label_names' appears twice"),
     "a graph of another bundle": (_graph_of_another_bundle, "model.onnx",
                                   "its metadata_props differ from manifest.json on label_names"),
-    "a second max_len in the tokenizer folder": (_second_max_len, "tokenizer/meta.json",
-                                                 "max_len 32 in a bundle's tokenizer folder"),
     "a bundle of the earlier format": (_format_1, "manifest.json",
                                        "format 1, a bundle from an earlier exporter .*: export it again"),
 }

@@ -1,7 +1,7 @@
 """The bundle as other tools and other versions see it: each graph says what it is in its metadata_props, the tokenizer
-folder holds no file another format owns and one max_len in all, a CPU server runs int8 only where the export found
-it within its bound, the same artifact gives the same bytes, and a bundle of the earlier format is refused with the
-command that exports it again."""
+folder holds no file another format owns and no max_len (the manifest's is the bundle's one), a CPU server runs int8
+only where the export found it within its bound, the same artifact gives the same bytes, and a bundle of the earlier
+format is refused with the command that exports it again."""
 
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ from serving_fixtures import reviews
 from contract.bundle import verify_bundle
 from contract.errors import BundleError
 from contract.runtime import cuda_driver_present
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 from trainer import artifact
 from trainer.__main__ import main as cli
-from trainer.data.tokenizer import Tokenizer
 from trainer.export import ExportOptions, export_bundle
 from trainer.export.precision import INT8_CPU_BOUND, TOLERANCES
 
@@ -89,25 +88,32 @@ def test_the_bundle_holds_no_file_of_another_format_and_one_max_len(default_bund
     assert manifest_of(default_bundle)["max_len"] == 48  # the one copy
 
 
-def test_a_second_max_len_in_the_bundle_is_refused(bundle: Path) -> None:
+def test_a_max_len_in_a_bundles_tokenizer_folder_is_not_read(bundle: Path) -> None:
+    """The cut is the manifest's: a max_len written into tokenizer/meta.json (and resealed) changes nothing."""
     meta_path = bundle / "tokenizer" / "meta.json"
     meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "max_len": 32}))
     reseal(bundle)
-    with pytest.raises(BundleError, match=r"tokenizer/meta\.json: max_len 32 in a bundle's tokenizer folder \(the "
-                                          r"bundle's one copy is manifest\.json's max_len 48\)"):
-        verify_bundle(bundle)
+    p = Predictor(bundle, device="cpu")
+    (long,) = p.encode(["Un livre " * 100])
+    assert p.max_len == 48 and long.token_count == 48 and long.truncated
 
 
-def test_a_tokenizer_folder_written_before_the_rename_is_still_read(tiny_classifier_artifact: Path,
-                                                                     tmp_path: Path) -> None:
-    """Artifacts trained before meta.json was named so keep working: their tokenizer.json is read, and the bundle
-    exported from them has meta.json."""
+def test_an_artifact_of_an_earlier_version_exports_with_its_configs_cut(tiny_classifier_artifact: Path,
+                                                                       tmp_path: Path) -> None:
+    """Artifacts written before these names keep working: a tokenizer.json (meta.json's earlier name) is read, and a
+    max_len in it (earlier versions kept the cut there too, equal to config.json's) is not: the cut is config.json's
+    tokenizer.max_len, the bundle's manifest.json gets it, and the bundle's meta.json holds none."""
     art = Path(shutil.copytree(tiny_classifier_artifact, tmp_path / "old-artifact"))
-    (art / "tokenizer" / "meta.json").rename(art / "tokenizer" / "tokenizer.json")
-    fingerprint = Tokenizer.load(tiny_classifier_artifact / "tokenizer").fingerprint
-    assert Tokenizer.load(art / "tokenizer").fingerprint == fingerprint
+    meta = json.loads((art / "tokenizer" / "meta.json").read_text())
+    (art / "tokenizer" / "meta.json").unlink()
+    (art / "tokenizer" / "tokenizer.json").write_text(json.dumps({**meta, "max_len": 40}))
+    old = artifact.load(art)
+    assert old.cfg.tokenizer.max_len == old.tokenizer().max_len == 48
+    assert old.tokenizer().fingerprint == artifact.load(tiny_classifier_artifact).tokenizer().fingerprint
     out = export_bundle(art, tmp_path / "bundle", ExportOptions(precision="fp32"))
     assert (out / "tokenizer" / "meta.json").is_file() and not (out / "tokenizer" / "tokenizer.json").exists()
+    assert json.loads((out / "tokenizer" / "meta.json").read_text()) == meta
+    assert manifest_of(out)["max_len"] == 48
 
 
 def test_a_format_1_bundle_is_refused_with_the_command_that_exports_it_again(

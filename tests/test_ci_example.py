@@ -1,5 +1,5 @@
-"""deploy/ci/export-gate.yml, the example export step of a user's CI: its commands, read from the file and run as
-written on the tiny preset (the export, the check with its gates, and the image build with buildah, the way
+"""deploy/ci/export-check.yml, the example export step of a user's CI: its commands, read from the file and run as
+written on the tiny preset (the export, the check with its thresholds, and the image build with buildah, the way
 tests/test_container.py builds the server's image), so the example cannot drift from the code it calls."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from procs import REPO, run
 from test_container import base_image, build, wheelhouse  # noqa: F401 (fixtures: the container test's image build)
 
-WORKFLOW = REPO / "deploy" / "ci" / "export-gate.yml"
+WORKFLOW = REPO / "deploy" / "ci" / "export-check.yml"
 TOOLS = Path(os.environ.get("TS_DEPLOY_TOOLS", REPO / ".venv-deploy" / "bin"))
 
 
@@ -45,7 +45,7 @@ def test_the_example_ci_job_runs_on_the_tiny_preset(tiny_classifier_artifact: Pa
     wf = workflow()
     (job,) = wf["jobs"].values()
     steps = {s["id"]: s["run"] for s in job["steps"] if "id" in s}
-    assert list(steps) == ["export", "gate", "image"]
+    assert list(steps) == ["export", "check", "image"]
     # The job's variables, with this test's paths and the tiny model's limits (it is barely trained: 48%). BUNDLE
     # is runs/NAME/bundle as in the job, with a NAME of this test's own: the image step builds from the checkout.
     # Not the variables of a `make test` around this test: a make inside it would print "Entering directory".
@@ -62,19 +62,19 @@ def test_the_example_ci_job_runs_on_the_tiny_preset(tiny_classifier_artifact: Pa
         assert export.returncode == 0, export.stderr[-3000:]
         assert (bundle / "manifest.json").is_file()
 
-        gate = run_step(steps, "gate", env)
-        assert gate.returncode == 0, gate.stdout[-3000:] + gate.stderr[-3000:]
+        check = run_step(steps, "check", env)
+        assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
         report = json.loads((tmp_path / "reports" / "check.json").read_text())
-        assert report["passed"] and {g["gate"] for g in report["gates"]} == {"min-accuracy", "min-agreement",
-                                                                               "max-drop"}
+        assert report["passed"] and {t["threshold"] for t in report["thresholds"]} == {"min-accuracy",
+                                                                                       "min-agreement", "max-drop"}
         assert (tmp_path / "reports" / "check.xml").read_text().startswith('<?xml version="1.0" encoding="UTF-8"?>')
 
-        # A gate the bundle cannot meet fails the step with exit 1; with no baseline the drop gate is left out.
+        # A threshold the bundle cannot meet fails the step with exit 1; with no baseline max-drop is left out.
         strict = {**env, "MIN_ACCURACY": "99.9", "BASELINE": str(tmp_path / "no-baseline-yet")}
-        gate = run_step(steps, "gate", strict)
-        assert gate.returncode == 1, gate.stdout[-3000:] + gate.stderr[-3000:]
+        check = run_step(steps, "check", strict)
+        assert check.returncode == 1, check.stdout[-3000:] + check.stderr[-3000:]
         report = json.loads((tmp_path / "reports" / "check.json").read_text())
-        assert not report["passed"] and "max-drop" not in {g["gate"] for g in report["gates"]}
+        assert not report["passed"] and "max-drop" not in {t["threshold"] for t in report["thresholds"]}
 
         # The image step: what make runs with the job's CONTAINER_BUILD, then for real with buildah.
         image = run_step(steps, "image", {**env, "MAKEFLAGS": "-n"})
@@ -97,7 +97,7 @@ def build_image(steps: dict[str, str], env: dict[str, str], bundle: Path, reques
         assert image.returncode == 0, image.stdout[-2000:] + image.stderr[-3000:]
         ctr = run(["buildah", "from", "--pull-never", env["IMAGE"]], timeout=120).stdout.strip()
         try:
-            read = ("import json; from serving.predictor import Predictor; p = Predictor('/mnt/models'); "
+            read = ("import json; from serving.model.predictor import Predictor; p = Predictor('/mnt/models'); "
                     "print(json.dumps([p.predict(['Super.'])[0].label, open('/mnt/models/manifest.json').read()]))")
             out = run(["buildah", "run", "--isolation", "chroot", ctr, "--", "python", "-c", read], timeout=300)
             assert out.returncode == 0, out.stderr[-3000:]

@@ -1,18 +1,9 @@
-"""The server's image (Containerfile), built and run as CI does: no registry, a base made from Debian's packages.
-
-buildah builds and runs the image with `--isolation chroot` (no daemon; podman's OCI runtime cannot set rlimits in
-this sandbox); a container run that way shares the host's network, so the server listens on a loopback port and
-the clients call it from outside. mmdebstrap makes the base image from Debian's packages, because no container
-registry is reachable. `make container-deps` installs both with apt (root); in CI a missing tool fails the test.
-
-Cached between runs, keyed by their inputs, under $TS_CONTAINER_CACHE (else ~/.cache/transfer-sentiment/container):
-the base tarball and the wheelhouse the build installs from (made by the host's pip: the build itself is offline).
-buildah's layer cache does the rest; a run without any cache (a new machine) builds everything.
-"""
+"""The server's image (Containerfile), built and run as CI does (tests/images.py: no registry, a base made from
+Debian's packages, buildah; its caches). The build installs offline from a wheelhouse made by the host's pip,
+cached as the bases are."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -28,14 +19,14 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from images import cache, config, debian_base, key, locked, ok, wait_serving
 from procs import free_port, kill_group, popen, run
 from serving_fixtures import REPO_ROOT, reviews
 
 from serving.client import SentimentClient
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 
 sys.path.insert(0, str(REPO_ROOT / "deploy"))
-from healthcheck import check
 from serve_requirements import serve_requirements
 
 IMAGE = "localhost/transfer-sentiment:test"
@@ -48,55 +39,10 @@ TOKEN = "container-test-token-0123456789"
 TRITON_PYTHON = Path(os.environ.get("TRITON_PYTHON", REPO_ROOT / ".venv-triton" / "bin" / "python"))
 
 
-def _need(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        message = f"{tool} not found: run `make container-deps` (apt-get install buildah mmdebstrap, as root)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
-def _cache() -> Path:
-    root = os.environ.get("TS_CONTAINER_CACHE") or Path.home() / ".cache" / "transfer-sentiment" / "container"
-    Path(root).mkdir(parents=True, exist_ok=True)
-    return Path(root)
-
-
-def _key(*parts: object) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _ok(cmd: list[str], timeout: float, **kw: object) -> subprocess.CompletedProcess[str]:
-    out = run(cmd, timeout=timeout, **kw)
-    assert out.returncode == 0, f"{' '.join(cmd[:4])}... exited {out.returncode}:\n{out.stderr[-4000:]}"
-    return out
-
-
-def _has_image(name: str) -> bool:
-    return run(["buildah", "inspect", "--type", "image", name], timeout=60).returncode == 0
-
-
 @pytest.fixture(scope="module")
 def base_image() -> str:
     """A Debian base image with python3, made by mmdebstrap (cached as a tarball) and imported into buildah."""
-    _need("buildah")
-    _need("mmdebstrap")
-    key = _key(SUITE, MMDEBSTRAP)
-    name = f"localhost/transfer-sentiment-base:{key}"
-    if _has_image(name):
-        return name
-    tarball = _cache() / f"base-{SUITE}-{key}.tar"
-    if not tarball.exists():
-        partial = tarball.with_suffix(".partial.tar")
-        partial.unlink(missing_ok=True)
-        _ok(["mmdebstrap", *MMDEBSTRAP, SUITE, str(partial)], timeout=900)
-        partial.rename(tarball)  # atomic: a run killed half-way leaves no tarball that looks whole
-    ctr = _ok(["buildah", "from", "scratch"], timeout=60).stdout.strip()
-    _ok(["buildah", "add", "--quiet", ctr, str(tarball), "/"], timeout=300)
-    _ok(["buildah", "commit", "--quiet", "--rm", ctr, name], timeout=300)
-    return name
+    return debian_base(SUITE, MMDEBSTRAP)
 
 
 def _wheelhouse(ort_package: str) -> Path:
@@ -105,17 +51,18 @@ def _wheelhouse(ort_package: str) -> Path:
     requirements = serve_requirements(REPO_ROOT / "pyproject.toml", ort_package)
     lock = (REPO_ROOT / "requirements.lock").read_text(encoding="utf-8")
     machine = platform.machine()
-    folder = _cache() / f"wheels-{_key(requirements, lock, BASE_PYTHON, machine)}"
-    if not folder.is_dir():
-        partial = folder.with_name(folder.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        # pip matches manylinux_2_N exactly: every N the base's glibc (2.36 in bookworm) runs, and the old aliases.
-        tags = [f"manylinux_2_{n}" for n in range(36, 4, -1)] + ["manylinux2014", "manylinux2010", "manylinux1"]
-        platforms = [a for tag in tags for a in ("--platform", f"{tag}_{machine}")]
-        _ok([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(partial), "--only-binary=:all:",
-             *platforms, "--python-version", BASE_PYTHON, "--implementation", "cp",
-             "--constraint", str(REPO_ROOT / "requirements.lock"), *requirements], timeout=1200)
-        partial.rename(folder)
+    folder = cache() / f"wheels-{key(requirements, lock, BASE_PYTHON, machine)}"
+    with locked(folder.name):
+        if not folder.is_dir():
+            partial = folder.with_name(folder.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            # pip matches manylinux_2_N exactly: every N the base's glibc (2.36 in bookworm) runs, and old aliases.
+            tags = [f"manylinux_2_{n}" for n in range(36, 4, -1)] + ["manylinux2014", "manylinux2010", "manylinux1"]
+            platforms = [a for tag in tags for a in ("--platform", f"{tag}_{machine}")]
+            ok([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(partial), "--only-binary=:all:",
+                *platforms, "--python-version", BASE_PYTHON, "--implementation", "cp",
+                "--constraint", str(REPO_ROOT / "requirements.lock"), *requirements], timeout=1200)
+            partial.rename(folder)
     return folder
 
 
@@ -139,23 +86,19 @@ def build(base_image: str, wheelhouse: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def image(build: list[str]) -> str:
-    """The default target of the Containerfile."""
-    _ok([*build, "-t", IMAGE, str(REPO_ROOT)], timeout=1200)
+    """The default target of the Containerfile (built once at a time: tests/test_compose.py runs it too)."""
+    with locked(IMAGE):
+        ok([*build, "-t", IMAGE, str(REPO_ROOT)], timeout=1200)
     return IMAGE
-
-
-def _config(image: str) -> dict:
-    out = _ok(["buildah", "inspect", "--type", "image", image], timeout=60).stdout
-    return json.loads(out)["Docker"]["config"]
 
 
 @pytest.fixture
 def container(image: str) -> Iterator[str]:
-    ctr = _ok(["buildah", "from", "--pull-never", image], timeout=120).stdout.strip()
+    ctr = ok(["buildah", "from", "--pull-never", image], timeout=120).stdout.strip()
     try:
         yield ctr
     finally:
-        _ok(["buildah", "rm", ctr], timeout=120)
+        ok(["buildah", "rm", ctr], timeout=120)
 
 
 def _server_process(launcher: psutil.Process, deadline: float) -> psutil.Process:
@@ -183,14 +126,14 @@ def _tritonclient(target: str, texts: list[str]) -> dict:
 
 def test_image_serves_a_root_exported_bundle_as_non_root_and_stops_on_sigterm(
         image: str, container: str, default_bundle: Path, data_dir: Path, tmp_path: Path) -> None:
-    config = _config(image)
-    assert config["User"] == f"{APP_UID}:{APP_UID}"
-    entrypoint, cmd = config["Entrypoint"], config["Cmd"]
+    settings = config(image)
+    assert settings["User"] == f"{APP_UID}:{APP_UID}"
+    entrypoint, cmd = settings["Entrypoint"], settings["Cmd"]
     assert entrypoint[1:] == ["-m", "serving.server"], "exec form: the server itself is PID 1"
     assert cmd[0] == "/mnt/models"
 
     # The final stage holds the server and its dependencies, not the training stack.
-    root = Path(_ok(["buildah", "mount", container], timeout=60).stdout.strip())
+    root = Path(ok(["buildah", "mount", container], timeout=60).stdout.strip())
     try:
         site = next((root / "opt" / "venv" / "lib").glob("python3*/site-packages"))
         installed = {p.name.split("-")[0].lower() for p in site.glob("*.dist-info")}
@@ -218,19 +161,15 @@ def test_image_serves_a_root_exported_bundle_as_non_root_and_stops_on_sigterm(
                           "--volume", f"{token}:/run/secrets/token:ro", container, "--", *server_args],
                          stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while check(target) != "SERVING":
-            assert launcher.poll() is None, f"the server exited {launcher.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"not SERVING after 180 s:\n{log.read_text()}"
-            time.sleep(0.5)
-        server = _server_process(psutil.Process(launcher.pid), deadline)
+        wait_serving(target, 180, launcher, log)
+        server = _server_process(psutil.Process(launcher.pid), time.monotonic() + 60)
         assert server.uids().real == APP_UID
         assert server.parent().name() not in ("sh", "bash", "dash"), "a shell between the runtime and the server"
 
         # The image's own HEALTHCHECK command, run inside the container, with this run's port.
-        health = config["Healthcheck"]["Test"]
+        health = settings["Healthcheck"]["Test"]
         assert health[0] == "CMD"
-        probe = _ok(["buildah", "run", "--isolation", "chroot", container, "--", *health[1:-1], target], timeout=120)
+        probe = ok(["buildah", "run", "--isolation", "chroot", container, "--", *health[1:-1], target], timeout=120)
         assert "SERVING" in probe.stdout
 
         texts = reviews(data_dir, 8) + ["Un très beau livre.", "Décevant."]
@@ -268,14 +207,15 @@ def test_bundled_target_bakes_the_bundle_in(build: list[str], tiny_bundle: Path)
     shutil.copytree(tiny_bundle, context_bundle)  # keeps the modes export gave it
     name = f"{IMAGE}-bundled"
     try:
-        _ok([*build, "--target", "bundled", "--build-arg", f"BUNDLE={context_bundle.relative_to(REPO_ROOT)}",
-             "-t", name, str(REPO_ROOT)], timeout=1200)
+        ok([*build, "--target", "bundled", "--build-arg", f"BUNDLE={context_bundle.relative_to(REPO_ROOT)}",
+            "-t", name, str(REPO_ROOT)], timeout=1200)
     finally:
         shutil.rmtree(context_bundle.parent)
-    ctr = _ok(["buildah", "from", "--pull-never", name], timeout=120).stdout.strip()
+    ctr = ok(["buildah", "from", "--pull-never", name], timeout=120).stdout.strip()
     try:
-        load = "from serving.predictor import Predictor; print(Predictor('/mnt/models').predict(['Super.'])[0].label)"
-        out = _ok(["buildah", "run", "--isolation", "chroot", ctr, "--", "python", "-c", load], timeout=300)
+        load = ("from serving.model.predictor import Predictor; "
+                "print(Predictor('/mnt/models').predict(['Super.'])[0].label)")
+        out = ok(["buildah", "run", "--isolation", "chroot", ctr, "--", "python", "-c", load], timeout=300)
         assert out.stdout.strip() in json.loads((tiny_bundle / "manifest.json").read_text())["label_names"]
     finally:
         run(["buildah", "rm", ctr], timeout=120)
@@ -312,19 +252,19 @@ def test_gpu_image_holds_the_cuda_libraries_its_onnxruntime_is_built_for(
     here); the CUDA major of the image's libraries is onnxruntime's; the server asked for CUDA names that library.
     Slow: a 1.4 GB wheelhouse and a 2.5 GB image: 7 minutes on 2 cores (buildah caches the layers afterwards)."""
     build = _build_command(base_image, _wheelhouse("onnxruntime-gpu"))
-    _ok([*build, "--build-arg", "ORT_PACKAGE=onnxruntime-gpu", "-t", GPU_IMAGE, str(REPO_ROOT)], timeout=3600)
-    config = _config(GPU_IMAGE)
-    assert config["User"] == f"{APP_UID}:{APP_UID}"
-    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in config["Env"]
-    ctr = _ok(["buildah", "from", "--pull-never", GPU_IMAGE], timeout=120).stdout.strip()
+    ok([*build, "--build-arg", "ORT_PACKAGE=onnxruntime-gpu", "-t", GPU_IMAGE, str(REPO_ROOT)], timeout=3600)
+    settings = config(GPU_IMAGE)
+    assert settings["User"] == f"{APP_UID}:{APP_UID}"
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in settings["Env"]
+    ctr = ok(["buildah", "from", "--pull-never", GPU_IMAGE], timeout=120).stdout.strip()
     try:
         def inside(*cmd: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
             return run(["buildah", "run", "--isolation", "chroot", "--volume", f"{tiny_bundle}:/mnt/models:ro", ctr,
                         "--", *cmd], timeout=timeout)
 
         assert inside("id", "-u").stdout.strip() == str(APP_UID)
-        facts = json.loads(_ok(["buildah", "run", "--isolation", "chroot", ctr, "--", "python", "-c", GPU_FACTS],
-                               timeout=300).stdout)
+        facts = json.loads(ok(["buildah", "run", "--isolation", "chroot", ctr, "--", "python", "-c", GPU_FACTS],
+                              timeout=300).stdout)
         assert "CUDAExecutionProvider" in facts["providers"], facts["providers"]
         major = int(facts["cuda_version"].split(".")[0])
         libraries = facts["libraries"]

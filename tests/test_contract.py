@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,14 +18,14 @@ from procs import REPO
 from serving_fixtures import reviews
 
 from contract.errors import TokenizerError
-from contract.tokens import EOS, OOV, SOS, TOKENIZER_FILES, Encoder, read_tokenizer_files
+from contract.tokens import EOS, OOV, SOS, TOKENIZER_FILES, TokenEncoder, read_tokenizer_files
 from trainer.data.tokenizer import Tokenizer
 
 
-def encoder_of(folder: Path, max_len: int | None = None) -> Encoder:
-    """The server's route: the folder's bytes, checked, then the encoder."""
-    return Encoder.from_files(read_tokenizer_files({n: (folder / n).read_bytes() for n in TOKENIZER_FILES}, folder),
-                              max_len)
+def encoder_of(folder: Path, max_len: int = 48) -> TokenEncoder:
+    """The server's route: the folder's bytes, checked, then the encoder (at the tiny preset's max_len)."""
+    files = read_tokenizer_files({n: (folder / n).read_bytes() for n in TOKENIZER_FILES}, folder)
+    return TokenEncoder.from_files(files, max_len)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_the_lab_vocabulary_gives_the_labs_ids(data_dir: Path, tmp_path: Path) -
     books = data_dir / "cls-books-fr"
     folder = Tokenizer.from_lab(books / "sentencepiece.french.model", books / "dict.txt", 10_000).save(
         tmp_path / "tokenizer")
-    enc = encoder_of(folder)
+    enc = encoder_of(folder, 10_000)
     dict_ids = {line.rsplit(" ", 1)[0]: i + 4
                 for i, line in enumerate((books / "dict.txt").read_text(encoding="utf-8").split("\n")[:-1])}
     with open(books / "valid.review.txt", encoding="utf-8", newline="\n") as f_txt, \
@@ -160,7 +161,7 @@ def test_tokenizer_folder_refusals_name_the_file(tiny_tokenizer_dir: Path, tmp_p
         with pytest.raises(TokenizerError, match=message):
             encoder_of(f)
         with pytest.raises(TokenizerError, match=message):  # the trainer reads folders through the same checks
-            Tokenizer.load(f)
+            Tokenizer.load(f, 48)
 
 
 def test_encoded_ids_are_int64_arrays(tiny_tokenizer_dir: Path) -> None:
@@ -170,10 +171,53 @@ def test_encoded_ids_are_int64_arrays(tiny_tokenizer_dir: Path) -> None:
 
 def test_the_server_loads_a_bundle_without_torch_or_trainer(tiny_bundle: Path) -> None:
     """The contract is what lets serving/ share the trainer's rules without importing the trainer (or torch)."""
-    script = ("import sys; from serving.predictor import Predictor; import serving.server; "
+    script = ("import sys; from serving.model.predictor import Predictor; import serving.server; "
               "Predictor(sys.argv[1], device='cpu').predict(['Bien.']); "
               "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'trainer', 'deepspeed'}))")
     run = subprocess.run([sys.executable, "-c", script, str(tiny_bundle)], capture_output=True, text=True,
                          timeout=120, cwd=REPO)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split("\n")[-2] == "[]"
+
+
+
+def test_a_max_len_under_3_is_refused_alike_by_every_reader(tiny_tokenizer_dir: Path, tiny_bundle: Path,
+                                                              tiny_classifier_artifact: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """<sos>, one piece, <eos>: the rule of contract/tokens.py, and the same one-line error wherever a max_len is
+    read (the tokenizer, a bundle's manifest, export, the run config), each naming its source."""
+    from bundles import edit_manifest
+
+    from contract.bundle import verify_bundle
+    from contract.errors import BundleError
+    from trainer.__main__ import main as trainer_cli
+    from trainer.config.presets import tiny
+    from trainer.config.schema import ConfigError, override
+    from trainer.export import ExportError, ExportOptions
+
+    def refusal(error: type[Exception], call: Callable[[], object]) -> str:
+        with pytest.raises(error) as e:
+            call()
+        return str(e.value)
+
+    bundle = Path(shutil.copytree(tiny_bundle, tmp_path / "bundle"))
+    tok = Tokenizer.load(tiny_tokenizer_dir, 48)
+    for bad in (2, 0, -1, True):
+        edit_manifest(bundle, lambda m, bad=bad: m.update(max_len=bad), sealed=True)
+        seen = [
+            ("max_len", refusal(TokenizerError, lambda bad=bad: encoder_of(tiny_tokenizer_dir, bad))),
+            (f"{tiny_tokenizer_dir}: max_len", refusal(TokenizerError,
+                                                        lambda bad=bad: Tokenizer.load(tiny_tokenizer_dir, bad))),
+            ("max_len", refusal(TokenizerError, lambda bad=bad: tok.encode("Bien.", bad))),
+            (f"{bundle / 'manifest.json'}: field 'max_len'", refusal(BundleError, lambda: verify_bundle(bundle))),
+            ("max_len", refusal(ExportError, lambda bad=bad: ExportOptions(max_len=bad))),
+        ]
+        if bad is not True:  # the config's pydantic reads true as 1; --set never sends a bool
+            seen.append(("tokenizer.max_len", refusal(ConfigError, lambda bad=bad: override(
+                tiny(), [f"tokenizer.max_len={bad}"]))))
+        for where, message in seen:
+            assert message == f"{where} must be an int >= 3 (<sos>, one piece, <eos>), got {bad!r}"
+    # The export command line: that line, exit 2, nothing written.
+    rc = trainer_cli(["export", str(tiny_classifier_artifact), "--out", str(tmp_path / "out"), "--max-len", "2"])
+    assert rc == 2 and not (tmp_path / "out").exists()
+    assert capsys.readouterr().err == "error: max_len must be an int >= 3 (<sos>, one piece, <eos>), got 2\n"

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import datetime
 import io
+import json
 import os
 import re
 import shlex
@@ -39,7 +40,8 @@ KUBECTL = Path(os.environ.get("TS_DEPLOY_TOOLS", REPO / ".venv-deploy" / "bin"))
 PYTHONS = {"python", "python3", ".venv/bin/python", "$(BIN)/python"}
 # A span of prose is a command when it starts with one of these (after VAR=value assignments).
 INLINE_HEADS = (*PYTHONS, "deepspeed", "bash", "srun", "make", "transfer-sentiment", "sentiment-server",
-                "sentiment-client", "kubectl", "docker", "podman", "launch/pretrain.sh", "launch/finetune.sh",
+                "sentiment-client", "kubectl", "docker", "podman", "podman-compose", "launch/pretrain.sh",
+                "launch/finetune.sh",
                 "launch/serve.sh", "launch/demo.sh")
 # Shell tools a block may use around our commands; nothing of ours to check in them.
 UTILITIES = {"grep", "head", "echo", "cd", "du", "mkdir", "rsync", "openssl", "cat", "ls", "export", "done", "fi"}
@@ -339,10 +341,33 @@ def check_make(args: list[str]) -> str:
     return ""
 
 
+COMPOSE_COMMANDS = {"up", "down", "start", "stop", "restart", "ps", "logs", "build", "pull", "config"}
+
+
+def check_compose(args: list[str]) -> str:
+    """`docker compose [-f FILE] [-p NAME] COMMAND ...` (or `podman-compose ...`): the file exists (compose.yaml at the
+    repository's root unless -f names another) and the command is one of compose's."""
+    files, command, i = [], "", 0
+    while i < len(args) and not command:
+        if args[i] in ("-f", "--file", "-p", "--project-name"):
+            files += [args[i + 1]] if args[i] in ("-f", "--file") else []
+            i += 2
+            continue
+        command = args[i] if not args[i].startswith("-") else ""
+        i += 1
+    missing = [f for f in files or ["compose.yaml"] if not (REPO / f).is_file()]
+    if missing:
+        return f"{missing[0]}: no such compose file in the repository"
+    return "" if command in COMPOSE_COMMANDS else f"compose {command or '(no command)'}: not a compose command"
+
+
 def check_container_run(args: list[str]) -> str:
     """`docker run ... transfer-sentiment:TAG [BUNDLE SERVER FLAGS]`: the flags after the image are the server's;
-    `docker run ... transfer-sentiment-train:TAG SUBCOMMAND ...`: the trainer's (Containerfile.train)."""
+    `docker run ... transfer-sentiment-train:TAG SUBCOMMAND ...`: the trainer's (Containerfile.train); `docker
+    compose ...`: check_compose."""
     image = next((i for i, a in enumerate(args) if a.startswith("transfer-sentiment:")), None)
+    if args[:1] == ["compose"]:
+        return check_compose(args[1:])
     if args[:1] == ["push"]:
         return ""  # a registry's business: nothing of ours in it
     train = next((i for i, a in enumerate(args) if a.startswith("transfer-sentiment-train:")), None)
@@ -386,7 +411,7 @@ def _files_for(args: list[str], folder: Path) -> None:
     if "cert" in named:
         key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
                 .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
                 .sign(key, hashes.SHA256()))
@@ -465,14 +490,34 @@ def check(command: Command) -> str:
         return check_make(args)
     if head in ("docker", "podman"):
         return check_container_run(args)
+    if head == "podman-compose":
+        return check_compose(args)
     if head == "kubectl":
         return check_kubectl(command.text, args)
     if head == "cp":
         missing = [a for a in args[:-1] if not a.startswith("-") and not (REPO / a).exists()]
         return f"cp: {missing[0]}: no such file in the repository" if missing else ""
+    if head == "curl":
+        return check_curl(args)
     if head in UTILITIES or not command.in_block:
         return ""
     return f"{head}: not a command this test knows (mark the block <!-- illustration: why -->, or label it text)"
+
+
+def check_curl(args: list[str]) -> str:
+    """A call of the server's HTTP API: its path is one of the server's routes, its -d body is JSON."""
+    routes = re.findall(r'at\("(/[^"]*)"', (REPO / "serving" / "protocols" / "http" / "routes.py").read_text())
+    url = next(a for a in reversed(args) if not a.startswith("-"))
+    path = "/" + url.split("://")[-1].split("/", 1)[-1].split("?")[0]
+    pattern = lambda route: re.fullmatch(re.sub(r"\{\w+\}", "[^/]+", route), path)  # noqa: E731
+    if not any(pattern(r) for r in routes):
+        return f"curl: {path} is not a path the server serves ({routes})"
+    body = next((args[i + 1] for i, a in enumerate(args[:-1]) if a in ("-d", "--data")), None)
+    try:
+        json.loads(body) if body is not None else None
+    except ValueError as e:
+        return f"curl: its body is not JSON: {e}"
+    return ""
 
 
 COMMANDS = all_commands()
@@ -489,7 +534,7 @@ def test_the_commands_are_found() -> None:
     counts = {doc: len(cmds) for doc, cmds in COMMANDS.items()}
     assert counts["README.md"] >= 20 and counts["launch/README.md"] >= 10, counts
     assert counts["docs/BENCHMARKS.md"] >= 15 and counts["docs/RESULTS.md"] >= 5, counts
-    assert counts["deploy/ci/export-gate.yml"] >= 4, counts
+    assert counts["deploy/ci/export-check.yml"] >= 4, counts
     # The markers stay few: an illustration is the exception.
     marked = sum(len(ILLUSTRATION.findall(p.read_text(encoding="utf-8"))) for p in MARKDOWN)
     assert marked <= 6, f"{marked} blocks marked as illustrations"
@@ -512,6 +557,8 @@ def test_the_commands_are_found() -> None:
     ("docker run --rm transfer-sentiment:cpu /mnt/models --max-textz 3", "unrecognized arguments"),
     ("kubectl apply -k deploy/nothing/", "no kustomization.yaml"),
     ("podman run --rm transfer-sentiment-train:cpu params --presett lab", "unrecognized arguments"),
+    ("docker compose upp -d", "compose upp: not a compose command"),
+    ("podman-compose -f deploy/compose.yaml up -d", "deploy/compose.yaml: no such compose file"),
     ("sbatch --nodes=4 launch/train.sbatch pretrain --preset lab --outt x", "unrecognized arguments"),
     ("sbatch launch/train.sbatch export runs/x", "takes pretrain or finetune"),
     ("srun --container-image=x python -m trainer pretrainn", "no subcommand 'pretrainn'"),

@@ -28,11 +28,11 @@ from procs import NO_ORT_CUDA, REPO
 from contract.bundle import verify_bundle
 from contract.errors import BundleError
 from contract.graph import INPUTS, OUTPUT
-from contract.runtime import CPU, cuda_driver_present
+from contract.runtime import CPU, cuda_driver_present, inference_session
 from trainer import artifact
 from trainer.__main__ import main as cli
 from trainer.export import ExportError, ExportOptions, ExportValidationError, check_bundle, export_bundle
-from trainer.export.graph import STACK_TRACE, check_graph, open_session
+from trainer.export.graph import STACK_TRACE, check_graph
 from trainer.export.precision import INT8_CPU_BOUND, TOLERANCES, Tolerance
 from trainer.export.validate import compare, make_batch, ort_logits, torch_logits, validate
 
@@ -74,7 +74,7 @@ def test_validation_of_the_tiny_trained_model_covers_every_shape(default_bundle)
 
 def test_bundle_matches_pytorch_on_a_fresh_padded_batch(tiny_bundle, tiny_classifier_artifact):
     model = artifact.load(tiny_classifier_artifact).model()
-    session = open_session(tiny_bundle / "model.onnx", prefer_gpu=False)
+    session = inference_session(tiny_bundle / "model.onnx", device="cpu")
     rng = np.random.default_rng(7)
     for lengths, width in (([5, 48, 1, 17, 30], 48), ([3] * 11, 3), ([31, 2, 9], 33)):
         ids, mask = make_batch(lengths, width, 99, 1, rng)
@@ -89,7 +89,7 @@ def test_validation_fails_naming_the_shape_when_logits_differ(tiny_bundle, tiny_
     model = artifact.load(tiny_classifier_artifact).model()
     with torch.no_grad():
         model.head.bias[0] += 1e-3  # PyTorch now differs from the exported graph by 1e-3 on every row
-    session = open_session(tiny_bundle / "model.onnx", prefer_gpu=False)
+    session = inference_session(tiny_bundle / "model.onnx", device="cpu")
     with pytest.raises(ExportValidationError, match=r"fp32 bundle differs from PyTorch on input 1x1: "
                                                     r"max \|logit diff\| 0\.001 > tolerance 0\.0001"):
         validate(model, session, "fp32", 48, 99, 1)
@@ -160,7 +160,7 @@ def test_graph_check_catches_renamed_axes_and_checker_errors(tiny_bundle):
 
 
 def test_ci_export_step_loads_like_the_server(tiny_bundle, tiny_tokenizer):
-    session = open_session(tiny_bundle / "model.onnx")
+    session = inference_session(tiny_bundle / "model.onnx")
     assert [i.name for i in session.get_inputs()] == [n for n, _ in INPUTS]
     assert [o.name for o in session.get_outputs()] == [OUTPUT[0]]
     texts = ["Un livre magnifique, je le recommande.", "Ennuyeux.", "Pas terrible, une histoire sans intérêt " * 9]
@@ -456,7 +456,7 @@ def test_check_reports_accuracy_and_agreement_with_pytorch(default_bundle, tiny_
 @pytest.mark.skipif(not cuda_driver_present(), reason=NO_ORT_CUDA)
 def test_fp16_bundle_runs_on_cuda(tiny_classifier_artifact, tmp_path):
     out = export_bundle(tiny_classifier_artifact, tmp_path / "fp16", ExportOptions(precision="fp16"))
-    session = open_session(out / "model.onnx")
+    session = inference_session(out / "model.onnx")
     assert session.get_providers()[0] == "CUDAExecutionProvider"
     model = artifact.load(tiny_classifier_artifact).model()
     ids, mask = make_batch([48, 3, 17], 48, 99, 1, np.random.default_rng(0))

@@ -1,4 +1,4 @@
-"""`export --check` as a CI step (gates, exit codes, JSON and JUnit reports) and `export --triton-repo` (a model
+"""`export --check` as a CI step (thresholds, exit codes, JSON and JUnit reports) and `export --triton-repo` (a model
 repository whose config.pbtxt Triton's own schema parses, matching the graph it serves)."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ LIMIT = "300"
 TRITON_PYTHON = Path(os.environ.get("TRITON_PYTHON", REPO / ".venv-triton" / "bin" / "python"))
 
 
-def check(bundle: Path, data_dir: Path, *gates: str) -> list[str]:
-    return ["export", "--check", str(bundle), "--data", str(data_dir / TEST_FILE), "--limit", LIMIT, *gates]
+def check(bundle: Path, data_dir: Path, *thresholds: str) -> list[str]:
+    return ["export", "--check", str(bundle), "--data", str(data_dir / TEST_FILE), "--limit", LIMIT, *thresholds]
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def swapped(tiny_bundle: Path, tmp_path: Path) -> Path:
     return out
 
 
-def test_passing_gates_exit_0_with_json_and_junit_reports(default_bundle: Path, swapped: Path, data_dir: Path,
+def test_met_thresholds_exit_0_with_json_and_junit_reports(default_bundle: Path, swapped: Path, data_dir: Path,
                                                            tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reports = tmp_path / "reports"
     reports.mkdir()
@@ -46,19 +46,19 @@ def test_passing_gates_exit_0_with_json_and_junit_reports(default_bundle: Path, 
     report = json.loads((reports / "c.json").read_text())
     assert report["passed"] is True and report["exit_code"] == 0 and report["examples"] == 300
     assert report["bundle_sha256"] == json.loads((default_bundle / "manifest.json").read_text())["bundle_sha256"]
-    assert {(g["gate"], g["graph"]) for g in report["gates"]} == {
+    assert {(t["threshold"], t["graph"]) for t in report["thresholds"]} == {
         ("min-accuracy", "model.int8.onnx"), ("min-accuracy", "model.onnx"), ("min-agreement", "model.int8.onnx"),
         ("min-agreement", "model.onnx"), ("max-drop", "model.int8.onnx"), ("max-drop", "model.onnx")}
     assert report["baseline"]["bundle"] == str(swapped)
     cpu_acc = report["graphs"]["model.int8.onnx"]["bundle_accuracy"]
     assert f"PASS min-accuracy: model.int8.onnx (cpu): accuracy {cpu_acc:.2f}% >= 1%" in out
     suite = ET.parse(reports / "c.xml").getroot().find("testsuite")
-    assert suite.get("tests") == "8" and suite.get("failures") == "0"  # 2 graphs scored + 6 gates
+    assert suite.get("tests") == "8" and suite.get("failures") == "0"  # 2 graphs scored + 6 thresholds
     assert {c.get("name") for c in suite.iter("testcase")} == {"verify and score", "min-accuracy", "min-agreement",
                                                                 "max-drop"}
 
 
-def test_a_failed_gate_exits_1_and_the_reports_say_which(tiny_bundle: Path, swapped: Path, data_dir: Path,
+def test_a_threshold_not_met_exits_1_and_the_reports_say_which(tiny_bundle: Path, swapped: Path, data_dir: Path,
                                                          tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The tiny bundle is the swapped one's accuracy mirrored (below 50% one way, above the other): against it as
     baseline, the drop is the difference of the two."""
@@ -73,10 +73,10 @@ def test_a_failed_gate_exits_1_and_the_reports_say_which(tiny_bundle: Path, swap
     acc = report["graphs"]["model.onnx"]["bundle_accuracy"]
     assert acc + better == pytest.approx(100.0) and acc < better  # the tiny model is worse than a coin: 48%
     assert report["passed"] is False and report["exit_code"] == 1
-    gates = {g["gate"]: g for g in report["gates"]}
-    assert gates["min-accuracy"]["passed"] is False and gates["min-accuracy"]["value"] == acc
-    assert gates["max-drop"]["passed"] is False and gates["max-drop"]["serves"] == ["cpu", "cuda"]
-    assert gates["max-drop"]["value"] == pytest.approx(acc - better, abs=1e-3)
+    limits = {t["threshold"]: t for t in report["thresholds"]}
+    assert limits["min-accuracy"]["passed"] is False and limits["min-accuracy"]["value"] == acc
+    assert limits["max-drop"]["passed"] is False and limits["max-drop"]["serves"] == ["cpu", "cuda"]
+    assert limits["max-drop"]["value"] == pytest.approx(acc - better, abs=1e-3)
     assert f"FAIL min-accuracy: model.onnx (cpu, cuda): accuracy {acc:.2f}% < 99.5%" in out
     suite = ET.parse(tmp_path / "c.xml").getroot().find("testsuite")
     failures = [c.find("failure") for c in suite.iter("testcase") if c.find("failure") is not None]
@@ -95,7 +95,7 @@ def test_bad_input_exits_2_in_one_line_and_writes_no_report(tiny_bundle: Path, d
         "no data": (["export", "--check", str(tiny_bundle), "--data", str(tmp_path / "none.tsv")], "none.tsv"),
         "no baseline": (check(tiny_bundle, data_dir, "--baseline", str(tmp_path / "gone"), "--max-drop", "1"),
                         "gone: bundle folder not found"),
-        "gate without check": (["export", "--min-accuracy", "50"], "go with --check BUNDLE"),
+        "threshold without check": (["export", "--min-accuracy", "50"], "go with --check BUNDLE"),
     }
     for name, (argv, message) in cases.items():
         rc = cli([*argv, "--json", str(report)])

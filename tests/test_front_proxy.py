@@ -1,18 +1,18 @@
-"""deploy/proxy/haproxy.cfg, run by HAProxy in front of a real server started with `behind_proxy`: what the proxy
-adds (admission at its model slots, per-address limits the server cannot apply behind it), each through the wire
-from real gRPC and hand-built HTTP/2 clients. HAProxy comes from Debian (`make proxy-deps`)."""
+"""The proxy's image (Containerfile.proxy: Debian trixie's HAProxy with deploy/proxy/haproxy.cfg) in front of a real
+server started with `behind_proxy`: what the proxy adds (admission at its model slots, per-address limits the server
+cannot apply behind it), each through the wire from real gRPC and hand-built HTTP/2 clients. The image is built and
+run with buildah (tests/images.py; `make container-deps`), as the deployments run it."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,12 +20,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hostile import HalfOpen, _Connection
-from procs import REPO, free_port
-from serving_fixtures import PROXY_DIR, FrontProxy, HeldRuns, certs, running_server
+from http_fixtures import call, classify
+from images import config, ok, proxy_image
+from procs import REPO, free_port, run
+from serving_fixtures import FrontProxy, HeldRuns, certs, running_server
 
-from serving.app import SentimentServer
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
+from serving.process.app import SentimentServer
 
 CLASSIFY = "/sentiment.v1.SentimentService/Classify"
 TOKEN = "front-proxy-token-0123456789"
@@ -34,22 +36,18 @@ AUTH = [("authorization", f"Bearer {TOKEN}")]
 __all__ = ["certs"]
 
 
-def _haproxy() -> str:
-    path = shutil.which("haproxy")
-    if path is None:
-        message = "haproxy not found: run `make proxy-deps` (apt-get install haproxy, as root)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
+@contextmanager
+def proxy(server: SentimentServer | int, **settings: object) -> Iterator[int]:
+    """The proxy's image in front of `server` (or of a port), `settings` through its environment; its port."""
+    with FrontProxy(server if isinstance(server, int) else server.port, settings) as front:
+        yield front.port
 
 
 @contextmanager
-def proxy(server: SentimentServer | int, **settings: object) -> Iterator[int]:
-    """deploy/proxy/haproxy.cfg in front of `server` (or of a port), `settings` through its environment; its port."""
-    _haproxy()
-    with FrontProxy(server if isinstance(server, int) else server.port, settings) as front:
-        yield front.port
+def http_proxy(server: SentimentServer, **settings: object) -> Iterator[int]:
+    """The proxy's image in front of `server`'s HTTP port too; the proxy's HTTP port."""
+    with FrontProxy(server.port, settings, http_backend=server.http_port) as front:
+        yield front.http_port
 
 
 def _ended(conn: _Connection, sid: int) -> tuple[str, str]:
@@ -58,14 +56,20 @@ def _ended(conn: _Connection, sid: int) -> tuple[str, str]:
 
 
 def test_the_configuration_is_valid_with_and_without_tls(tmp_path: Path) -> None:
-    """`haproxy -c` on the file as shipped (its defaults), and with PROXY_TLS_CERT naming a certificate."""
+    """`haproxy -c` in the image, on its file as shipped (its defaults), and with PROXY_TLS_CERT naming a PEM."""
     pem = tmp_path / "proxy.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-days",
                     "1", "-keyout", str(pem), "-out", str(pem)], check=True, capture_output=True)
-    for extra in ({}, {"PROXY_TLS_CERT": str(pem)}):
-        out = subprocess.run([_haproxy(), "-c", "-f", str(PROXY_DIR / "haproxy.cfg")], capture_output=True, text=True,
-                             env={**os.environ, "PROXY_DIR": str(PROXY_DIR), **extra})
-        assert out.returncode == 0, out.stdout + out.stderr
+    pem.chmod(0o644)  # readable by the image's user, as deploy/proxy/tls's Secret is (0440, the pod's fsGroup)
+    image = proxy_image()
+    ctr = ok(["buildah", "from", "--pull-never", image], timeout=120).stdout.strip()
+    try:
+        for extra in ([], ["--volume", f"{pem}:/run/proxy.pem:ro", "--env", "PROXY_TLS_CERT=/run/proxy.pem"]):
+            out = run(["buildah", "run", "--isolation", "chroot", *extra, ctr, "--", *config(image)["Entrypoint"],
+                       "-c"], timeout=120)
+            assert out.returncode == 0, out.stdout + out.stderr
+    finally:
+        run(["buildah", "rm", ctr], timeout=120)
 
 
 def test_with_a_certificate_tls_ends_at_the_proxy(tiny_bundle: Path, certs: dict[str, Path], tmp_path: Path) -> None:
@@ -105,7 +109,7 @@ def test_past_its_model_slots_the_proxy_refuses_at_once_and_health_passes(tiny_b
         with HeldRuns(s) as held:
             running = stub.Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60, metadata=AUTH)
             assert held.wait_entered()
-            served = s.metrics.requests.labels("sentiment.v1.SentimentService/Classify", "OK")._value.get()
+            served = s.metrics.requests.labels("grpc", "sentiment.v1.SentimentService/Classify", "OK")._value.get()
             start = time.perf_counter()
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Classify(pb.ClassifyRequest(texts=["trop"]), timeout=10, metadata=AUTH)
@@ -115,7 +119,8 @@ def test_past_its_model_slots_the_proxy_refuses_at_once_and_health_passes(tiny_b
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert len(running.result().results) == 1
-        assert s.metrics.requests.labels("sentiment.v1.SentimentService/Classify", "OK")._value.get() == served + 1
+        assert s.metrics.requests.labels("grpc", "sentiment.v1.SentimentService/Classify",
+                                         "OK")._value.get() == served + 1
 
 
 def test_a_server_that_cannot_be_reached_is_unavailable_not_overloaded() -> None:
@@ -154,6 +159,27 @@ def test_calls_withholding_their_body_without_the_token_free_their_model_slot_at
             withheld.close()
 
 
+@pytest.mark.parametrize("answered_by", ["server", "proxy"])
+def test_a_call_answered_before_its_request_ends_is_reset_with_no_error(answered_by: str, tiny_bundle: Path) -> None:
+    """A call answered on its headers, before its body (the server's UNAUTHENTICATED; the proxy's own answer on its
+    health-only port): the proxy then resets the stream with NO_ERROR, as the server does when called directly (RFC
+    9113, 8.1), so a gRPC client keeps the answer. Debian bookworm's HAProxy 2.6.12 reset it with CANCEL, which a
+    client that reads the reset first reports as CANCELLED (HAProxy's issue 1219; docs/RELIABILITY.md, "A front
+    proxy")."""
+    health_port = free_port()
+    with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN) as s, \
+            proxy(s, HEALTH_BIND=f"127.0.0.1:{health_port}") as port:
+        conn = _Connection(health_port if answered_by == "proxy" else port)
+        conn.start_reading()
+        try:
+            sid = conn.open_stream(CLASSIFY)  # no token, and the body never comes
+            assert _ended(conn, sid)[0] == {"server": "16", "proxy": "12"}[answered_by]
+            assert conn.wait(lambda: sid in conn.resets, 5), "the answered stream was never reset"
+            assert conn.resets[sid] == 0, f"RST_STREAM code {conn.resets[sid]}, not NO_ERROR"
+        finally:
+            conn.close()
+
+
 def test_wrong_tokens_from_one_address_are_answered_by_the_proxy(tiny_bundle: Path) -> None:
     """AUTH_FAILURES_PER_SOURCE 3: from 127.0.0.2, the server answers the first wrong tokens (UNAUTHENTICATED); past
     3 in 10 s the proxy answers them itself. The server, behind the proxy, blocks nobody (one address for all), so
@@ -173,7 +199,6 @@ def test_wrong_tokens_from_one_address_are_answered_by_the_proxy(tiny_bundle: Pa
         assert len(by_proxy) == 6, answers  # the 5th and after: 4 failures in the window are past 3
         assert "missing or wrong bearer token" in answers[0][1]
         assert s.metrics.auth_failures._value.get() == 4
-        assert s.metrics.auth_throttled._value.get() == 0
         assert stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
 
 
@@ -228,22 +253,55 @@ def test_a_call_whose_headers_never_end_loses_its_connection_an_idle_client_keep
             client.close()
 
 
+def test_http_calls_pass_through_the_proxy_under_the_same_rules(tiny_bundle: Path) -> None:
+    """The HTTP port (KServe v2 REST, /v1/classify) behind the proxy: calls and health pass; MODEL_CALLS 1: with the
+    one slot held in the model, the next call is answered 429 by the proxy in the server's JSON shape, health still
+    200; past AUTH_FAILURES_PER_SOURCE 3, wrong tokens are answered 401 by the proxy, and the server counts only the
+    first ones."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN, http_port=0,
+                        batch_workers=1) as s, http_proxy(s, MODEL_CALLS=1, AUTH_FAILURES_PER_SOURCE=3) as port:
+        served = classify(port, ["prêt"], auth)
+        assert served.status == 200 and served.json["results"][0]["label"] in s.predictor.label_names
+        with HeldRuns(s) as held:
+            with ThreadPoolExecutor(1) as pool:
+                running = pool.submit(classify, port, ["dans le calcul"], auth)
+                assert held.wait_entered()
+                refused = classify(port, ["trop"], auth)
+                assert refused.status == 429, refused
+                assert refused.json["code"] == "RESOURCE_EXHAUSTED" and "(proxy)" in refused.json["error"]
+                assert call(port, "GET", "/v2/health/ready").status == 200
+                held.release()
+                assert running.result().status == 200
+        answers = [classify(port, ["prêt"], {"Authorization": "Bearer wrong"}) for _ in range(6)]
+        assert {a.status for a in answers} == {401}
+        by_proxy = [a for a in answers if "(proxy)" in a.json["error"]]
+        assert len(by_proxy) == 2 and s.metrics.auth_failures._value.get() == 4, [a.json for a in answers]
+
+
+def test_http_calls_to_a_server_that_cannot_be_reached_are_503() -> None:
+    """Nothing behind the proxy's HTTP port: once its check has seen it, a call is answered 503 UNAVAILABLE by the
+    proxy, in the server's JSON shape."""
+    with FrontProxy(free_port(), http_backend=free_port()) as front:
+        time.sleep(2.5)  # two failed checks
+        reply = classify(front.http_port, ["prêt"], {"Authorization": f"Bearer {TOKEN}"})
+        assert reply.status == 503 and reply.json["code"] == "UNAVAILABLE" and "(proxy)" in reply.json["error"]
+
+
 def test_behind_a_proxy_the_server_limits_no_address(tiny_bundle: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """behind_proxy: no connection guard, and wrong tokens from one address are counted but never block it (at the
-    default limit, 10, the 11th was refused whatever its token); listening beyond loopback says so at start."""
+    """Wrong tokens from one address are counted but never block it: per-address limits are the proxy's. With
+    behind_proxy, listening beyond loopback gives no warning of a missing proxy."""
     caplog.set_level(logging.WARNING)
     with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN, host="0.0.0.0") as s, \
             grpc.insecure_channel(f"127.0.0.1:{s.port}") as channel:
-        assert s.guard is None
         stub = pb_grpc.SentimentServiceStub(channel)
         for _ in range(15):
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=[("authorization", "Bearer x")])
             assert "missing or wrong bearer token" in refused.value.details()
         assert stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
-        assert s.metrics.auth_failures._value.get() == 15 and s.metrics.auth_throttled._value.get() == 0
-    warned = [r.getMessage() for r in caplog.records if "behind_proxy" in r.getMessage()]
-    assert len(warned) == 1 and "0.0.0.0" in warned[0], warned
+        assert s.metrics.auth_failures._value.get() == 15
+    assert not [r.getMessage() for r in caplog.records if "front proxy" in r.getMessage()]
 
 
 @pytest.mark.slow
@@ -251,7 +309,6 @@ def test_an_overload_through_the_proxy_is_refused_by_the_proxy(tiny_bundle: Path
     """bench/protocol_attacks.py's overload-rate through deploy/proxy (`--via-haproxy 8`), shortened: the load's
     refusals and the authorised client's are the proxy's (its message), and every call is answered or refused
     within a second (docs/RELIABILITY.md, "A front proxy", has the figures: 8.6-8.9 ms p99)."""
-    _haproxy()
     report = tmp_path / "proxy-overload.json"
     run = subprocess.run([sys.executable, "bench/protocol_attacks.py", "--bundle", str(tiny_bundle), "--attacks",
                           "overload-rate", "--seconds", "6", "--via-haproxy", "8", "--json", str(report)], cwd=REPO,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -221,3 +223,24 @@ def test_unpadded_attention_reaches_sdpa_without_a_mask(monkeypatch: pytest.Monk
     seen.clear()
     enc(ids, pad, causal=False)
     assert set(seen) == {(False, False)}
+
+
+def test_generate_counts_the_new_tokens_and_stops_at_the_positions(tiny_tokenizer, capsys) -> None:
+    """`generate --max-new-tokens N`: N ids after the prompt (HF generate's max_new_tokens), fewer at <eos> or when
+    the sequence fills model.max_positions; the earlier --max-len, which counted the prompt too, is refused by name."""
+    from trainer.__main__ import main as trainer_cli
+    from trainer.tasks.generate import complete
+
+    torch.manual_seed(0)
+    cfg = tiny().model
+    eos_bias = torch.zeros(cfg.vocab_size)
+    eos_bias[tiny_tokenizer.EOS] = -1e4  # random weights: never end early, so the count is the limit's
+    model = build(cfg, "lm").eval()
+    model.head.bias.data += eos_bias
+    prompt, new = complete(model, tiny_tokenizer, "Ce livre est", max_new_tokens=9)
+    assert prompt[0] == tiny_tokenizer.SOS and tiny_tokenizer.EOS not in prompt and len(new) == 9
+    model.cfg = dataclasses.replace(cfg, max_positions=len(prompt) + 4)  # the table the sequence must fit
+    assert len(complete(model, tiny_tokenizer, "Ce livre est", max_new_tokens=9)[1]) == 4
+    assert trainer_cli(["generate", "no-artifact", "Ce livre", "--max-len", "12"]) == 2
+    assert capsys.readouterr().err == ("error: --max-len 12: renamed --max-new-tokens N, which counts the generated "
+                                       "ids only (--max-len counted the prompt too)\n")

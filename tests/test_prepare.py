@@ -95,7 +95,8 @@ def test_resume_after_a_kill_gives_the_same_bytes(reference: Path, inputs: list[
     code = ("import sys; from pathlib import Path; from trainer.data.prepare import prepare; "
             "from trainer.data.tokenizer import Tokenizer\n"
             "if __name__ == '__main__':\n"
-            f"    prepare([Path(p) for p in {[str(p) for p in inputs]!r}], Tokenizer.load({str(tiny_tokenizer_dir)!r}),"
+            f"    prepare([Path(p) for p in {[str(p) for p in inputs]!r}],"
+            f" Tokenizer.load({str(tiny_tokenizer_dir)!r}, 48),"
             f" Path({str(out)!r}), workers=1, shard_tokens={SHARD}, block_bytes=2000)")
     script = tmp_path / "run.py"
     script.write_text(code)

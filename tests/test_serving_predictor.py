@@ -1,4 +1,4 @@
-"""serving/predictor.py on the real exported tiny bundle: answers, providers, and refusal of bad bundles."""
+"""serving/model/predictor.py on the real exported tiny bundle: answers, providers, and refusal of bad bundles."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from serving_fixtures import reviews
 
 from contract.runtime import CPU, CUDA, CUDA_PROVIDER_LIBRARY, DRIVER_LIBRARY, cuda_driver_present
 from serving.errors import BundleError, ServerConfigError
-from serving.predictor import Predictor, softmax
+from serving.model.predictor import Predictor, softmax
 
 
 def test_predictions_equal_a_plain_onnxruntime_session(predictor: Predictor, tiny_bundle: Path,
@@ -73,7 +73,7 @@ def test_softmax_is_stable_on_extreme_logits() -> None:
 
 AUTO = """
 import sys
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 print(Predictor(sys.argv[1], device="auto", intra_op_threads=1).provider)
 """
 
@@ -144,11 +144,9 @@ def test_server_refusing_cuda_exits_2_with_the_missing_library(tiny_bundle: Path
     assert _named_library(line) in missing, line
 
 
-def test_auto_on_a_driver_without_the_cuda_libraries_warns_naming_the_missing_one(tiny_bundle: Path,
-                                                                                tmp_path: Path) -> None:
-    """'auto' asks for CUDA where the driver library loads. Given one (a stand-in libcuda.so.1: this machine has no
-    GPU) but not the CUDA libraries, onnxruntime falls back to the CPU: the server serves the CPU graph and its
-    warning names the library that is missing."""
+def _stand_in_driver(tmp_path: Path) -> tuple[dict[str, str], list[str]]:
+    """An environment where the NVIDIA driver library loads (a stand-in libcuda.so.1: this machine has no GPU) but
+    not the CUDA libraries, so that 'auto' asks for CUDA and onnxruntime falls back to the CPU; and what is missing."""
     if Path("/dev/nvidiactl").exists():
         pytest.skip("a real NVIDIA driver here")
     if shutil.which("cc") is None:
@@ -160,12 +158,35 @@ def test_auto_on_a_driver_without_the_cuda_libraries_warns_naming_the_missing_on
     missing = _unresolved_cuda_libraries(env)
     if not missing:
         pytest.skip("every library of the CUDA provider resolves here")
+    return env, missing
+
+
+def test_auto_on_a_driver_without_the_cuda_libraries_warns_naming_the_missing_one(tiny_bundle: Path,
+                                                                                tmp_path: Path) -> None:
+    """'auto' asks for CUDA where the driver library loads. Given one but not the CUDA libraries, onnxruntime falls
+    back to the CPU: the server serves the CPU graph and its warning names the library that is missing."""
+    env, missing = _stand_in_driver(tmp_path)
     run = subprocess.run([sys.executable, "-c", AUTO, str(tiny_bundle)], capture_output=True, text=True,
                          timeout=120, cwd=REPO, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == [CPU]
     (warning,) = [x for x in run.stderr.splitlines() if "CUDA did not load" in x]
     assert _named_library(warning) in missing, warning
+
+
+def test_predict_and_check_open_the_graph_the_server_opens_when_cuda_falls_back(default_bundle: Path,
+                                                                                 tmp_path: Path) -> None:
+    """The trainer's readers of a bundle (`predict`, `export --check`) open it with the server's opener
+    (contract/session.py): where 'auto' asks for CUDA and onnxruntime falls back to the CPU, all of them run the
+    bundle's CPU graph (int8), not its CUDA graph on the CPU."""
+    env, _ = _stand_in_driver(tmp_path)
+    script = ("import sys; from serving.model.predictor import Predictor; from trainer.export import open_bundle; "
+              "p, s = Predictor(sys.argv[1]), open_bundle(sys.argv[1]); "
+              "print(p.graph, p.provider, s.graph, s.provider)")
+    run = subprocess.run([sys.executable, "-c", script, str(default_bundle)], capture_output=True, text=True,
+                         timeout=300, cwd=REPO, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["model.int8.onnx", CPU] * 2
 
 
 @pytest.mark.gpu

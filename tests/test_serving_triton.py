@@ -1,4 +1,5 @@
-"""The unmodified `tritonclient` package talks to our server (KServe v2 / Triton gRPC protocol).
+"""The unmodified `tritonclient` package talks to our server: KServe v2 / Triton over gRPC (tritonclient.grpc) and over
+HTTP (tritonclient.http, Triton's binary tensor extension by default).
 
 tritonclient 2.73 requires protobuf < 7 and our generated code protobuf >= 7.35.1, so the client runs from its
 own virtualenv (.venv-triton, `make triton-venv`, pinned in requirements-triton.lock) as a subprocess:
@@ -17,7 +18,7 @@ import pytest
 from serving_fixtures import REPO_ROOT, reviews, running_server, target
 
 from serving.gen.inference import grpc_service_pb2
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 
 TRITON_PYTHON = Path(os.environ.get("TRITON_PYTHON", REPO_ROOT / ".venv-triton" / "bin" / "python"))
 SCRIPT = REPO_ROOT / "tests" / "triton_client_check.py"
@@ -56,6 +57,28 @@ def test_tritonclient_gets_the_in_process_answers(tiny_bundle: Path, data_dir: P
     assert "UTF-8" in errors["invalid utf-8"]["message"]
     assert errors["wrong datatype"]["status"] == "StatusCode.INVALID_ARGUMENT"
     assert errors["no token"]["status"] == "StatusCode.UNAUTHENTICATED"
+
+
+def test_tritonclient_http_gets_the_in_process_answers(tiny_bundle: Path, data_dir: Path) -> None:
+    texts = reviews(data_dir, 6) + ["Un très beau livre.", "Décevant."]
+    with running_server(tiny_bundle, device="cpu", auth_token=TOKEN, http_port=0) as server:
+        got = _run("infer-http", f"127.0.0.1:{server.http_port}", "sentiment", TOKEN, stdin=json.dumps(texts))
+    ref = Predictor(tiny_bundle, device="cpu").predict(texts)
+    assert got["live"] and got["ready"] and got["model_ready"]
+    assert got["server"]["name"] == "sentiment-server"
+    assert got["model"]["platform"] == "onnxruntime_onnx" and got["model"]["inputs"][0]["datatype"] == "BYTES"
+    assert got["id"] == "triton-1"
+    for probabilities in (got["probabilities"], got["json_probabilities"]):  # binary tensors, then JSON ones
+        np.testing.assert_allclose(probabilities, np.stack([r.probabilities for r in ref]), atol=1e-5)
+    assert got["label"] == got["json_label"] == [r.label for r in ref]
+    assert got["token_count"] == [r.token_count for r in ref]
+    assert got["truncated"] == [r.truncated for r in ref]
+    assert got["only_label"] == ["label"]
+    errors = got["errors"]
+    assert errors["unknown model"]["status"] == "404"
+    assert errors["invalid utf-8"]["status"] == "400" and "UTF-8" in errors["invalid utf-8"]["message"]
+    assert errors["wrong datatype"]["status"] == "400"
+    assert errors["no token"]["status"] == "401"
 
 
 def _fields(d) -> dict:

@@ -1,4 +1,4 @@
-"""`python -m serving.server BUNDLE --workers 2` (serving/workers.py): real processes on 127.0.0.1.
+"""`python -m serving.server BUNDLE --workers 2` (serving/process/workers.py): real processes on 127.0.0.1.
 
 The answers equal the in-process predictor's and both workers take calls; health says NOT_SERVING until every
 worker is ready; a worker killed with SIGKILL is restarted while the other keeps answering; SIGTERM drains every
@@ -30,9 +30,9 @@ from serving_fixtures import ServerProcess, certs, reviews, wait_until  # noqa: 
 from serving.config import ServerConfig
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
-from serving.health import Health
-from serving.predictor import Predictor
-from serving.workers import _Parent
+from serving.model.predictor import Predictor
+from serving.process.workers import _Parent
+from serving.protocols.health import Health
 
 CHANNELS = 16
 STARTED = re.compile(r"worker (\d+) started \(pid (\d+)\)")
@@ -85,7 +85,8 @@ def test_two_workers_answer_like_the_predictor_share_the_calls_and_sum_their_met
         assert sum(per_worker.values()) == calls * len(texts)
         # The parent's page: the workers' counts summed, per-worker rows, its own process.
         assert server.metric("sentiment_texts_total") == calls * len(texts)
-        assert server.metric("sentiment_requests_total", {"method": CLASSIFY, "code": "OK"}) == calls
+        assert server.metric("sentiment_requests_total",
+                             {"protocol": "grpc", "method": CLASSIFY, "code": "OK"}) == calls
         assert server.metric("sentiment_batch_size_sum") == calls * len(texts)
         for w in ("0", "1"):
             assert server.metric("sentiment_worker_ready", {"worker": w}) == 1
@@ -112,7 +113,7 @@ def test_the_parent_says_listening_only_once_its_health_says_serving(tiny_bundle
             if record.getMessage().startswith("listening on"):
                 seen.append(health.statuses()[""])
 
-    handler, logger = AtTheLine(), logging.getLogger("serving.workers")
+    handler, logger = AtTheLine(), logging.getLogger("serving.process.workers")
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -232,8 +233,7 @@ def test_tls_and_token_auth_hold_in_every_worker(tiny_bundle: Path, tmp_path: Pa
     (tmp_path / "token").write_text(token + "\n")
     server = ServerProcess(tiny_bundle, "--device", "cpu", "--workers", "2", "--metrics-port", "0",
                            "--auth-token-file", str(tmp_path / "token"), "--tls-cert", str(certs["server"]),
-                           "--tls-key", str(certs["server_key"]),
-                           "--auth-failures-per-peer", "1000")  # 16 failures from one address: not throttled here
+                           "--tls-key", str(certs["server_key"]))
     try:
         port = server.wait_listening()
         assert "TLS, token auth" in server.log
@@ -247,7 +247,8 @@ def test_tls_and_token_auth_hold_in_every_worker(tiny_bundle: Path, tmp_path: Pa
                 stub.Classify(pb.ClassifyRequest(texts=["x"]), timeout=30,
                               metadata=[("authorization", f"Bearer {token}")])
         assert all(n > 0 for n in worker_texts(server).values()), worker_texts(server)  # both took calls
-        assert server.metric("sentiment_requests_total", {"method": CLASSIFY, "code": "UNAUTHENTICATED"}) == CHANNELS
+        assert server.metric("sentiment_requests_total", {"protocol": "grpc", "method": CLASSIFY,
+                                                          "code": "UNAUTHENTICATED"}) == CHANNELS
         with channel(port) as ch, pytest.raises(grpc.RpcError):  # plain text on a TLS port
             pb_grpc.SentimentServiceStub(ch).Classify(pb.ClassifyRequest(texts=["x"]), timeout=10)
     finally:

@@ -69,7 +69,7 @@ def test_cut_to_max_len_keeps_sos_and_eos(lab: Tokenizer, lab_ids: list[list[int
     assert [lab.encode_pieces(line.split(" ")) for line in lines] == cut
     short = lab.encode(texts[0], max_len=7)
     assert short == lab_ids[0][:6] + [2] and len(short) == 7
-    with pytest.raises(ValueError, match="max_len must be >= 3"):
+    with pytest.raises(TokenizerError, match=r"max_len must be an int >= 3 \(<sos>, one piece, <eos>\), got 2"):
         lab.encode(texts[0], max_len=2)
 
 
@@ -119,13 +119,13 @@ def test_train_tiny_is_deterministic_and_round_trips(tiny_tokenizer: Tokenizer, 
     folder = tok.save(tmp_path / "tokenizer")
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "spm.model", "vocab.txt"]
     meta = json.loads((folder / "meta.json").read_text())
-    assert meta == {"format": 1, "kind": "train", "max_len": 48, "vocab_size": 99,
+    assert meta == {"format": 1, "kind": "train", "vocab_size": 99,  # no cut: the run's config holds it
                     "specials": {"sos": 0, "pad": 1, "eos": 2, "oov": 3}}
     assert (folder / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1] == tok.pieces
-    loaded = Tokenizer.load(folder)
+    loaded = Tokenizer.load(folder, 48)
     assert loaded.encode_batch(texts) == ids and loaded.fingerprint == tok.fingerprint
     tok.save(folder)  # saving over an existing folder replaces it
-    assert Tokenizer.load(folder).encode_batch(texts) == ids
+    assert Tokenizer.load(folder, 48).encode_batch(texts) == ids
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left behind
 
 
@@ -137,7 +137,7 @@ def test_train_errors_are_clear() -> None:
 
 
 def test_lab_round_trips_through_its_folder(lab: Tokenizer, lab_ids: list[list[int]], tmp_path: Path) -> None:
-    loaded = Tokenizer.load(lab.save(tmp_path / "tokenizer"))
+    loaded = Tokenizer.load(lab.save(tmp_path / "tokenizer"), 512)
     assert loaded.kind == "lab" and loaded.vocab_size == 50_001
     assert loaded.fingerprint == lab.fingerprint
     assert loaded.encode_pieces(loaded.pieces[:3]) == [0, 4, 5, 6, 2]
@@ -146,28 +146,28 @@ def test_lab_round_trips_through_its_folder(lab: Tokenizer, lab_ids: list[list[i
 def test_load_errors_name_the_problem(tiny_tokenizer: Tokenizer, tmp_path: Path) -> None:
     good = tiny_tokenizer.save(tmp_path / "good")
     with pytest.raises(TokenizerError, match="tokenizer folder not found"):
-        Tokenizer.load(tmp_path / "nowhere")
+        Tokenizer.load(tmp_path / "nowhere", 48)
 
     missing = shutil.copytree(good, tmp_path / "missing")
     (missing / "vocab.txt").unlink()
     with pytest.raises(TokenizerError, match="missing vocab.txt"):
-        Tokenizer.load(missing)
+        Tokenizer.load(missing, 48)
 
     size = shutil.copytree(good, tmp_path / "size")
     meta = json.loads((size / "meta.json").read_text())
     (size / "meta.json").write_text(json.dumps({**meta, "vocab_size": 120}))
     with pytest.raises(TokenizerError, match=r"95 pieces .* 99 ids\) but meta.json says vocab_size 120"):
-        Tokenizer.load(size)
+        Tokenizer.load(size, 48)
 
     bad_json = shutil.copytree(good, tmp_path / "bad_json")
     (bad_json / "meta.json").write_text('{"format": 1,')
     with pytest.raises(TokenizerError, match="meta.json: invalid JSON"):
-        Tokenizer.load(bad_json)
+        Tokenizer.load(bad_json, 48)
 
     corrupt = shutil.copytree(good, tmp_path / "corrupt")
     (corrupt / "spm.model").write_bytes(b"not a model")
     with pytest.raises(TokenizerError, match="not a sentencepiece model"):
-        Tokenizer.load(corrupt)
+        Tokenizer.load(corrupt, 48)
 
 
 def test_from_lab_errors(books: Path, tmp_path: Path) -> None:
@@ -207,3 +207,16 @@ def test_build_tokenizer_trains_or_loads_and_checks_the_model_size(data_dir: Pat
     assert build_tokenizer(lab_cfg).vocab_size == 50_001
     with pytest.raises(ConfigError, match=r"the lab tokenizer: the tokenizer has 50001 ids, but model.vocab_size=99"):
         build_tokenizer(override(lab_cfg, {"model.vocab_size": 99}))
+
+
+def test_a_tokenizer_folder_gives_the_ids_and_the_run_config_the_cut(tiny_tokenizer_dir: Path, data_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """`--tokenizer FOLDER` with tokenizer.max_len=40, a folder written by a 48-long run: the run cuts at 40, and the
+    folder it keeps holds no cut (config.json is where the artifact stores it)."""
+    from trainer.tasks.tokenizer_folder import run_tokenizer
+
+    (tmp_path / "run").mkdir()
+    cfg = override(tiny(), {"data.root": str(data_dir), "tokenizer.max_len": 40})
+    tok = run_tokenizer(cfg, tmp_path / "run", tiny_tokenizer_dir)
+    assert tok.max_len == 40 and len(tok.encode("Un livre " * 100)) == 40
+    assert "max_len" not in json.loads((tmp_path / "run" / "tokenizer" / "meta.json").read_text())

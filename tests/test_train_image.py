@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from images import cache, key, need, ok
 from procs import REPO, free_port, run
-from test_container import _cache, _key, _need, _ok, base_image  # noqa: F401  (base_image: the shared fixture)
+from test_container import base_image  # noqa: F401  (the shared fixture)
 
 sys.path.insert(0, str(REPO / "deploy"))
 from train_image import torch_problem, train_requirements
@@ -46,45 +47,45 @@ def train_wheelhouse() -> Path:
     requirements = train_requirements(REPO / "pyproject.toml", "onnxruntime")
     lock = (REPO / "requirements.lock").read_text(encoding="utf-8")
     machine = platform.machine()
-    folder = _cache() / f"train-wheels-{_key(requirements, lock, BASE_PYTHON, machine)}"
+    folder = cache() / f"train-wheels-{key(requirements, lock, BASE_PYTHON, machine)}"
     if folder.is_dir():
         return folder
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     pip = [sys.executable, "-m", "pip"]
-    _ok([*pip, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(partial),
-         "--constraint", str(REPO / "requirements.lock"), "deepspeed"], timeout=600)
+    ok([*pip, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(partial),
+        "--constraint", str(REPO / "requirements.lock"), "deepspeed"], timeout=600)
     platforms = [a for tag in ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
                  for a in ("--platform", f"{tag}_{machine}")]
     target = ["--only-binary=:all:", *platforms, "--python-version", BASE_PYTHON, "--implementation", "cp"]
-    _ok([*pip, "download", "--quiet", "--dest", str(partial), *target, "--no-deps", "--extra-index-url",
-         "https://download.pytorch.org/whl/cpu", f"torch=={_torch_pin()}"], timeout=900)
+    ok([*pip, "download", "--quiet", "--dest", str(partial), *target, "--no-deps", "--extra-index-url",
+        "https://download.pytorch.org/whl/cpu", f"torch=={_torch_pin()}"], timeout=900)
     # The rest, with DeepSpeed's dependencies (torch's among them) but not DeepSpeed's sdist (its wheel is already
     # there), from PyPI: the CPU index gives torch alone, as in the image's build.
-    _ok([*pip, "download", "--quiet", "--dest", str(partial), *target, "--find-links", str(partial),
-         "--constraint", str(REPO / "requirements.lock"), *requirements], timeout=900)
+    ok([*pip, "download", "--quiet", "--dest", str(partial), *target, "--find-links", str(partial),
+        "--constraint", str(REPO / "requirements.lock"), *requirements], timeout=900)
     partial.rename(folder)
     return folder
 
 
 @pytest.fixture(scope="module")
 def train_image(base_image: str, train_wheelhouse: Path) -> str:  # noqa: F811
-    _ok(["buildah", "bud", "--isolation", "chroot", "--layers", "--force-rm", "--format", "docker", "--quiet",
-         "--build-arg", f"BASE_IMAGE={base_image}", "--build-arg", "PIP_NO_INDEX=1",
-         "--build-arg", "PIP_FIND_LINKS=/wheels", "--volume", f"{train_wheelhouse}:/wheels:ro",
-         "-f", str(REPO / "Containerfile.train"), "-t", IMAGE, str(REPO)], timeout=1800)
+    ok(["buildah", "bud", "--isolation", "chroot", "--layers", "--force-rm", "--format", "docker", "--quiet",
+        "--build-arg", f"BASE_IMAGE={base_image}", "--build-arg", "PIP_NO_INDEX=1",
+        "--build-arg", "PIP_FIND_LINKS=/wheels", "--volume", f"{train_wheelhouse}:/wheels:ro",
+        "-f", str(REPO / "Containerfile.train"), "-t", IMAGE, str(REPO)], timeout=1800)
     return IMAGE
 
 
 @pytest.mark.slow  # minutes: a build from cached layers took 150 s here, a first one (wheels, torch) about 9 min
 def test_the_cpu_image_trains_as_a_non_root_user(train_image: str, tiny_tokenizer_dir: Path, data_dir: Path,
                                                  tmp_path: Path) -> None:
-    config = json.loads(_ok(["buildah", "inspect", "--type", "image", train_image], timeout=60).stdout)
+    config = json.loads(ok(["buildah", "inspect", "--type", "image", train_image], timeout=60).stdout)
     config = config["Docker"]["config"]
     assert config["User"] == f"{APP_UID}:{APP_UID}" and config["Entrypoint"][1:] == ["-m", "trainer"]
-    ctr = _ok(["buildah", "from", "--pull-never", train_image], timeout=120).stdout.strip()
+    ctr = ok(["buildah", "from", "--pull-never", train_image], timeout=120).stdout.strip()
     try:
-        root = Path(_ok(["buildah", "mount", ctr], timeout=60).stdout.strip())
+        root = Path(ok(["buildah", "mount", ctr], timeout=60).stdout.strip())
         try:
             site = next((root / "opt" / "venv" / "lib").glob("python3*/site-packages"))
             installed = {p.name.split("-")[0].lower() for p in site.glob("*.dist-info")}
@@ -97,11 +98,11 @@ def test_the_cpu_image_trains_as_a_non_root_user(train_image: str, tiny_tokenize
             run(["buildah", "umount", ctr], timeout=60)
 
         entry = [*config["Entrypoint"]]
-        params = _ok(["buildah", "run", "--isolation", "chroot", ctr, "--", *entry, "params", "--preset", "lab"],
-                     timeout=300)
+        params = ok(["buildah", "run", "--isolation", "chroot", ctr, "--", *entry, "params", "--preset", "lab"],
+                    timeout=300)
         assert "21,018,401" in params.stdout and "10,968,602" in params.stdout, params.stdout
-        who = _ok(["buildah", "run", "--isolation", "chroot", ctr, "--", "/opt/venv/bin/python", "-c",
-                   "import os; print(os.getuid(), os.getgid(), os.environ['HOME'])"], timeout=120)
+        who = ok(["buildah", "run", "--isolation", "chroot", ctr, "--", "/opt/venv/bin/python", "-c",
+                  "import os; print(os.getuid(), os.getgid(), os.environ['HOME'])"], timeout=120)
         assert who.stdout.split() == [str(APP_UID), str(APP_UID), "/tmp"]
 
         # A run writes only into its --out folder (and /tmp): the mounted folder is the one writable place.
@@ -109,11 +110,11 @@ def test_the_cpu_image_trains_as_a_non_root_user(train_image: str, tiny_tokenize
         out.mkdir()
         out.chmod(0o777)
         port = free_port()  # `buildah run --isolation chroot` shares this machine's network: a free loopback port
-        train = _ok(["buildah", "run", "--isolation", "chroot", "--env", f"MASTER_PORT={port}",
-                     "--volume", f"{data_dir}:/data:ro", "--volume", f"{tiny_tokenizer_dir}:/tokenizer:ro",
-                     "--volume", f"{out}:/runs", ctr, "--", *entry, "pretrain", "--preset", "tiny",
-                     "--tokenizer", "/tokenizer", "--set", "data.root=/data", "--set", "pretrain.max_steps=2",
-                     "--resume", "auto", "--out", "/runs/tiny"], timeout=600)
+        train = ok(["buildah", "run", "--isolation", "chroot", "--env", f"MASTER_PORT={port}",
+                    "--volume", f"{data_dir}:/data:ro", "--volume", f"{tiny_tokenizer_dir}:/tokenizer:ro",
+                    "--volume", f"{out}:/runs", ctr, "--", *entry, "pretrain", "--preset", "tiny",
+                    "--tokenizer", "/tokenizer", "--set", "data.root=/data", "--set", "pretrain.max_steps=2",
+                    "--resume", "auto", "--out", "/runs/tiny"], timeout=600)
         assert "artifact: /runs/tiny/artifact" in train.stdout, train.stdout + train.stderr[-3000:]
         assert (out / "tiny" / "checkpoints" / "latest").read_text().strip() == "step00000002"
         assert (out / "tiny" / "artifact" / "model.safetensors").stat().st_uid == APP_UID
@@ -133,7 +134,7 @@ def _makefile_var(name: str) -> str:
 def test_the_cuda_variant_pairs_torchs_cuda_major_with_its_base(tmp_path: Path) -> None:
     """PyPI's torch wheel for the CUDA variant (TORCH_INDEX empty) requires NVIDIA's libraries of one CUDA major;
     the Makefile's base image is a devel image of that major, so the build's own check passes for it."""
-    _need("buildah")  # the same prerequisites as the image tests (network to PyPI for the metadata)
+    need("buildah")  # the same prerequisites as the image tests (network to PyPI for the metadata)
     base, index = _makefile_var("TRAIN_CUDA_BASE"), _makefile_var("TRAIN_CUDA_TORCH_INDEX")
     assert index == "", "the CUDA variant takes PyPI's own build"
     ubuntu_python = "3.12"  # ubuntu24.04's python3, which the base stage installs
@@ -141,11 +142,11 @@ def test_the_cuda_variant_pairs_torchs_cuda_major_with_its_base(tmp_path: Path) 
     # --dry-run --report: pip resolves from the wheel's metadata file (PEP 658) without downloading the wheel.
     # --isolated: this machine's pip configuration (a local folder of CPU builds) does not apply.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k == "PIP_CERT"}
-    _ok([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--no-deps",
-         "--quiet", "--report", str(report), "--only-binary=:all:", "--python-version", ubuntu_python,
-         "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--target", str(tmp_path / "t"),
-         *(["--cert", os.environ["PIP_CERT"]] if os.environ.get("PIP_CERT") else []),
-         f"torch=={_torch_pin()}"], timeout=600, env=env)
+    ok([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--no-deps",
+        "--quiet", "--report", str(report), "--only-binary=:all:", "--python-version", ubuntu_python,
+        "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--target", str(tmp_path / "t"),
+        *(["--cert", os.environ["PIP_CERT"]] if os.environ.get("PIP_CERT") else []),
+        f"torch=={_torch_pin()}"], timeout=600, env=env)
     (item,) = json.loads(report.read_text())["install"]
     assert item["metadata"]["version"] == _torch_pin()  # no local label: PyPI's own build
     needs = item["metadata"]["requires_dist"]

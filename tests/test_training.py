@@ -303,10 +303,6 @@ def test_a_setting_pretrained_would_replace_is_refused(base: list[str], tmp_path
     assert p.returncode == 2 and p.stderr.strip() == (f"error: tokenizer.max_len=40 would be ignored: "
                                                       f"--pretrained {art} fixes it to 48; remove the setting")
     assert not (tmp_path / "run").exists()
-    # A tokenizer folder whose cut differs from tokenizer.max_len: refused too (the run would store both values).
-    p = trainer(["pretrain", *base, "--set", "tokenizer.max_len=40", "--out", str(tmp_path / "pre")], ok=False)
-    assert p.returncode == 2 and "the tokenizer cuts sequences at 48 ids but tokenizer.max_len=40" in p.stderr
-    assert not (tmp_path / "pre" / "tokenizer").exists()
 
 
 def test_a_model_dropout_that_finetune_dropout_replaces_is_refused() -> None:
@@ -362,22 +358,6 @@ def test_artifact_is_the_engines_fp32_weights_and_loads_without_pickle(runs: dic
             assert torch.equal(v, saved[k]), k
 
 
-def test_an_artifact_with_two_cuts_is_refused(tiny_classifier_artifact: Path, tmp_path: Path) -> None:
-    """tokenizer.max_len lives in config.json and in tokenizer/meta.json: training writes one value into both,
-    and a reader refuses an artifact where they differ instead of picking one."""
-    import shutil
-
-    from trainer import artifact
-
-    art = Path(shutil.copytree(tiny_classifier_artifact, tmp_path / "art"))
-    assert artifact.load(art).cfg.tokenizer.max_len == 48
-    meta = art / "tokenizer" / "meta.json"
-    meta.write_text(meta.read_text().replace('"max_len": 48', '"max_len": 40'))
-    with pytest.raises(artifact.ArtifactError, match=r"meta.json: the tokenizer cuts sequences at 40 ids but "
-                                                     r"tokenizer.max_len=48; .*config.json says otherwise"):
-        artifact.load(art)
-
-
 @pytest.mark.parametrize("zero", [0, 2])
 def test_bf16_is_autocast_over_fp32_weights_and_deepspeeds_bf16_mode_stays_a_json_away(base: list[str], tmp_path: Path,
                                                                                         zero: int) -> None:
@@ -419,7 +399,6 @@ def test_bf16_is_autocast_over_fp32_weights_and_deepspeeds_bf16_mode_stays_a_jso
 def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> None:
     from trainer import artifact
     from trainer.data.batching import bucket_batches
-    from trainer.data.tokenizer import Tokenizer
     from trainer.tasks.finetune import load_split
 
     pre = uninterrupted(runs, base) / "artifact"
@@ -459,7 +438,7 @@ def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> N
     assert f"| `{extra[0]}` accuracy (%) |" in (out / "compare.md").read_text() and extra[0] in p.stdout
     # The extra set's score is the artifact's own accuracy on it, recomputed here in plain PyTorch (up to one
     # review whose two logits tie within float noise, as batches pad differently).
-    valid = load_split(clf.cfg, extra[0], Tokenizer.load(clf.tokenizer_dir), 0)
+    valid = load_split(clf.cfg, extra[0], clf.tokenizer(), 0)
     model = clf.model()
     with torch.no_grad():
         right = sum(int((model(*valid.batch(list(range(i, min(i + 50, len(valid.ids)))))[:2]).argmax(-1)
@@ -468,7 +447,7 @@ def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> N
     # Both runs trained on the same examples in the same order, epoch by epoch: the seeded order of (seed, epoch)
     # over the training set in global batches of 5 x 2 ranks, reshuffled each epoch.
     scratch = artifact.load(out / "scratch" / "artifact").meta["history"]
-    train = load_split(clf.cfg, clf.cfg.data.train, Tokenizer.load(clf.tokenizer_dir), clf.cfg.data.max_train_examples)
+    train = load_split(clf.cfg, clf.cfg.data.train, clf.tokenizer(), clf.cfg.data.max_train_examples)
     want = []
     for epoch in range(2):
         batches = bucket_batches(train.lengths, 10, clf.cfg.seed, epoch)
@@ -492,12 +471,12 @@ def test_mlm_pretraining_and_generation(runs: dict[str, Path], base: list[str], 
 
     clm = one_rank_14(runs, base, 2)
     lm = artifact.load(clm / "artifact")
-    tok = Tokenizer.load(lm.tokenizer_dir)
-    prompt, new = complete(lm.model(), tok, "Ce livre", max_len=12)
+    tok = lm.tokenizer()
+    prompt, new = complete(lm.model(), tok, "Ce livre", max_new_tokens=9)
     assert prompt[0] == Tokenizer.SOS and Tokenizer.EOS not in prompt
-    assert len(prompt) + len(new) == 12 or new[-1] == Tokenizer.EOS
-    assert complete(lm.model(), tok, "Ce livre", max_len=12) == (prompt, new)  # greedy: deterministic
-    p = trainer(["generate", str(clm / "artifact"), "Ce livre", "--max-len", "12"])
+    assert len(new) == 9 or new[-1] == Tokenizer.EOS
+    assert complete(lm.model(), tok, "Ce livre", max_new_tokens=9) == (prompt, new)  # greedy: deterministic
+    p = trainer(["generate", str(clm / "artifact"), "Ce livre", "--max-new-tokens", "9"])
     assert p.stdout.startswith("Ce livre \u2192 ")
 
 

@@ -1,16 +1,15 @@
 """Model artifacts: the hand-over between stages (pretrain -> finetune -> export), with no DeepSpeed and no pickle.
 
-An artifact folder holds `model.safetensors` (fp32), `config.json` (the resolved RunConfig), `artifact.json`
-(task, label_values and label_names, checksum) and `tokenizer/`. It is written into a temporary sibling folder and
-renamed into place, so a crash never leaves a half artifact where a later stage would read it; its modes follow the
-umask (trainer/atomic.py), so a later stage that runs as another user can read it. An artifact.json that calls the
-label values "labels" (an earlier version's) is read as label_values.
+An artifact folder holds `model.safetensors` (fp32), `config.json` (the resolved RunConfig: its tokenizer.max_len is
+the artifact's cut), `artifact.json` (task, label_values and label_names, checksum) and `tokenizer/`. It is written
+into a temporary sibling folder and renamed into place, so a crash never leaves a half artifact where a later stage
+would read it; its modes follow the umask (trainer/atomic.py), so a later stage that runs as another user can read
+it. An artifact.json that calls the label values "labels" (an earlier version's) is read as label_values.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -20,12 +19,15 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load_file, save_file
 
-from contract.tokens import meta_path
+from contract.errors import TokenizerError
+from contract.tokens import TokenizerMeta, meta_path
 from trainer.atomic import file_mode, temp_dir
 from trainer.atomic import replace_dir as replace_dir  # re-exported: monitor, checkpoint, export
+from trainer.atomic import sha256_file as sha256_file  # re-exported: checkpoint
 from trainer.atomic import write_text_atomic as write_text_atomic
 from trainer.config import schema as config_mod
 from trainer.config.schema import RunConfig
+from trainer.data.tokenizer import Tokenizer
 from trainer.model.encoder import build
 
 FORMAT = 1
@@ -52,19 +54,15 @@ class Artifact:
     def tokenizer_dir(self) -> Path:
         return self.path / "tokenizer"
 
+    def tokenizer(self) -> Tokenizer:
+        """The artifact's tokenizer, cutting at its config's tokenizer.max_len."""
+        return Tokenizer.load(self.tokenizer_dir, self.cfg.tokenizer.max_len)
+
     def model(self) -> torch.nn.Module:
         """The model with these weights, in eval mode, fp32."""
         m = build(self.cfg.model, self.task)
         m.load_state_dict(self.state, strict=True)
         return m.eval()
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def save(
@@ -93,7 +91,7 @@ def save(
             "label_names": cfg.data.names,  # what the server answers for each
             "weights_sha256": sha256_file(tmp / WEIGHTS),
             "parameters": sum(v.numel() for v in state.values()),
-            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "torch": torch.__version__,
             **(extra or {}),
         }
@@ -106,19 +104,15 @@ def save(
 
 
 def _check_tokenizer_meta(path: Path, cfg: RunConfig) -> None:
-    """The cut and the id count are stored twice (config.json for the trainer, tokenizer/meta.json for whoever reads
-    the tokenizer folder alone): training writes one value into both, so two values mean a hand-edited or mixed-up
-    artifact (config.check_tokenizer, the rule every stage applies)."""
+    """The tokenizer folder's ids are the model's (config.check_tokenizer, the rule every stage applies): else the
+    artifact was edited or assembled from two runs."""
     meta = meta_path(path / "tokenizer")
     try:
-        raw = json.loads(meta.read_text(encoding="utf-8"))
-        vocab_size, max_len = raw.get("vocab_size"), raw.get("max_len")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ArtifactError(f"{meta}: unreadable ({type(e).__name__}: {e})") from None
-    try:
-        config_mod.check_tokenizer(vocab_size, max_len, cfg, str(meta), fix=f"{path / 'config.json'} says otherwise: "
-                                   "the artifact was edited or assembled from two runs")
-    except config_mod.ConfigError as e:
+        vocab_size = TokenizerMeta.parse(meta.read_bytes(), meta).vocab_size
+        config_mod.check_tokenizer(vocab_size, cfg, str(meta))
+    except OSError as e:
+        raise ArtifactError(f"{meta}: unreadable ({e.strerror})") from None
+    except (TokenizerError, config_mod.ConfigError) as e:
         raise ArtifactError(str(e)) from None
 
 

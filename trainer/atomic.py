@@ -6,10 +6,12 @@ tempfile.mkdtemp / mkstemp are not used for that: they create 0700 folders and 0
 scratch space in a shared /tmp), and the rename would carry those modes to the result, so that a bundle exported by
 a CI job could not be read by a server that runs as another user. Here the temporary sibling *is* the result, so it
 is created with the modes any file the user writes gets: 0777 / 0666 less the umask (0755 / 0644 under umask 022).
+`sha256_file` is the checksum the readers of those files (artifact, checkpoint, prepared corpus, bundle) compare.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import shutil
@@ -42,6 +44,12 @@ def temp_file(parent: str | Path, prefix: str, suffix: str = ".tmp") -> tuple[in
             continue
         return fd, path
     raise FileExistsError(f"{parent}: no free name {prefix}*{suffix} after {_TRIES} tries")
+
+
+def sha256_file(path: str | Path) -> str:
+    """The hex sha256 of a file's bytes, read in blocks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def file_mode(folder: str | Path) -> int:

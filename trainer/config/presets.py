@@ -59,15 +59,14 @@ def lab() -> RunConfig:
 
 
 def demo() -> RunConfig:
-    """The lab's experiment sized for 2 CPU cores (its wall time, measured and dated: docs/RESULTS.md): a trained 8k
-    tokenizer (the 50k-way LM head is most of the lab's FLOPs), next-token LM as in the lab, the lab's fine-tuning
-    lr 1e-4.
-    Two departures from the lab, each measured (docs/RESULTS.md): the classifier averages the real positions
+    """The lab's experiment sized for 2 CPU cores (its wall time: docs/RESULTS.md): a trained 8k tokenizer (the
+    50k-way LM head is most of the lab's FLOPs), next-token LM as in the lab, the lab's fine-tuning lr 1e-4.
+    Two departures from the lab, whose effect docs/RESULTS.md shows: the classifier averages the real positions
     instead of reading `<eos>` (whose next-token target is the same for every review), and fine-tuning (only)
-    uses dropout 0.1; with both, the pretrained encoder led at every epoch, without them at the first two only.
+    uses dropout 0.1.
 
-    Pretraining text: the novels of eltec-fr plus the cls-books train reviews listed 8 times (in-domain text is
-    then ~14% of the pieces instead of 2%); the valid reviews come last, so they are the held-out eval slice."""
+    Pretraining text: the novels of eltec-fr plus the cls-books train reviews listed 8 times (so that in-domain text
+    is not a sliver of the pieces); the valid reviews come last, so they are the held-out eval slice."""
     return RunConfig(
         preset="demo",
         model=ModelConfig(vocab_size=8004, d_model=128, n_layers=2, n_heads=2, d_ff=256, max_positions=512,
@@ -119,7 +118,7 @@ def english() -> RunConfig:
         # max_steps set, epochs does not bound the run)
         pretrain=dataclasses.replace(base.pretrain, micro_batch=16, seq_len=256, epochs=2, max_steps=10_000),
         # 22,500 labeled reviews: 2 epochs are 2,814 steps. The baseline: word n-grams only; character n-grams of
-        # 100,000 long reviews cost 6.5x as much to vectorize (docs/RESULTS.md, the baseline)
+        # long reviews cost far more to vectorize (docs/RESULTS.md, the baseline)
         finetune=dataclasses.replace(base.finetune, epochs=2, tfidf_baseline="word"),
         engine=dataclasses.replace(base.engine, checkpoint_every=1000),
     )

@@ -21,9 +21,9 @@ from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 
-from contract.tokens import N_SPECIALS
+from contract.tokens import N_SPECIALS, check_max_len
 from trainer.config.fields import (
     ConfigError,
     Count,
@@ -72,9 +72,9 @@ class TokenizerConfig:
     vocab: str = "cls-books-fr/dict.txt"  # kind=lab: fairseq "piece count" lines; piece on line i gets id i + 4
     vocab_size: Annotated[int, Field(ge=8)] = 8000  # kind=train: pieces learned (ids add the 4 specials)
     train_lines: Size = 200_000  # kind=train: at most this many corpus lines are sampled for learning
-    # A sequence is <sos> + pieces + <eos>, cut to this many ids (>= 3: <sos>, one piece, <eos>). The one setting
-    # of the cut: the run's tokenizer folder (tokenizer/meta.json) is checked to hold the same value.
-    max_len: Annotated[int, Field(ge=3)] = 512
+    # A sequence is <sos> + pieces + <eos>, cut to this many ids (>= 3: <sos>, one piece, <eos>). Kept in the
+    # artifact's config.json; export copies it to the bundle's manifest.json (max_len), or `export --max-len`'s
+    max_len: Annotated[int, AfterValidator(lambda n: check_max_len(n, "tokenizer.max_len", ConfigError))] = 512
 
 
 @section("data")
@@ -180,6 +180,20 @@ class EngineConfig:
     deterministic: bool = False
 
 
+@section("monitor")
+class MonitorConfig:
+    """Where a run's metrics go besides metrics.csv: the trackers of DeepSpeed's monitor, which trainer/engine turns
+    on through its DeepSpeed JSON (sections tensorboard, csv_monitor, wandb; a user's JSON may add comet)."""
+
+    tensorboard: bool = True  # TensorBoard event files in RUN/tb/
+    csv: bool = False  # DeepSpeed's CSV monitor: one CSV file per series in RUN/csv/
+    # Weights & Biases (pip's `trackers` extra); WANDB_MODE=offline keeps the run in RUN/wandb/ for `wandb sync`
+    wandb: bool = False
+    wandb_project: str = "transfer-sentiment"  # W&B project
+    wandb_team: str = ""  # W&B entity, a team or a user ("" = the account's default)
+    wandb_group: str = ""  # W&B group, e.g. one per experiment ("" = none)
+
+
 @section("pretrain")
 class PretrainConfig:
     """Language-model pretraining."""
@@ -208,7 +222,7 @@ class FinetuneConfig:
     patience: Count = 0  # stop after this many epochs without a better validation score (0: run every epoch)
     class_weights: Literal["none", "balanced"] = "none"  # balanced: loss weight n / (classes x n_class) per class
     # TF-IDF + logistic regression scored on the same splits beside the model (trainer/baseline.py): word 1-2-grams
-    # and character 2-5-grams, word n-grams only (on long texts the character n-grams cost 6.5x more), or none
+    # and character 2-5-grams, word n-grams only (far cheaper on long texts: docs/RESULTS.md), or none
     tfidf_baseline: Literal["word+char", "word", "none"] = "word+char"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
 
@@ -223,6 +237,7 @@ class RunConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
@@ -264,14 +279,9 @@ def check_positions(length: int, model: ModelConfig, what: str) -> None:
                           "the model accepts)")
 
 
-def check_tokenizer(vocab_size: int, max_len: int | None, cfg: RunConfig, where: str, fix: str = "") -> None:
-    """A tokenizer (its ids and its cut, read at `where`) fits the run's config: model.vocab_size ids and a cut of
-    tokenizer.max_len, so that the config and the tokenizer folder copied beside it never disagree. `fix`: what to do
-    about a different cut (default: set tokenizer.max_len to it)."""
+def check_tokenizer(vocab_size: int, cfg: RunConfig, where: str) -> None:
+    """A tokenizer (read at `where`) has the ids of the run's model, model.vocab_size."""
     check_vocab(vocab_size, cfg.model, f"{where}: the tokenizer has")
-    if max_len != cfg.tokenizer.max_len:
-        raise ConfigError(f"{where}: the tokenizer cuts sequences at {max_len} ids but tokenizer.max_len="
-                          f"{cfg.tokenizer.max_len}; {fix or f'set tokenizer.max_len={max_len}'}")
 
 
 # ---------------------------------------------------------------------------------------------- overrides

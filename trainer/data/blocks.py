@@ -1,8 +1,8 @@
 """Raw blocks of whole records of a text file, for a reader that parses and tokenizes in other processes.
 
 One process reads (and gunzips) a file sequentially and cuts it into blocks of about `block_bytes` at record ends,
-without decoding: ~26x faster than a worker that parses and tokenizes the same bytes, so one reader feeds a pool of
-that many workers (trainer/data/prepare.py). The workers decode, parse and report bad lines themselves with
+without decoding: far faster than a worker that parses and tokenizes the same bytes, so one reader feeds a pool of
+workers (trainer/data/prepare.py). The workers decode, parse and report bad lines themselves with
 `block_texts` here, which numbers the lines from the block's `first_line`.
 """
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from contract.tokens import EOS, SOS, TOKENIZER_FILES
-from trainer.atomic import write_bytes_atomic
+from trainer.atomic import sha256_file, write_bytes_atomic
 from trainer.data.readers import DataError, Example, detokenize
 from trainer.data.tokenizer import Tokenizer
 
@@ -70,14 +70,6 @@ def encode_documents(batch: list[Example], tokenizer: Tokenizer, threads: int | 
 
 
 # ---------------------------------------------------------------------------------------------- files
-
-
-def sha256_file(path: Path, block: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class ShardWriter:

@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = config_choice(args).resolve()
     out = Path(args.out)
     cli.check_out(out)
-    tok = Tokenizer.load(args.tokenizer) if args.tokenizer else build_tokenizer(cfg)
+    tok = Tokenizer.load(args.tokenizer, cfg.tokenizer.max_len) if args.tokenizer else build_tokenizer(cfg)
     files = expand_inputs([cfg.data.path(p) for p in cfg.data.pretrain])
     t0 = time.perf_counter()
     m = prepare(files, tok, out, args.workers, args.shard_tokens, cfg.data.text_field)
@@ -108,8 +108,8 @@ class Job:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_dir: str, text_field: str) -> None:
-    _worker["tok"], _worker["text_field"] = Tokenizer.load(tokenizer_dir), text_field
+def _init_worker(tokenizer_dir: str, max_len: int, text_field: str) -> None:
+    _worker["tok"], _worker["text_field"] = Tokenizer.load(tokenizer_dir, max_len), text_field
 
 
 def _work(job: Job) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -200,7 +200,8 @@ def prepare(files: list[Path], tokenizer: Tokenizer, out: Path, workers: int = 0
     progress = Progress(sum(p.stat().st_size for p in files), log)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["trainer.data.prepare"])  # the workers import this module once, not the caller's script
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(str(out / TOKENIZER_DIR), text_field)) as pool:
+    init = (str(out / TOKENIZER_DIR), tokenizer.max_len, text_field)
+    with ctx.Pool(workers, initializer=_init_worker, initargs=init) as pool:
         pending: collections.deque = collections.deque()  # (job, result) in input order
         for job in _with_end(_jobs(files, start, block_bytes)):
             if job is not None:

@@ -13,7 +13,8 @@ Two sources, one encode API:
   the working directory) on a user's raw text; vocab.txt holds exactly `vocab_size` pieces, so the model needs
   `vocab_size + 4` ids.
 
-Saved as the `tokenizer/` folder (spm.model, vocab.txt, meta.json) that travels with every artifact and bundle.
+Saved as the `tokenizer/` folder (spm.model, vocab.txt, meta.json) that travels with every artifact and bundle. The
+folder holds no cut: `load` takes it (an artifact's is its config's tokenizer.max_len, `Artifact.tokenizer`).
 This module needs sentencepiece and numpy only (no torch).
 """
 
@@ -40,9 +41,10 @@ from contract.tokens import (
     SPECIAL_PIECES,
     TOKENIZER_FILES,
     TOKENIZER_META,
-    Encoder,
     Kind,
+    TokenEncoder,
     TokenizerMeta,
+    check_max_len,
     meta_path,
     read_tokenizer_files,
     text_lines,
@@ -72,7 +74,7 @@ class Tokenizer:
         """`pieces[i]` gets id i + 4. Prefer `from_lab`, `train` or `load`."""
         if kind not in ("lab", "train"):
             raise TokenizerError(f"tokenizer kind must be 'lab' or 'train', got {kind!r}")
-        self._encoder = Encoder(model_proto, pieces, max_len)  # checks max_len, the proto and the pieces
+        self._encoder = TokenEncoder(model_proto, pieces, max_len)  # checks max_len, the proto and the pieces
         self._sp = self._encoder.processor
         self._model_proto = bytes(model_proto)
         self.pieces = self._encoder.pieces
@@ -94,10 +96,7 @@ class Tokenizer:
     # ------------------------------------------------------------------------------------------ encoding
 
     def _limit(self, max_len: int | None) -> int:
-        n = self.max_len if max_len is None else int(max_len)
-        if n < 3:
-            raise ValueError(f"max_len must be >= 3 (<sos>, one piece, <eos>), got {n}")
-        return n
+        return self.max_len if max_len is None else check_max_len(max_len)
 
     def _wrap(self, ids: Sequence[int], max_len: int | None) -> list[int]:
         n = self._limit(max_len)
@@ -163,7 +162,7 @@ class Tokenizer:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 of the model bytes and the vocabulary: equal fingerprints give equal piece ids (max_len aside)."""
+        """sha256 of the model bytes and the vocabulary: equal fingerprints give equal piece ids."""
         h = hashlib.sha256(self._model_proto)
         h.update("\n".join(self.pieces).encode("utf-8"))
         return h.hexdigest()
@@ -250,7 +249,7 @@ class Tokenizer:
         try:
             (tmp / "spm.model").write_bytes(self._model_proto)
             (tmp / "vocab.txt").write_text("".join(p + "\n" for p in self.pieces), encoding="utf-8")
-            meta = TokenizerMeta(self.kind, self.max_len, self.vocab_size)
+            meta = TokenizerMeta(self.kind, self.vocab_size)
             (tmp / TOKENIZER_META).write_text(meta.to_json(), encoding="utf-8")
             for name in TOKENIZER_FILES:
                 with open(tmp / name, "rb") as f:
@@ -268,9 +267,9 @@ class Tokenizer:
         return folder
 
     @classmethod
-    def load(cls, folder: str | Path) -> Tokenizer:
+    def load(cls, folder: str | Path, max_len: int) -> Tokenizer:
         """Read a tokenizer/ folder, checking it against its own meta.json (tokenizer.json in a folder written
-        before the rename)."""
+        before the rename), to cut at `max_len`."""
         folder = Path(folder)
         if not folder.is_dir():
             raise TokenizerError(f"tokenizer folder not found: {folder}")
@@ -281,19 +280,15 @@ class Tokenizer:
             raise TokenizerError(
                 f"{folder}: missing {', '.join(missing)} (a tokenizer folder holds {', '.join(TOKENIZER_FILES)})"
             )
-        return cls.from_files({n: p.read_bytes() for n, p in paths.items()}, folder)
+        return cls.from_files({n: p.read_bytes() for n, p in paths.items()}, folder, max_len)
 
     @classmethod
-    def from_files(cls, files: Mapping[str, bytes], folder: Path, max_len: int | None = None) -> Tokenizer:
-        """The tokenizer of a folder's three files' bytes (a verified bundle's, for one); `folder` names them.
-        max_len: the cut (default: meta.json's; a bundle's meta.json has none, its manifest.json has it)."""
+    def from_files(cls, files: Mapping[str, bytes], folder: Path, max_len: int) -> Tokenizer:
+        """The tokenizer of a folder's three files' bytes (a verified bundle's, for one), cutting at `max_len`;
+        `folder` names them."""
         tf = read_tokenizer_files(files, folder)
-        cut = tf.meta.max_len if max_len is None else max_len
-        if cut is None:
-            raise TokenizerError(f"{folder / TOKENIZER_META}: no max_len (a bundle's tokenizer folder: its "
-                                 "manifest.json holds it)")
         try:
-            return cls(tf.model_proto, tf.pieces, tf.meta.kind, cut)
+            return cls(tf.model_proto, tf.pieces, tf.meta.kind, max_len)
         except TokenizerError as e:
             raise TokenizerError(f"{folder}: {e}") from None
 
@@ -351,7 +346,8 @@ def build_tokenizer(cfg: RunConfig) -> Tokenizer:
     """The tokenizer a config asks for: the lab's (kind=lab) or one trained on `data.pretrain` (kind=train).
 
     .spm inputs are detokenized for training (`detokenize`, equal to the lab's .txt files). The model's embedding
-    must match (config.check_tokenizer; a trained one's size was checked with the config, before training)."""
+    must match (config.check_tokenizer; a trained one's size was checked with the config, before training). It cuts
+    at tokenizer.max_len."""
     tc = cfg.tokenizer
     if tc.kind == "lab":
         tok = Tokenizer.from_lab(cfg.data.path(tc.model), cfg.data.path(tc.vocab), tc.max_len)
@@ -360,5 +356,5 @@ def build_tokenizer(cfg: RunConfig) -> Tokenizer:
         texts = (ex.text if ex.text is not None else detokenize(ex.pieces or [])  # data.text_field's column
                  for p in paths for ex in iter_texts(p, cfg.data.text_field))
         tok = Tokenizer.train(texts, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed)
-    check_tokenizer(tok.vocab_size, tok.max_len, cfg, f"the {tc.kind} tokenizer")
+    check_tokenizer(tok.vocab_size, cfg, f"the {tc.kind} tokenizer")
     return tok

@@ -1,7 +1,8 @@
 """What a training run leaves in its folder besides checkpoints, and what it shows a person while it runs.
 
 Only rank 0 writes (every function here is a no-op elsewhere): `config.json`, `env.json` (versions, world size,
-hostname, command line), `metrics.csv` (one row per log interval) and TensorBoard event files under `tb/`. Progress:
+hostname, command line, git commit, data digests), `metrics.csv` (one row per log interval), and the same rows to the
+trackers of DeepSpeed's monitor (trainer/engine/trackers.py: TensorBoard under `tb/` by default). Progress:
 a tqdm bar with its ETA when stderr is a terminal; otherwise (a log file, a cluster job) one plain line per logged
 row, with the share done, the time spent and an estimate of the time left. The interval, unless engine.log_every
 sets it, gives about 50 rows a run (`log_interval`).
@@ -26,13 +27,15 @@ from trainer.artifact import write_text_atomic
 from trainer.config import schema as config_mod
 from trainer.config.schema import ConfigError, RunConfig
 from trainer.engine import deepspeed_engine as eng
+from trainer.engine import trackers
 
 
 def check_resume_config(run_dir: Path, cfg: RunConfig) -> None:
     """A resumed run must use the config it started with: any differing key is an error that names it."""
     saved = config_mod.flatten(config_mod.load(run_dir / "config.json").to_dict())
     now = config_mod.flatten(cfg.to_dict())
-    diff = [k for k in now if now.get(k) != saved.get(k)]
+    # The trackers (monitor.*) may change: where a run's numbers go is not how it trains.
+    diff = [k for k in now if now.get(k) != saved.get(k) and not k.startswith("monitor.")]
     if diff:
         shown = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:8])
         raise ConfigError(f"{run_dir / 'config.json'}: --resume with a different config ({shown}); "
@@ -47,7 +50,7 @@ def write_run_info(run_dir: Path, cfg: RunConfig, ds: dict[str, Any] | None, ext
     if ds is not None:
         write_text_atomic(run_dir / "deepspeed_config.json", json.dumps(ds, indent=2) + "\n")
     env = {
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
         "world_size": eng.world_size(),
         "backend": eng.dist_info().backend,
@@ -86,12 +89,15 @@ def note(text: str) -> None:
 
 
 class RunLog:
-    """metrics.csv + TensorBoard + a tqdm bar, on rank 0. `log(step, **values)` appends one row."""
+    """metrics.csv + the trackers of `engine`'s monitor + a tqdm bar, on rank 0. `log(step, **values)` appends one
+    row."""
 
-    def __init__(self, run_dir: Path, total: int, initial: int, desc: str, columns: list[str]) -> None:
+    def __init__(self, run_dir: Path, total: int, initial: int, desc: str, columns: list[str],
+                 engine: Any = None) -> None:
         self.main = eng.is_main()
         self.columns = ["step", *columns]
-        self.bar = self.tb = None
+        self.engine = engine
+        self.bar = None
         if not self.main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -103,9 +109,6 @@ class RunLog:
         buf = io.StringIO()
         csv.writer(buf).writerows([self.columns, *rows])
         write_text_atomic(self.path, buf.getvalue())
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.tb = SummaryWriter(str(run_dir / "tb"))
         self._bar_args = {"total": total, "initial": initial, "desc": desc}
         # A bar redraws with \r many times a second: in a log file (cluster jobs, `make demo > log`) that is one
         # endless line, so without a terminal each logged row is printed as a plain line instead.
@@ -127,9 +130,7 @@ class RunLog:
         row = [step, *(values.get(c) for c in self.columns[1:])]
         with open(self.path, "a", newline="", encoding="utf-8") as f:
             csv.writer(f).writerow(["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in row])
-        for k, v in values.items():
-            if isinstance(v, (int, float)) and self.tb is not None:
-                self.tb.add_scalar(k, v, step)
+        trackers.write(self.engine, values)
         shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in values.items() if v is not None}
         if self.bar is not None:
             self.bar.set_postfix(shown, refresh=False)
@@ -157,5 +158,5 @@ class RunLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
+        if self.main:
+            trackers.close(self.engine)

@@ -1,5 +1,5 @@
-"""Export a classifier artifact to a validated ONNX bundle, check a bundle against a labelled file (with CI gates), or
-write a bundle's graph as a Triton model repository.
+"""Export a classifier artifact to a validated ONNX bundle, check a bundle against a labelled file (with CI
+thresholds), or write a bundle's graph as a Triton model repository.
 
 A bundle is a folder a server loads with no torch and no training code (contract/manifest.py describes it):
   model.onnx       one file (no external data): input_ids int64 [batch, sequence], attention_mask int64
@@ -14,20 +14,20 @@ Each graph's metadata_props repeat labels, max_len, special ids and precision fo
 Stages, one module each: graph.py (dynamo export, one fused Attention node per layer unless --no-fuse-attention),
 precision.py (int8, fp16, the tolerances), validate.py (onnxruntime against PyTorch on batch 1, 2, 13 x lengths 1,
 7, max and padded mixed lengths; beyond the precision's tolerance: ExportValidationError naming the batch),
-score.py (accuracy on --data), bundle.py (the folder, written into a temporary sibling and renamed into place: a
-failed export leaves nothing behind), session.py (a bundle's graph opened as the server opens it), check.py
-(--check), gate.py (--check's gates, exit codes, JSON and JUnit reports), triton.py (--triton-repo), cli.py.
+score.py (accuracy on --data), write.py (the bundle folder, written into a temporary sibling and renamed into place: a
+failed export leaves nothing behind), served.py (a bundle's graph as the server runs it), check.py
+(--check), thresholds.py (--check's thresholds, exit codes, JSON and JUnit reports), triton.py (--triton-repo), cli.py.
 Other stages (`predict`) use only what this package exports below.
 """
 
-from trainer.export.bundle import ExportOptions, export_bundle
 from trainer.export.check import check_bundle
 from trainer.export.cli import EXAMPLES, add_arguments, main
 from trainer.export.errors import ExportError, ExportValidationError
 from trainer.export.score import predict as batched_logits
-from trainer.export.session import ServedGraph, open_bundle
+from trainer.export.served import ServedGraph, open_bundle
 from trainer.export.triton import write_triton_repo
 from trainer.export.validate import torch_logits
+from trainer.export.write import ExportOptions, export_bundle
 
 __all__ = ["EXAMPLES", "ExportError", "ExportOptions", "ExportValidationError", "ServedGraph", "add_arguments",
            "batched_logits", "check_bundle", "export_bundle", "main", "open_bundle", "torch_logits",

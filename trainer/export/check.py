@@ -20,7 +20,7 @@ from trainer.data import labelled
 from trainer.data.readers import DataError, Example, read_labeled
 from trainer.export.errors import ExportError
 from trainer.export.score import score_data, torch_reference
-from trainer.export.session import bundle_tokenizer, open_graph
+from trainer.export.served import bundle_tokenizer, served_graph
 
 
 def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | Path | None = None,
@@ -61,7 +61,7 @@ def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | 
     graphs: dict[str, dict[str, Any]] = {}
     for name, graph in m.graphs.items():
         serves = [d for d in DEVICES if m.serve[d] == name]
-        served = open_graph(b, name, prefer_gpu=prefer_gpu and "cuda" in serves)
+        served = served_graph(b, name, prefer_gpu=prefer_gpu and "cuda" in serves)
         report = score_data(served.session, seqs, labels, PAD, reference, batch_size, graph.per_row)
         graphs[name] = {"precision": graph.precision, "serves": serves, "provider": served.provider, **report}
     base = tfidf_baseline(art, examples, graphs, str(data_file)) if tfidf else None

@@ -1,4 +1,4 @@
-"""`python -m trainer export`: the command line of the exporter, of `--check` (with its CI gates) and of
+"""`python -m trainer export`: the command line of the exporter, of `--check` (with its CI thresholds) and of
 `--triton-repo`."""
 
 from __future__ import annotations
@@ -11,12 +11,20 @@ from contract.bundle import verify_bundle
 from contract.manifest import DEVICES, PRECISIONS
 from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
 from trainer.cli import add_field_arguments
-from trainer.export.bundle import AUTO, ExportOptions, export_bundle
 from trainer.export.check import check_bundle
 from trainer.export.errors import ExportError
-from trainer.export.gate import EXIT_GATE_FAILED, EXIT_PASSED, Gates, evaluate, full_report, write_json, write_junit
 from trainer.export.precision import INT8_CPU_BOUND, Tolerance
+from trainer.export.thresholds import (
+    EXIT_BELOW_THRESHOLD,
+    EXIT_PASSED,
+    Thresholds,
+    evaluate,
+    full_report,
+    write_json,
+    write_junit,
+)
 from trainer.export.triton import write_triton_repo
+from trainer.export.write import AUTO, ExportOptions, export_bundle
 
 EXAMPLES = """examples:
   python -m trainer export runs/finetune/artifact --out runs/bundle
@@ -31,7 +39,7 @@ EXAMPLES = """examples:
 graphs: by default model.onnx (fp32) serves CUDA and model.int8.onnx serves the CPU when int8 stays within its bound
 (on logits, and with --data on labels; beyond it export says so and the CPU serves fp32); --precision writes one graph.
 
---check exit codes: 0 passed, 1 a gate failed, 2 bad input (bundle, data file or option: one line on stderr).
+--check exit codes: 0 passed, 1 a threshold not met, 2 bad input (bundle, data file or option: one line on stderr).
 """
 
 
@@ -84,21 +92,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the bundle has it, CPU instances)")
     t.add_argument("--triton-max-batch", type=int, default=64, metavar="N", help="max_batch_size (default: 64)")
 
-    c = parser.add_argument_group("check (a CI step: exit 0 passed, 1 a gate failed, 2 bad input)")
+    c = parser.add_argument_group("check (a CI step: exit 0 passed, 1 a threshold not met, 2 bad input)")
     c.add_argument("--check", metavar="BUNDLE", help="verify BUNDLE and report each graph's accuracy on --data")
     c.add_argument("--artifact", dest="check_artifact", metavar="ARTIFACT",
                    help="PyTorch model to compare with (default: the manifest's source artifact)")
-    c.add_argument("--min-accuracy", type=float, metavar="PCT", help="gate: accuracy on --data >= PCT percent")
+    c.add_argument("--min-accuracy", type=float, metavar="PCT", help="threshold: accuracy on --data >= PCT percent")
     c.add_argument("--min-agreement", type=float, metavar="PCT",
-                   help="gate: labels equal to the PyTorch model's on >= PCT percent of --data")
-    c.add_argument("--baseline", metavar="BUNDLE", help="gate: a previous bundle to compare with (with --max-drop)")
+                   help="threshold: labels equal to the PyTorch model's on >= PCT percent of --data")
+    c.add_argument("--baseline", metavar="BUNDLE",
+                   help="threshold: a previous bundle to compare with (with --max-drop)")
     c.add_argument("--max-drop", type=float, metavar="POINTS",
-                   help="gate: accuracy at most POINTS below --baseline's, per device")
+                   help="threshold: accuracy at most POINTS below --baseline's, per device")
     c.add_argument("--no-tfidf-baseline", dest="tfidf", action="store_false",
                    help="skip the TF-IDF + logistic regression baseline (fitted on the source artifact's training "
                         "split, scored on --data: seconds; it needs that artifact and its data)")
-    c.add_argument("--json", metavar="FILE", help="write the check's report, gates included, as JSON")
-    c.add_argument("--junit", metavar="FILE", help="write the check's gates as JUnit XML (CI test results)")
+    c.add_argument("--json", metavar="FILE", help="write the check's report, thresholds included, as JSON")
+    c.add_argument("--junit", metavar="FILE", help="write the check's thresholds as JUnit XML (CI test results)")
 
 
 def options_from_args(args: argparse.Namespace) -> ExportOptions:
@@ -140,23 +149,23 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
     )
 
 
-def gates_from_args(args: argparse.Namespace) -> Gates:
-    return Gates(min_accuracy=args.min_accuracy, min_agreement=args.min_agreement,
-                 baseline=Path(args.baseline) if args.baseline else None, max_drop=args.max_drop)
+def thresholds_from_args(args: argparse.Namespace) -> Thresholds:
+    return Thresholds(min_accuracy=args.min_accuracy, min_agreement=args.min_agreement,
+                      baseline=Path(args.baseline) if args.baseline else None, max_drop=args.max_drop)
 
 
 def check(args: argparse.Namespace) -> int:
-    """--check: the report, the gates, the exit code (0 passed, 1 a gate failed)."""
+    """--check: the report, the thresholds, the exit code (0 passed, 1 a threshold not met)."""
     if not args.data:
         raise ExportError("--check needs --data FILE (a labelled file)")
-    gates = gates_from_args(args)
+    limits = thresholds_from_args(args)
     report = check_bundle(args.check, args.data, args.check_artifact or args.artifact, limit=args.limit,
                           text_field=args.text_field, label_field=args.label_field, tfidf=args.tfidf)
     baseline = None
-    if gates.baseline is not None:
-        baseline = check_bundle(gates.baseline, args.data, limit=args.limit, compare_torch=False,
+    if limits.baseline is not None:
+        baseline = check_bundle(limits.baseline, args.data, limit=args.limit, compare_torch=False,
                                 text_field=args.text_field, label_field=args.label_field, tfidf=False)
-    results = evaluate(report, gates, baseline)
+    results = evaluate(report, limits, baseline)
     full = full_report(report, results, baseline)
     blank = f" ({report['blank_skipped']} blank texts skipped)" if report["blank_skipped"] else ""
     print(f"{report['bundle']} (bundle_sha256 {report['bundle_sha256'][:16]}...): {report['examples']} examples of "
@@ -181,12 +190,12 @@ def check(args: argparse.Namespace) -> int:
     print("labels (value in the data -> name served): "
           + ", ".join(f"{v!r} -> {n!r}" for v, n in zip(report["label_values"], report["label_names"], strict=True)))
     for r in results:
-        print(f"{'PASS' if r.passed else 'FAIL'} {r.gate}: {r.message}")
+        print(f"{'PASS' if r.passed else 'FAIL'} {r.threshold}: {r.message}")
     if args.json:
         write_json(Path(args.json), full)
     if args.junit:
         write_junit(Path(args.junit), full)
-    return EXIT_PASSED if full["passed"] else EXIT_GATE_FAILED
+    return EXIT_PASSED if full["passed"] else EXIT_BELOW_THRESHOLD
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""Stage 1: the classifier as an ONNX graph, checked against the declared signature, and onnxruntime sessions on it.
+"""Stage 1: the classifier as an ONNX graph, checked against the declared signature.
 
 The graph comes from the dynamo exporter (`torch.onnx.export(..., dynamo=True)`) with symbolic batch and sequence
 axes: the TorchScript exporter bakes the attention's reshape into the graph, which then fails on every other shape.
@@ -16,13 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
-import onnxruntime as ort
 import torch
 from torch import nn
 
-from contract import runtime
 from contract.graph import BATCH_AXIS, INPUTS, OUTPUT, SEQUENCE_AXIS, as_dicts, expected_io, io_spec
-from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
 from contract.tokens import N_SPECIALS
 from trainer.export.errors import ExportError
 
@@ -115,20 +112,3 @@ def check_graph(model: onnx.ModelProto, num_classes: int, where: str) -> None:
         onnx.checker.check_model(model, full_check=True)
     except onnx.checker.ValidationError as e:
         raise ExportError(f"{where}: onnx.checker failed: {e}") from None
-
-
-def open_session(
-    model: str | Path | bytes,
-    level: str = DEFAULT_OPT_LEVEL,
-    prefer_gpu: bool = True,
-    threads: int = 0,
-    optimized_out: str | Path | None = None,
-) -> ort.InferenceSession:
-    """An onnxruntime session at graph optimisation `level` (disable/basic/extended/all) on the providers the
-    server would use (CUDA first where a driver exists); threads 0 = onnxruntime's default. `optimized_out` makes
-    onnxruntime write the graph it optimised (offline optimisation)."""
-    if level not in OPT_LEVELS:
-        raise ExportError(f"graph optimisation level {level!r}; choose one of {sorted(OPT_LEVELS)}")
-    so = runtime.session_options(level, intra_op_threads=threads, optimized_out=optimized_out)
-    source = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(source, so, providers=runtime.providers("auto" if prefer_gpu else "cpu"))

@@ -10,10 +10,10 @@ import numpy as np
 import onnxruntime as ort
 from torch import nn
 
+from contract.runtime import inference_session
 from trainer.data.readers import read_labeled
 from trainer.data.tokenizer import Tokenizer
 from trainer.export.errors import ExportValidationError
-from trainer.export.graph import open_session
 from trainer.export.precision import TOLERANCES, Tolerance
 from trainer.export.validate import ort_logits, torch_logits
 
@@ -97,7 +97,7 @@ def data_check(path: Path, precision: str, level: str, seqs: list[list[int]], la
     """Accuracy change of the graph at `path` on a labelled file, held to `tol` (default: the precision's), run as
     it will be served (`per_row`)."""
     tol = tol or TOLERANCES[precision]
-    session = open_session(path, level, prefer_gpu=False)
+    session = inference_session(path, level, "cpu")
     report = score_data(session, seqs, labels, pad_id, reference, per_row=per_row)
     report["file"] = str(data_file)
     drop = -report["accuracy_change_points"]

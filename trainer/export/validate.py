@@ -17,10 +17,9 @@ from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as OrtNot
 from torch import nn
 
 from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS
-from contract.runtime import cuda_driver_present
+from contract.runtime import cuda_driver_present, inference_session
 from contract.tokens import EOS, N_SPECIALS, OOV, SOS
 from trainer.export.errors import ExportValidationError
-from trainer.export.graph import open_session
 from trainer.export.precision import TOLERANCES, Tolerance
 
 
@@ -124,7 +123,7 @@ def validate_graph(model: nn.Module, path: Path, precision: str, level: str, max
     base = {"reference": "PyTorch fp32 eager (trainer.model.encoder.Classifier)", "graph_optimization_level": level,
             "tolerance": asdict(tol)}
     try:
-        session = open_session(path, level, prefer_gpu=False)
+        session = inference_session(path, level, "cpu")
         result = validate(model, session, precision, max_len, vocab_size, pad_id, tol, references)
     except (OrtFail, OrtNotImplemented) as e:
         if precision != "fp16":
@@ -132,6 +131,6 @@ def validate_graph(model: nn.Module, path: Path, precision: str, level: str, max
         if not cuda_driver_present():
             return {**base, "passed": None, "skipped": f"onnxruntime's CPU provider cannot run this fp16 graph "
                                                        f"and no CUDA device is present: {e}"}
-        session = open_session(path, level, prefer_gpu=True)
+        session = inference_session(path, level, "auto")
         result = validate(model, session, precision, max_len, vocab_size, pad_id, tol, references)
     return {**base, "provider": session.get_providers()[0], "passed": True, **result}

@@ -44,7 +44,7 @@ from trainer.data.labelled import Split, encode, load_split, sample_split  # noq
 from trainer.data.tokenizer import Tokenizer
 from trainer.engine import checkpoint as ckpt
 from trainer.engine import deepspeed_engine as eng
-from trainer.engine import loop, monitor
+from trainer.engine import loop, monitor, trackers
 from trainer.engine.stage import on_every_rank
 from trainer.metrics import balanced_weights, summarize, summary_line, warning
 from trainer.model.encoder import Classifier, load_encoder
@@ -182,7 +182,7 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
 
     if pretrained is not None:
         if eng.is_main() and not (run_dir / "tokenizer").exists():
-            Tokenizer.load(pretrained.tokenizer_dir).save(run_dir / "tokenizer")
+            pretrained.tokenizer().save(run_dir / "tokenizer")
         eng.barrier()
     tok = run_tokenizer(cfg, run_dir, opts.tokenizer, labelled.texts(data.train.examples))
     encoded: dict[str, Split] = {}  # by file: a test file also among extra_test is encoded once
@@ -191,10 +191,12 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
     sets = Sets(encode(data.train.examples, tok), encode(data.valid.examples, tok), test,
                 sample_split(test, cfg.seed, cfg.data.max_test_examples),
                 {name: encoded.get(p.source) or encode(p.examples, tok) for name, p in data.extra.items()})
+    files = [cfg.data.path(f) for f in (cfg.data.train, cfg.data.valid, cfg.data.test, *cfg.data.extra_test) if f]
+    facts = trackers.run_facts(list(dict.fromkeys(files))) if eng.is_main() else {}
     monitor.write_run_info(run_dir, cfg, ds, {
         "stage": "finetune", "pretrained": str(opts.pretrained or ""), "compare": opts.compare,
         "train_examples": len(sets.train.ids), "valid_examples": len(sets.valid.ids),
-        "test_examples": len(sets.test.ids)})
+        "test_examples": len(sets.test.ids), **facts})
     for line in data.summary(cfg):
         monitor.note(line)
     monitor.note(f"data: {labelled.cut_share(sets.train, tok.max_len):.1f}% of the training examples reach "
@@ -213,7 +215,7 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
     for name, src in runs:
         artifact_dir = run_dir / "scratch" / "artifact" if opts.compare and src is None else run_dir / "artifact"
         result = train_classifier(cfg, name, src, tok, sets, plan, ds, run_dirs[name], artifact_dir, tags[name],
-                                  opts.stop_at, info, tfidf, auto_resume=opts.resume == RESUME_AUTO)
+                                  opts.stop_at, info, tfidf, auto_resume=opts.resume == RESUME_AUTO, facts=facts)
         if result is None:
             return None  # stop_at
         results[name] = result
@@ -238,9 +240,11 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
 def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | None, tok: Tokenizer, sets: Sets,
                      plan: eng.BatchPlan, ds: dict[str, Any], run_dir: Path, artifact_dir: Path,
                      resume_tag: str | None, stop_at: int, info: eng.DistInfo,
-                     tfidf: dict[str, Any] | None = None, auto_resume: bool = False) -> dict[str, Any] | None:
+                     tfidf: dict[str, Any] | None = None, auto_resume: bool = False,
+                     facts: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Train one classifier, keep the epoch its validation score picks, score those weights; returns {history,
-    kept, final} (None when stopped by stop_at). `tfidf`: the baseline's scores (rank 0), reported beside."""
+    kept, final} (None when stopped by stop_at). `tfidf`: the baseline's scores (rank 0), reported beside; `facts`:
+    the run's commit and data digests, given to its trackers (trainer/engine/trackers.py) with its config."""
     fc, ckpt_dir = cfg.finetune, run_dir / "checkpoints"
     task = ClassifierTask(cfg, name, sets, plan, info, run_dir / KEPT)
     per_epoch, task.total = loop.steps_of(task, fc.epochs, fc.max_steps, f"{len(sets.train.ids)} training examples",
@@ -253,7 +257,10 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
     model = ClassifierObjective(cfg.model, weight)
     if pretrained is not None:
         load_encoder(model, pretrained.state)
+    ds = trackers.with_monitor(ds, cfg.monitor, run_dir)  # its own trackers' folder (--compare: one per run)
+    trackers.prepare(ds, run_dir)
     engine = eng.initialize(model, ds, fc.optim, task.total, cfg.engine)
+    trackers.log_run(engine, {"config": cfg.to_dict(), **(facts or {})})
     state = ckpt.LoopState()
     if resume_tag:
         state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
@@ -262,7 +269,7 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
             task.store_best(engine, ckpt_dir, resume_tag, state)
     task.log = log = monitor.RunLog(run_dir, task.total, state.step, f"finetune {name}",
                                     ["epoch", "loss", "lr", "examples_per_s", "valid_accuracy", "valid_macro_f1",
-                                     "test_accuracy", "elapsed_s"])
+                                     "test_accuracy", "elapsed_s"], engine)
     weights_note = f", class weights {np.round(weight.numpy(), 3).tolist()}" if weight is not None else ""
     log.print(f"finetune {name}: {len(sets.train.ids):,} train / {len(sets.valid.ids):,} valid / "
               f"{len(sets.test_epoch.ids):,} test examples per epoch, {per_epoch} steps of {plan.global_batch}/epoch, "

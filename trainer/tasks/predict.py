@@ -93,7 +93,7 @@ def open_model(path: Path) -> Model:
         if art.task != "classifier":
             raise ExportError(f"{path}: task {art.task!r}; predict needs a classifier artifact (finetune's)")
         model, d = art.model(), art.cfg.data
-        return Model("artifact", list(d.labels), d.names, art.cfg.tokenizer.max_len, Tokenizer.load(art.tokenizer_dir),
+        return Model("artifact", list(d.labels), d.names, art.cfg.tokenizer.max_len, art.tokenizer(),
                      (d.text_field, d.label_field), lambda i, a: torch_logits(model, i, a), "artifact, PyTorch fp32")
     raise ExportError(f"{path}: neither a classifier artifact (artifact.json) nor a bundle ({MANIFEST_FILE})")
 

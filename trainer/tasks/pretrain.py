@@ -36,14 +36,23 @@ import torch.nn.functional as F
 from trainer import artifact, cli
 from trainer.config.choice import RESUME_AUTO, add_config_args, config_choice
 from trainer.config.schema import ConfigError, ModelConfig, RunConfig
-from trainer.data.corpus import TOKENIZER_DIR, PreparedCorpus, PreparedError, digest, files_of, read_manifest, verify
+from trainer.data.corpus import (
+    MANIFEST,
+    TOKENIZER_DIR,
+    PreparedCorpus,
+    PreparedError,
+    digest,
+    files_of,
+    read_manifest,
+    verify,
+)
 from trainer.data.prepare import prepare
 from trainer.data.readers import expand_inputs
 from trainer.data.tokenizer import Tokenizer
 from trainer.data.windows import EpochOrder, Windows, split
 from trainer.engine import checkpoint as ckpt
 from trainer.engine import deepspeed_engine as eng
-from trainer.engine import loop, monitor
+from trainer.engine import loop, monitor, trackers
 from trainer.engine.distributed import all_gather_bytes, file_lock
 from trainer.engine.stage import on_every_rank
 from trainer.model.encoder import LanguageModel
@@ -276,18 +285,22 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
                         WindowBatcher(eval_w, pc.objective, pc.mask_prob, tok.vocab_size, cfg.seed), plan, info)
     per_epoch, total = loop.steps_of(task, pc.epochs, pc.max_steps, f"{len(train_w)} training windows",
                                      plan.global_batch)
+    ds = trackers.with_monitor(ds, cfg.monitor, run_dir)
+    facts = trackers.run_facts([folder / MANIFEST]) if eng.is_main() else {}
     monitor.write_run_info(run_dir, cfg, ds, {"stage": "pretrain", "prepared": str(folder),
                                               "documents": corpus.n_docs, "tokens": corpus.n_tokens,
                                               "train_windows": len(train_w), "eval_windows": len(eval_w),
-                                              "steps": total, "global_batch": plan.global_batch})
+                                              "steps": total, "global_batch": plan.global_batch, **facts})
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and for every world size
+    trackers.prepare(ds, run_dir)
     engine = eng.initialize(LMObjective(cfg.model, causal=pc.objective == "clm"), ds, pc.optim, total, cfg.engine)
+    trackers.log_run(engine, {"config": cfg.to_dict(), **facts})
     state = ckpt.LoopState()
     if resume_tag:
         state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
     log = monitor.RunLog(run_dir, total, state.step, f"pretrain {pc.objective}",
-                         ["epoch", "loss", "ppl", "lr", "tokens_per_s", "eval_loss", "eval_ppl", "elapsed_s"])
+                         ["epoch", "loss", "ppl", "lr", "tokens_per_s", "eval_loss", "eval_ppl", "elapsed_s"], engine)
     log.print(f"pretrain {pc.objective}: {corpus.n_docs:,} documents ({n_eval:,} held out for the eval loss), "
               f"{corpus.n_tokens:,} tokens in {folder}, {len(train_w):,} training windows of {pc.seq_len} "
               f"({per_epoch:,} global batches of {plan.global_batch}/epoch), "

@@ -16,23 +16,22 @@ def run_tokenizer(cfg: RunConfig, run_dir: Path, given: Path | None, texts: list
     no collective times out while a tokenizer is trained on a large corpus. A trained tokenizer learns
     data.pretrain, else `texts` (fine-tuning: the training split's).
 
-    Its ids must be model.vocab_size and its cut tokenizer.max_len, so the run's config and its tokenizer folder
-    (both copied into the artifact) never disagree."""
-    folder = run_dir / "tokenizer"
+    Its ids must be model.vocab_size; it cuts at tokenizer.max_len (the folder holds no cut)."""
+    folder, max_len = run_dir / "tokenizer", cfg.tokenizer.max_len
     with file_lock(run_dir / ".tokenizer.lock"):
         if not folder.exists():
             if given:
-                tok = Tokenizer.load(given)
+                tok = Tokenizer.load(given, max_len)
             elif cfg.tokenizer.kind == "train" and not cfg.data.pretrain and texts:
                 tc = cfg.tokenizer
                 tok = Tokenizer.train(texts, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed)
             else:
                 tok = build_tokenizer(cfg)
             where = f"--tokenizer {given}" if given else "the built tokenizer"
-            check_tokenizer(tok.vocab_size, tok.max_len, cfg, where)
+            check_tokenizer(tok.vocab_size, cfg, where)
             tok.save(folder)
-        elif given and Tokenizer.load(given).fingerprint != Tokenizer.load(folder).fingerprint:
+        elif given and Tokenizer.load(given, max_len).fingerprint != Tokenizer.load(folder, max_len).fingerprint:
             raise ConfigError(f"--tokenizer {given} differs from the run's {folder}; use a new --out")
-    tok = Tokenizer.load(folder)
-    check_tokenizer(tok.vocab_size, tok.max_len, cfg, str(folder))
+    tok = Tokenizer.load(folder, max_len)
+    check_tokenizer(tok.vocab_size, cfg, str(folder))
     return tok

@@ -1,0 +1,106 @@
+"""What tracing costs the server: texts/s at concurrency c (64 by default, one review per call, closed loop) of three
+servers of one bundle, measured in turns within one run (the order rotates every round), so that a shared machine's
+load falls on all three alike:
+  - before: the code before tracing (`--before`, a tree of it: `git archive COMMIT | tar -x -C DIR`);
+  - off: this tree without OTEL_* variables (tracing off; request ids and access lines on, as by default);
+  - on: this tree exporting every call's spans (OTEL_TRACES_SAMPLER=always_on) over OTLP/gRPC to a receiver in this
+    process that counts them (tests/otlp_receiver.py, keep=False).
+Prints each round's rows, the ratios off/before and on/off of texts/s and of the server's CPU time per text (the
+median over rounds: on a shared machine the CPU per text moves less than the rate), spans received, and the load
+average at the start and the end (docs/BENCHMARKS.md, Tracing).
+
+    python bench/telemetry_bench.py --bundle /tmp/lab-bundle --before /tmp/before [--rounds 5] [--seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from otlp_receiver import OtlpReceiver  # noqa: E402
+from serve_bench import bench_server  # noqa: E402
+from serving_fixtures import ServerProcess, reviews  # noqa: E402
+
+MODES = ("before", "off", "on")
+
+
+class _Measured:
+    """What serve_bench.bench_server reads of a server: its ports, its pids and its metrics."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.server, self.port = server, server.wait_listening(120)
+        self.metrics_port, self.pids = server.metrics_port, [server.proc.pid]
+
+    def metric(self, name: str) -> float:
+        value = self.server.metric(name)
+        return float("nan") if value is None else value
+
+
+def _load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", type=Path, required=True, help="bundle folder all three servers serve")
+    ap.add_argument("--before", type=Path, required=True, help="a tree of the code before tracing")
+    ap.add_argument("--data", type=Path, default=Path(os.environ.get("TS_DATA") or REPO.parent / "shared" / "data"),
+                    help="folder holding cls-books-fr/ (its test reviews are the texts)")
+    ap.add_argument("--concurrency", type=int, default=64, help="closed-loop callers")
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per turn (after 2 s of warm-up)")
+    ap.add_argument("--rounds", type=int, default=5, help="turns of each server")
+    ap.add_argument("--texts", type=int, default=256, help="distinct reviews drawn from the test split")
+    args = ap.parse_args()
+    texts = reviews(args.data, args.texts)
+    for k in [k for k in os.environ if k.startswith("OTEL_")]:  # only "on" traces: none left from the shell
+        del os.environ[k]
+    start_load = _load()
+    print(f"load average at start: {start_load}", flush=True)
+    with OtlpReceiver(keep=False) as receiver:
+        # The SDK's own export settings (OTEL_BSP_*: every 5 s or 512 spans, a queue of 2,048), every call sampled.
+        env = {"before": {"PYTHONPATH": str(args.before)}, "off": {"PYTHONPATH": str(REPO)},
+               "on": {"PYTHONPATH": str(REPO), **receiver.env("grpc", OTEL_TRACES_SAMPLER="always_on",
+                                                              OTEL_BSP_SCHEDULE_DELAY="5000")}}
+        started = {m: ServerProcess(args.bundle, "--device", "cpu", "--metrics-port", "0",
+                                    repo=args.before if m == "before" else REPO, env=env[m]) for m in MODES}
+        try:
+            servers = {m: _Measured(s) for m, s in started.items()}
+            rates: dict[str, list[float]] = {m: [] for m in MODES}
+            cpu: dict[str, list[float]] = {m: [] for m in MODES}  # server CPU ms per text
+            for r in range(args.rounds):
+                order = MODES[r % 3:] + MODES[:r % 3]
+                for mode in order:
+                    spans0 = receiver.received
+                    row = bench_server(servers[mode], mode, texts, args.concurrency, args.seconds)
+                    rates[mode].append(row["texts_per_s"])
+                    cpu[mode].append(1000 * row["server_cpu"] * (os.cpu_count() or 1) / row["texts_per_s"])
+                    spans = (receiver.received - spans0) if mode == "on" else 0
+                    print(f"round {r + 1} {mode:6s} {row['texts_per_s']:8.1f} texts/s  p50 {row['p50_ms']:.1f} ms  "
+                          f"p99 {row['p99_ms']:.1f} ms  errors {row['errors'] or 0}  server CPU "
+                          f"{100 * row['server_cpu']:.0f}% ({cpu[mode][-1]:.2f} ms a text)  spans received {spans}",
+                          flush=True)
+        finally:
+            for s in started.values():
+                s.close()
+    def ratio(values: dict[str, list[float]], a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(values[a], values[b], strict=True))
+
+    print("\nmean texts/s: " + ", ".join(f"{m} {statistics.mean(rates[m]):.1f}" for m in MODES))
+    print(f"texts/s, off / before: {ratio(rates, 'off', 'before'):.3f}, on / off: {ratio(rates, 'on', 'off'):.3f} "
+          f"(medians over {args.rounds} rounds)")
+    print(f"server CPU per text, off / before: {ratio(cpu, 'off', 'before'):.3f}, on / off: "
+          f"{ratio(cpu, 'on', 'off'):.3f}")
+    print(f"load average at start: {start_load}, at end: {_load()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The gate's bounds, each a small object with its own lock (serving/limits/gate.py uses them; nothing here knows gRPC):
+
+- `Slots`: calls in progress at once, refused past the limit (no queue);
+- `ResponseBudget`: bytes of answers built and not yet delivered;
+- `Watchdog`: cancels a call whose request message has not arrived in time (one thread for all calls).
+Each one that holds work in progress tells the memory reclaimer (serving/limits/memory.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from serving.errors import Overloaded
+from serving.limits.memory import Reclaimer
+from serving.metrics import Metrics
+
+log = logging.getLogger("serving.limits.gate")  # its lines are the gate's
+
+
+class _Watch:
+    def __init__(self, cancel: Callable[[], None]) -> None:
+        self.cancel = cancel
+        self.fired = False
+
+
+class Watchdog:
+    """Cancels a call whose next request message has not arrived `timeout` s after it was armed. One thread for
+    all calls: arming is a heap push (deadlines come in order, so the thread is woken only when idle)."""
+
+    def __init__(self, timeout: float, on_fire: Callable[[], None] = lambda: None) -> None:
+        self.timeout = timeout
+        self.on_fire = on_fire
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int]] = []  # (deadline, token), lazily cleaned
+        self._armed: dict[int, _Watch] = {}  # token -> the watch of a call waiting for a message
+        self._next = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="body-watchdog", daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def watching(self, cancel: Callable[[], None]) -> Iterator[_Watch]:
+        """Arms the watchdog for the body of the `with`; `.fired` says afterwards whether it cancelled."""
+        watch = _Watch(cancel)
+        with self._cond:
+            token, self._next = self._next, self._next + 1
+            self._armed[token] = watch
+            heapq.heappush(self._heap, (time.monotonic() + self.timeout, token))
+            if len(self._heap) == 1:
+                self._cond.notify()
+        try:
+            yield watch
+        finally:
+            with self._cond:
+                self._armed.pop(token, None)
+
+    def _loop(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                deadline, token = self._heap[0]
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+                watch = self._armed.pop(token, None)
+                if watch is not None:  # still waiting for its message: cancel (non-blocking in gRPC)
+                    watch.fired = True
+                    watch.cancel()
+                    self.on_fire()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(5)
+
+
+class ResponseBudget:
+    """Bytes of answers built and not yet delivered: reserved when an answer is built, released when its call
+    ends (delivered, or cancelled by its client). gRPC keeps an answer that its client does not read in memory;
+    this bounds the sum. A held answer counts as work in progress for the reclaimer (serving/limits/memory.py)."""
+
+    def __init__(self, limit: int, metrics: Metrics, reclaimer: Reclaimer | None = None) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+        self._gauge = metrics.response_bytes
+        self._reclaimer = reclaimer
+
+    @property
+    def spent(self) -> bool:
+        return self.used >= self.limit
+
+    def reserve(self, size: int) -> None:
+        """Raises Overloaded when `size` more bytes would pass the limit."""
+        with self._lock:
+            if self.used + size > self.limit:
+                raise Overloaded(f"{self.used} bytes of answers wait for their clients + {size} > "
+                                 f"max_response_bytes_in_flight {self.limit}; retry later")
+            self.used += size
+            self._gauge.set(self.used)
+        if self._reclaimer is not None:
+            self._reclaimer.enter()
+
+    def release(self, size: int) -> None:
+        """Runs in gRPC's polling thread (a call's done-callback): a lock and a notify, nothing more."""
+        with self._lock:
+            self.used -= size
+            self._gauge.set(self.used)
+        if self._reclaimer is not None:
+            self._reclaimer.leave()
+
+
+class Slots:
+    """Calls in progress at once, up to `limit`; past it a call is refused at once (no queue). A slot taken counts as
+    work in progress for `reclaimer` (serving/limits/memory.py), when given."""
+
+    def __init__(self, limit: int, what: str, reclaimer: Reclaimer | None = None) -> None:
+        self.limit, self.what = limit, what
+        self.used = 0
+        self._lock = threading.Lock()
+        self._reclaimer = reclaimer
+
+    def acquire(self) -> Overloaded | None:
+        """Take a slot (then `release` it once), or say why none is free."""
+        with self._lock:
+            if self.used >= self.limit:
+                return Overloaded(f"server busy: {self.used} {self.what} calls in progress (limit {self.limit}); "
+                                  "retry later")
+            self.used += 1
+        if self._reclaimer is not None:
+            self._reclaimer.enter()
+        return None
+
+    def release(self) -> None:
+        with self._lock:
+            self.used -= 1
+        if self._reclaimer is not None:
+            self._reclaimer.leave()
+
+    @contextmanager
+    def take(self) -> Iterator[None]:
+        refusal = self.acquire()
+        if refusal is not None:
+            raise refusal
+        try:
+            yield
+        finally:
+            self.release()

@@ -1,0 +1,148 @@
+"""One call as the operator sees it, whatever its protocol: its request id, its span (when traced), its access log
+line. Every protocol uses the same four steps:
+
+    call = call_log.begin("grpc", "sentiment.v1.SentimentService/Classify", headers, span_attributes)
+    with call.step("auth"): ...              # a child span (when traced) around a step done before the handler
+    with call.serving(): handler(...)        # the handler's thread (or task) sees it: current(), the log lines
+    call.finish("OK", failed=False)          # ends the span, writes the access line (rate-limited)
+
+`headers` are the call's (name, value) pairs (gRPC metadata, HTTP headers): `x-request-id` is taken from them when
+it is a sane token, else one is made; the caller returns `call.request_id` (gRPC: trailing metadata; HTTP: a response
+header). The W3C `traceparent` among them makes the span a child of the client's. The model's code reaches the call
+through `current()`: the core counts texts and tokens and times its steps on it, the batcher takes `link()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+from serving.telemetry import tracing
+from serving.telemetry.logs import LogThrottle
+from serving.telemetry.logs import current_call as _current
+
+access = logging.getLogger("serving.access")
+
+REQUEST_ID = "x-request-id"
+_SANE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")  # a client's id is kept only if it is this (it goes in logs)
+_NOTHING = nullcontext()
+
+
+def current() -> Call | None:
+    """The call the running code serves (None outside a call)."""
+    return _current.get()
+
+
+def step(name: str) -> Any:
+    """A child span of the current call around a `with` block (nothing when it is not traced)."""
+    call = _current.get()
+    return _NOTHING if call is None or call.span is None else call.step(name)
+
+
+class Call:
+    """One call: see the module docstring. `texts` and `tokens` are filled in by the core; `peer` by the protocol."""
+
+    __slots__ = ("protocol", "method", "request_id", "peer", "texts", "tokens", "span", "_log", "_started")
+
+    def __init__(self, log: CallLog, protocol: str, method: str, request_id: str,
+                 span: tracing.ServerSpan | None) -> None:
+        self.protocol, self.method, self.request_id = protocol, method, request_id
+        self.peer = ""
+        self.texts = self.tokens = 0
+        self.span = span  # its server span when tracing is on, else None
+        self._log = log
+        self._started = time.perf_counter()
+
+    @property
+    def trace_id(self) -> str | None:
+        """The trace's id as 32 hex digits (the logs' trace_id), None when not traced."""
+        return None if self.span is None else format(self.span.context.trace_id, "032x")
+
+    def link(self) -> Any:
+        """The span context a batch links to (None when tracing is off or this call is not sampled): a small
+        immutable value, so that a batch never holds the call itself."""
+        return self.span.context if self.span is not None and self.span.recording else None
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        """A child span around the block (nothing when not sampled)."""
+        t = tracing.active()
+        if self.span is None or not self.span.recording or t is None:
+            yield
+            return
+        start = time.time_ns()
+        try:
+            yield
+        finally:
+            t.record(name, self.span.context, start, time.time_ns())
+
+    @contextmanager
+    def serving(self) -> Iterator[Call]:
+        """The block runs as this call: `current()`, and the request id and trace id of its log lines."""
+        token = _current.set(self)
+        try:
+            yield self
+        finally:
+            _current.reset(token)
+
+    def finish(self, status: str, *, failed: bool, attributes: Mapping[str, Any] | None = None,
+               reason: str = "") -> None:
+        """End the call: its span (status, attributes; an error when `failed`) and its access line. `status`: the
+        protocol's own (a gRPC code's name, an HTTP status)."""
+        ms = (time.perf_counter() - self._started) * 1000
+        span, t = self.span, tracing.active()
+        if span is not None and span.recording and t is not None:
+            span.attributes.update(attributes or {})
+            if self.texts:
+                span.attributes.update({"sentiment.texts": self.texts, "sentiment.tokens": self.tokens})
+            t.end(span, (reason or status) if failed else None)
+        self._log.write(self, status, ms)
+
+
+class CallLog:
+    """Begins calls and writes their access lines: at most `rate` lines per second for each method and status (a
+    flood of refusals cannot hide the answered calls, nor grow the log without bound); the lines not written are
+    counted by `on_suppressed` and their number given in the next line written."""
+
+    def __init__(self, rate: int, on_suppressed: Callable[[], None] = lambda: None) -> None:
+        self.rate = rate
+        self.on_suppressed = on_suppressed
+        self.throttle = LogThrottle(period=1.0, burst=rate)
+
+    def begin(self, protocol: str, method: str, headers: Iterable[tuple[str, str | bytes]] | None,
+              span_attributes: Mapping[str, Any] | None = None) -> Call:
+        """A call of `method` (the span's name too) with the client's `headers`."""
+        t = tracing.active()
+        wanted = t.fields if t is not None else frozenset()
+        request_id, carrier = None, {}
+        for key, value in headers or ():  # gRPC's are str (binary values bytes), ASGI's bytes
+            key = (key.decode("latin-1") if isinstance(key, bytes) else key).lower()
+            if key == REQUEST_ID or key in wanted:
+                value = value if isinstance(value, str) else value.decode("latin-1")
+                if key == REQUEST_ID:
+                    request_id = value
+                else:
+                    carrier[key] = value
+        if request_id is None or not _SANE_ID.fullmatch(request_id):
+            request_id = str(uuid.uuid4())
+        span = None if t is None else t.start(method, carrier, span_attributes or {})
+        return Call(self, protocol, method, request_id, span)
+
+    def write(self, call: Call, status: str, ms: float) -> None:
+        if self.rate <= 0 or not access.isEnabledFor(logging.INFO):
+            return
+        allowed, suppressed = self.throttle.allow(f"{call.method} {status}")
+        if not allowed:
+            self.on_suppressed()
+            return
+        more = f" ({suppressed} more like it not logged)" if suppressed else ""
+        access.info("%s %s texts=%d tokens=%d %.1f ms peer=%s%s", call.method, status, call.texts, call.tokens, ms,
+                    call.peer or "-", more,
+                    extra={"request_id": call.request_id, "trace_id": call.trace_id, "method": call.method,
+                           "protocol": call.protocol, "peer": call.peer, "status": status, "texts": call.texts,
+                           "tokens": call.tokens, "ms": round(ms, 3), "suppressed": suppressed})

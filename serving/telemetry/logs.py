@@ -1,0 +1,109 @@
+"""The server's log lines: one schema in two formats, and the rate limit of per-call lines.
+
+Every line has a timestamp (UTC, ISO 8601, milliseconds), level, logger, message, request_id and trace_id (those two
+from the call the line was written for; null outside a call or without tracing). `json`: one object per line
+(python-json-logger), the access line's fields (serving/telemetry/calls.py) as keys of their own; `text`:
+
+    2026-01-02T03:04:05.678Z INFO serving.access: sentiment.v1.SentimentService/Classify OK ... request_id=R trace_id=T
+
+Workers write the same, with their index and pid (`worker`, `pid` keys; `[worker N pid P]` after the logger).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from contextvars import ContextVar
+from typing import Any, Literal
+
+Format = Literal["text", "json"]
+FORMATS: tuple[Format, ...] = ("text", "json")
+# The call the running code serves (serving/telemetry/calls.py sets it): its ids go in the lines written meanwhile.
+current_call: ContextVar[Any] = ContextVar("sentiment_call", default=None)
+
+
+class LogThrottle:
+    """At most `burst` lines per `period` s for one key (a kind of failure, a method and status); the rest are
+    counted, and the count is given with the next line allowed."""
+
+    def __init__(self, period: float = 60.0, burst: int = 3) -> None:
+        self.period, self.burst = period, burst
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, int, int]] = {}  # key -> (window start, logged, suppressed)
+
+    def allow(self, key: str) -> tuple[bool, int]:
+        """(log this one?, how many were suppressed since the last one logged)."""
+        now = time.monotonic()
+        with self._lock:
+            start, logged, suppressed = self._seen.get(key, (now, 0, 0))
+            if now - start >= self.period:
+                start, logged = now, 0
+            if logged < self.burst:
+                self._seen[key] = (start, logged + 1, 0)
+                return True, suppressed
+            self._seen[key] = (start, logged, suppressed + 1)
+            return False, 0
+
+
+class _CallFields(logging.Filter):
+    """Gives every record request_id and trace_id: its own (the access line's), else the current call's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "request_id"):
+            call = current_call.get()
+            record.request_id = call.request_id if call is not None else None
+            record.trace_id = call.trace_id if call is not None else None
+        return True
+
+
+class _Utc:
+    """ISO 8601 in UTC with milliseconds: 2026-01-02T03:04:05.678Z."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+
+
+class TextFormatter(_Utc, logging.Formatter):
+    def __init__(self, where: str = "") -> None:
+        super().__init__(f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        ids = [f"{k}={v}" for k in ("request_id", "trace_id") if (v := getattr(record, k, None)) is not None]
+        if not ids:
+            return line
+        first, newline, rest = line.partition("\n")  # after the message, before a traceback
+        return f"{first} {' '.join(ids)}{newline}{rest}"
+
+
+def json_formatter(static: dict[str, object] | None = None) -> logging.Formatter:
+    """python-json-logger's formatter with the schema's names (imported here: only a JSON log needs it)."""
+    from pythonjsonlogger.json import JsonFormatter
+
+    class JsonLineFormatter(_Utc, JsonFormatter):
+        pass
+
+    return JsonLineFormatter("%(asctime)s %(levelname)s %(name)s %(message)s %(request_id)s %(trace_id)s",
+                             rename_fields={"asctime": "timestamp", "levelname": "level", "name": "logger"},
+                             static_fields=static or {})
+
+
+def configure(level: str = "INFO", fmt: Format = "text", worker: int | None = None) -> None:
+    """The process' one stderr handler (replacing any), in `fmt`; `worker`: the index of a --workers process."""
+    if fmt not in FORMATS:
+        raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        static = {} if worker is None else {"worker": worker, "pid": os.getpid()}
+        handler.setFormatter(json_formatter(static))
+    else:
+        handler.setFormatter(TextFormatter("" if worker is None else f"[worker {worker} pid {os.getpid()}]"))
+    handler.addFilter(_CallFields())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
