@@ -21,6 +21,7 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 
 get_accelerator().is_fp16_supported = lambda: True  # the one refusal; all else is DeepSpeed's own CPU path
+eng.init_distributed()  # as the trainers start a rank (DeepSpeed's own start would also build its shm op on a CPU)
 stage = int(sys.argv[1])
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
