@@ -19,7 +19,8 @@ from unittest import mock
 from procs import REPO
 
 # Scripts with a command line of their own, run as `python SCRIPT ...` (their folders' other files are modules).
-SCRIPTS = sorted([*(REPO / "bench").glob("*.py"),
+# Every bench/ file that runs as a script (one without `__main__` is a module the scripts import: step_profile.py)
+SCRIPTS = sorted([*(p for p in (REPO / "bench").glob("*.py") if '__name__ == "__main__"' in p.read_text()),
                   *(REPO / "deploy" / name for name in ("healthcheck.py", "measure_rss.py", "serve_requirements.py"))])
 MODULES = ("serving.server", "serving.client", "serving.gen_proto")
 
