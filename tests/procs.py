@@ -8,6 +8,7 @@ timed-out launcher killed alone would leave its ranks running (or spinning on a 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -38,6 +39,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def quiet_port() -> int:
+    """A free port below the kernel's ephemeral range (32768-60999 by default), for a listener that binds it long
+    after it was chosen (a container started by podman-compose): a port from `free_port` comes from the ephemeral
+    range, where any test's outgoing connection or port-0 bind may take it meanwhile (CI 2026-11-28: compose's proxy
+    found its port 47685 taken)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(20000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 20000-{low}")
 
 
 def popen(cmd: Sequence[str], **kw: object) -> subprocess.Popen[str]:

@@ -193,9 +193,11 @@ def _start(bundle: Path | str, *args: str, env: dict[str, str] | None = None) ->
     in-process servers of other tests), and runs Python in the child, where gRPC's fork handlers most likely aborted it
     (SIGABRT, "epoll_wait error: Bad file descriptor", make test 2026-11-27)."""
     metrics = [] if "--metrics-port" in args else ["--no-metrics"]
+    # HTTP on a port of its own: the default 8000 may be another test's (CI 2026-11-28: a taken 8000 was the error)
+    http = [] if {"--http-port", "--no-http"} & set(args) else ["--http-port", "0"]
     drop = ["setpriv", "--bounding-set=-all", "--"] if os.geteuid() == 0 else []
     cmd = [*drop, sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics, "--device", "cpu",
-           *args]
+           *http, *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
 
@@ -274,7 +276,7 @@ def test_serving_beyond_loopback_warns_once_of_each_missing_protection(tiny_bund
         server.wait_listening()
         assert server.log.count("with neither a bearer token nor TLS") == 1, server.log
         assert server.log.count("without a front proxy") == 1, server.log
-        assert "podman compose -f deploy/compose.yaml up" in server.log
+        assert "docker compose up -d" in server.log and "podman-compose up -d" in server.log
     finally:
         server.close()
     quiet = ServerProcess(tiny_bundle, "--device", "cpu", "--host", "0.0.0.0", "--behind-proxy",

@@ -50,7 +50,8 @@ KSERVE_SERVICE = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceServ
 # pool; refusals and unary model calls never queue, serving/limits/gate.py): past this backstop gRPC refuses in its
 # polling thread, before any of our code runs. Only a flood reaches it.
 _BACKSTOP = 512
-COMPOSE_UP = "podman compose -f deploy/compose.yaml up"  # the one-host deployment: the proxy in front of the server
+# the one-host deployment: the proxy in front of the server
+COMPOSE_UP = "`docker compose up -d` or `podman-compose up -d` with the repository's compose.yaml"
 
 
 def transport_options(cfg: ServerConfig, shared_port: bool = False) -> list[tuple[str, int]]:
@@ -301,7 +302,7 @@ def warn_if_open(cfg: ServerConfig) -> None:
         return
     if not cfg.behind_proxy:
         log.warning("listening on %s without a front proxy: no limit per client address (connections, call rate, "
-                    "failed logins); put the proxy in front: `%s` on one host, `kubectl apply -k deploy/` on "
+                    "failed logins); put the proxy in front: %s on one host, `kubectl apply -k deploy/` on "
                     "Kubernetes (README, Deploy), and pass --behind-proxy", cfg.host, COMPOSE_UP)
     if cfg.auth_token is None and cfg.tls_cert is None:
         log.warning("listening on %s with neither a bearer token nor TLS: anyone who reaches port %d can call the "
