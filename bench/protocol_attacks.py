@@ -44,11 +44,11 @@ of the attacker's connections, and the authorised client's p50/p99/max and refus
                     In both overloads, the load comes from 127.0.0.1 and stands for many clients: through the proxy,
                     its per-address call rate (CALLS_PER_SOURCE_S) is lifted unless --haproxy-source-limit is given;
                     the figure is the latency of the authorised client's refusals (a call every 20 ms)
-The attacks on time limits (half-open, slow-headers, withheld-body*, zero-window) run for at least 12 s, past the 10 s
-that the server's and the proxy's timeouts allow. `--server-cpus` and `--client-cpus` pin the server and the proxy,
-and everything else (this process, the authorised client, the load generator), to cores of their own (Linux CPU
-affinity): on a machine with few cores the attackers otherwise take the server's cores, and an attacker on another
-machine would not.
+The attacks on time limits (idle*, half-open, slow-headers, withheld-body*, zero-window) run for at least 12 s, past
+the 10 s that the server's and the proxy's timeouts allow. `--server-cpus` and `--client-cpus` pin the server and the
+proxy, and everything else (this process, the authorised client, the load generator), to cores of their own (Linux
+CPU affinity): on a machine with few cores the attackers otherwise take the server's cores, and an attacker on
+another machine would not.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ ATTACKER = "127.0.0.2"
 ATTACKS = ["none", "ping-flood", "settings-flood", "rapid-reset", "rapid-reset-anon", "wrong-tokens", "idle",
            "idle-many", "half-open", "slow-headers", "withheld-body", "withheld-body-anon", "zero-window",
            "window-overflow", "overload", "overload-rate"]
-TIMED = ("half-open", "slow-headers", "withheld-body", "withheld-body-anon", "zero-window")
+TIMED = ("idle", "idle-many", "half-open", "slow-headers", "withheld-body", "withheld-body-anon", "zero-window")
 TIMED_S = 12.0  # past the 10 s of the server's body_timeout_s and handshake_timeout_s, and the proxy's timeouts
 
 
