@@ -618,7 +618,8 @@ def summary(r: dict) -> str:
     elif attack == "none":
         cell = "no attack"
     elif attack == "wrong-tokens":
-        cell = f"{a['answered']} answered in {a['elapsed_s']} s, {r['server_auth_failures']} by the server" + (
+        cell = (f"{a['answered']} of {a['calls']} answered in {a['elapsed_s']} s, {r['server_auth_failures']} by the "
+                f"server") + (
             f", {a['connections_refused']} connections not accepted" if a.get("connections_refused") else "")
     elif attack in ("idle", "idle-many"):
         cell = f"{a['kept']} of {a['opened']} kept after {a['kept_after_s']} s"
@@ -628,7 +629,8 @@ def summary(r: dict) -> str:
     elif attack.startswith("withheld-body"):
         cell = f"{a['calls']} calls on {a['connections']} connections, ended: {a['stream_ends']}"
     elif attack == "zero-window":
-        cell = f"{a['connections_ended']} of {a['of']} connections ended within {a['elapsed_s']} s"
+        cell = f"{a['connections_ended']} of {a['of']} connections ended within {a['elapsed_s']} s, streams: " \
+            f"{a['stream_ends']}"
     else:
         first = a.get("first", a) or {}
         ended = "kept open" if first.get("closed_after_s") is None else f"ended after {first['closed_after_s']} s"
