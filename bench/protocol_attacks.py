@@ -4,7 +4,7 @@ tables of docs/RELIABILITY.md ("A front proxy") come from this script.
 
     python bench/protocol_attacks.py --bundle BUNDLE [--attacks ping-flood,rapid-reset,...] [--seconds 5] [--tls]
         [--via-haproxy [MODEL_CALLS]] [--before-repo DIR] [--server-cpus 0 --client-cpus 1] [--json out.json]
-    python bench/protocol_attacks.py --table report.json          # the rows of docs/RELIABILITY.md
+    python bench/protocol_attacks.py --table run1.json run2.json   # the rows of docs/RELIABILITY.md
     python bench/soak.py --make-bundle BUNDLE --size tiny         # once: a bundle to attack (random weights)
 
 The deployment: `--via-haproxy` runs it as deployed, the proxy's image (Containerfile.proxy: HAProxy with
@@ -605,59 +605,70 @@ def run_attack(name: str, setup: Setup, args: argparse.Namespace, certs: dict[st
             server.close()
 
 
-def summary(r: dict) -> str:
-    """One cell: what became of the attack, what it cost, and the authorised client's figures."""
+def outcome(r: dict) -> str:
+    """What became of the attack (or of the overload's calls)."""
     a, who, attack = r["attacker"], r["authorised"], r["attack"]
     if attack.startswith("overload"):
         refused, answered = a.get("RESOURCE_EXHAUSTED", {}), a.get("OK", {})
         others = {code: v["calls"] for code, v in a.items() if code not in ("OK", "RESOURCE_EXHAUSTED")}
-        cell = (f"load: {answered.get('calls', 0)} answered (p50 {answered.get('p50_ms')} ms), "
-                f"{refused.get('calls', 0)} refused (p50/p99 {refused.get('p50_ms')}/{refused.get('p99_ms')} ms)"
-                + (f", {others}" if others else "")
-                + f"; authorised refusals p50/p99 {who.get('refused_p50_ms')}/{who.get('refused_p99_ms')} ms")
-    elif attack == "none":
-        cell = "no attack"
-    elif attack == "wrong-tokens":
-        cell = (f"{a['answered']} of {a['calls']} answered in {a['elapsed_s']} s, {r['server_auth_failures']} by the "
-                f"server") + (
-            f", {a['connections_refused']} connections not accepted" if a.get("connections_refused") else "")
-    elif attack in ("idle", "idle-many"):
-        cell = f"{a['kept']} of {a['opened']} kept after {a['kept_after_s']} s"
-    elif attack in ("half-open", "slow-headers"):
-        cell = f"{a['closed']} of {a['opened']} closed within {a['within_s']} s" + (
+        return (f"{answered.get('calls', 0)} answered, {refused.get('calls', 0)} refused in "
+                f"{refused.get('p50_ms')}/{refused.get('p99_ms')} ms" + (f", {others}" if others else "")
+                + f"; the authorised client refused in {who.get('refused_p50_ms')}/{who.get('refused_p99_ms')} ms")
+    if attack == "none":
+        return "no attack"
+    if attack == "wrong-tokens":
+        return (f"{a['answered']} of {a['calls']} answered in {a['elapsed_s']} s, {r['server_auth_failures']} by the "
+                f"server") + (f", {a['connections_refused']} connections not accepted" if a.get("connections_refused")
+                              else "")
+    if attack in ("idle", "idle-many"):
+        return f"{a['kept']} of {a['opened']} kept after {a['kept_after_s']} s"
+    if attack in ("half-open", "slow-headers"):
+        return f"{a['closed']} of {a['opened']} closed within {a['within_s']} s" + (
             f" (median {a['median_closed_s']} s)" if a["closed"] else "")
-    elif attack.startswith("withheld-body"):
-        cell = f"{a['calls']} calls on {a['connections']} connections, ended: {a['stream_ends']}"
-    elif attack == "zero-window":
-        cell = f"{a['connections_ended']} of {a['of']} connections ended within {a['elapsed_s']} s, streams: " \
-            f"{a['stream_ends']}"
-    else:
-        first = a.get("first", a) or {}
-        ended = "kept open" if first.get("closed_after_s") is None else f"ended after {first['closed_after_s']} s"
-        goaway = f"GOAWAY {first['goaway_code']}, " if first.get("goaway_code") is not None else ""
-        cell = "first connection " + goaway + ended
-        if "connections" in a:
-            cell += f"; {a['connections']} connections" + (
-                f" ({a['not_accepted']} refused)" if a.get("not_accepted") else "")
-    cpu = f"server {r['server_cpu_cores']}" + (f", proxy {r['proxy_cpu_cores']}" if r.get("proxy") else "") + " cores"
-    refusals = sum(who["errors"].values())
-    refused = f", {refusals} of {who['calls']} refused ({', '.join(who['errors'])})" if refusals else ""
-    return f"{cell}; {cpu}; authorised p50/p99 {who['p50_ms']}/{who['p99_ms']} ms{refused}"
+    if attack.startswith("withheld-body"):
+        ends = ", ".join(f"{n} {code}" for code, n in a["stream_ends"].items()) or "none"
+        return f"{a['calls']} calls on {a['connections']} connections; ended: {ends}"
+    if attack == "zero-window":
+        ends = ", ".join(f"{n} {code}" for code, n in a["stream_ends"].items()) or "none"
+        return f"{a['connections_ended']} of {a['of']} connections ended within {a['elapsed_s']} s; calls ended: {ends}"
+    first = a.get("first", a) or {}
+    ended = "kept open" if first.get("closed_after_s") is None else f"ended after {first['closed_after_s']} s"
+    goaway = f"GOAWAY {first['goaway_code']}, " if first.get("goaway_code") is not None else ""
+    cell = "first connection " + goaway + ended
+    if "connections" in a:
+        cell += f"; {a['connections']} connections" + (f", {a['not_accepted']} not accepted" if a.get("not_accepted")
+                                                        else "")
+    return cell
+
+
+def refusals(r: dict) -> int:
+    """The authorised client's calls refused (of about 50 a second)."""
+    return sum(r["authorised"]["errors"].values())
 
 
 def table(reports: list[Path]) -> str:
-    """Markdown rows `| attack | before | after |`: from one report of two setups (--before-repo), or from two
-    reports (the first the before column)."""
-    results = []
-    for i, path in enumerate(reports):
-        for r in json.loads(path.read_text())["results"]:
-            results.append({**r, "setup": ("before", "after")[i]} if len(reports) == 2 else r)
-    columns = list(dict.fromkeys(r["setup"] for r in results))
-    cells: dict[tuple[str, bool], dict[str, str]] = {}
-    for r in results:
-        cells.setdefault((r["attack"], r["tls"]), {})[r["setup"]] = summary(r)
-    return "\n".join(f"| {attack}{' (TLS)' if tls else ''} | " + " | ".join(row.get(c, "") for c in columns) + " |"
-                     for (attack, tls), row in cells.items())
+    """Markdown rows from reports made with --before-repo, each a run of both setups: `| attack | before | after |
+    authorised p99 ms | authorised refused | server cores | proxy cores |`, the figures `before / after`, one pair
+    per run (`; ` between runs); what became of the attack from the first run."""
+    runs = [json.loads(path.read_text())["results"] for path in reports]
+    rows: dict[tuple[str, bool], list[dict[str, dict]]] = {}
+    for i, results in enumerate(runs):
+        for r in results:
+            pairs = rows.setdefault((r["attack"], r["tls"]), [{} for _ in runs])
+            pairs[i][r["setup"]] = r
+
+    def figures(pairs: list[dict[str, dict]], pick: Callable[[dict], object]) -> str:
+        return "; ".join(" / ".join(str(pick(p[k])) if k in p else "-" for k in ("before", "after")) for p in pairs)
+
+    out = []
+    for (attack, tls), pairs in rows.items():
+        first = pairs[0]
+        cells = [outcome(first[k]) if k in first else "" for k in ("before", "after")]
+        out.append(f"| {attack}{' (TLS)' if tls else ''} | {cells[0]} | {cells[1]} | "
+                   f"{figures(pairs, lambda r: r['authorised']['p99_ms'])} | {figures(pairs, refusals)} | "
+                   f"{figures(pairs, lambda r: r['server_cpu_cores'])} | "
+                   f"{'; '.join(str(p['after'].get('proxy_cpu_cores', '-')) for p in pairs if 'after' in p)} |")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -692,8 +703,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "(default: all)")
     p.add_argument("--json", type=Path, help="write the report of every attack to this JSON file")
     p.add_argument("--table", type=Path, nargs="+", metavar="REPORT",
-                   help="print markdown rows from one report of two setups (or from a before and an after report), "
-                        "and exit")
+                   help="print markdown rows from reports made with --before-repo (several: one run each), and exit")
     p.add_argument("--probe", type=int, help=argparse.SUPPRESS)
     p.add_argument("--load", type=int, help=argparse.SUPPRESS)
     p.add_argument("--interval", type=float, default=0.02, help=argparse.SUPPRESS)
@@ -703,8 +713,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.table:
-        if len(args.table) > 2:
-            p.error("--table takes one report, or a before and an after report")
         print(table(args.table))
         return 0
     if args.probe:
