@@ -60,6 +60,7 @@ class _Connection:
         self.messages: dict[int, str] = {}  # stream id -> grpc-message of its end
         self.resets: dict[int, int] = {}  # stream id -> the error code of an RST_STREAM received, even after its end
         self.max_streams: int | None = None  # the server's SETTINGS_MAX_CONCURRENT_STREAMS
+        self.pings_acked = 0
         self.closed = threading.Event()
         self._changed = threading.Condition()
         self._flush()
@@ -106,6 +107,8 @@ class _Connection:
         elif isinstance(event, h2.events.StreamReset):
             self.ended.setdefault(event.stream_id, f"RST {int(event.error_code)}")
             self.resets[event.stream_id] = int(event.error_code)
+        elif isinstance(event, h2.events.PingAckReceived):
+            self.pings_acked += 1
 
     def open_stream(self, path: str, metadata: list[tuple[str, str]] = (), end: bool = False) -> int:
         """Send the HEADERS of one gRPC call (no deadline); returns the stream id."""
@@ -116,6 +119,14 @@ class _Connection:
             self.h2.send_headers(sid, headers, end_stream=end)
             self._flush()
         return sid
+
+    def ping(self, timeout: float = 10.0) -> bool:
+        """A PING; True once it is acknowledged: the other side has read every frame sent before it."""
+        with self.lock:
+            sent = self.pings_acked
+            self.h2.ping(b"barrier!")
+            self._flush()
+        return self.wait(lambda: self.pings_acked > sent, timeout)
 
     def send_message(self, sid: int, message: bytes, timeout: float = 60.0) -> None:
         """The gRPC body: one length-prefixed message, then the end of the stream (as fast as the server's

@@ -24,14 +24,16 @@ class Reply:
 
 
 def call(port: int, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
-         tls: ssl.SSLContext | None = None, timeout: float = 30.0) -> Reply:
-    """One request on a new connection; `body` as JSON unless bytes (then sent as is)."""
+         tls: ssl.SSLContext | None = None, timeout: float = 30.0, source: str | None = None) -> Reply:
+    """One request on a new connection (from the local address `source`); `body` as JSON unless bytes (then sent
+    as is)."""
     headers = dict(headers or {})
     if body is not None and not isinstance(body, bytes):
         body = json.dumps(body).encode()
         headers.setdefault("Content-Type", "application/json")
-    conn = (http.client.HTTPSConnection("127.0.0.1", port, context=tls, timeout=timeout) if tls else
-            http.client.HTTPConnection("127.0.0.1", port, timeout=timeout))
+    bind = (source, 0) if source else None
+    conn = (http.client.HTTPSConnection("127.0.0.1", port, context=tls, timeout=timeout, source_address=bind) if tls
+            else http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=bind))
     try:
         conn.request(method, path, body=body, headers=headers)
         r = conn.getresponse()

@@ -132,10 +132,12 @@ def debian_base(suite: str, options: list[str], mirrors: list[str] = ()) -> str:
 @functools.cache
 def proxy_image() -> str:
     """Containerfile.proxy built on a Debian trixie base, haproxy installed by its own step from Debian's mirror;
-    buildah's layer cache keeps it, and a change to deploy/proxy/ rebuilds what follows. Once a process."""
+    buildah's layer cache keeps it, and a change to deploy/proxy/ rebuilds what follows. Once a process. Returns the
+    image's id: the tag is one for every checkout on the machine, and another checkout's build moves it."""
     base = debian_base(PROXY_SUITE, PROXY_MMDEBSTRAP, PROXY_MIRRORS)
     with locked(PROXY_IMAGE):
         ok(["buildah", "bud", "--isolation", "chroot", "--layers", "--force-rm", "--format", "docker", "--quiet",
             "--build-arg", f"BASE_IMAGE={base}", "-f", str(REPO / "Containerfile.proxy"), "-t", PROXY_IMAGE,
             str(REPO)], timeout=900)
-    return PROXY_IMAGE
+        return ok(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", PROXY_IMAGE],
+                  timeout=60).stdout.strip()

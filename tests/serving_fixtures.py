@@ -135,13 +135,14 @@ class ServerProcess:
         runs (another one for a benchmark's "before" column). cpus: the cores it may run on (taskset's list, e.g.
         '0-3')."""
         metrics = [] if any(a.startswith("--metrics-port") for a in args) else ["--no-metrics"]
-        if not any(a.startswith("--http-port") for a in args):
-            metrics.append("--no-http")
+        if not any(a.startswith("--http-port") for a in args) and (repo / "serving" / "protocols" / "http").is_dir():
+            metrics.append("--no-http")  # (an older tree has no HTTP port)
         pinned = ["taskset", "-c", cpus] if cpus else []
         self.cmd = cmd = [*pinned, sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics,
                           *args]
+        # PYTHONPATH: `repo`'s own serving/, not the one installed or this tree's
         self.proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env={**os.environ, **(env or {})})
+                                     text=True, env={**os.environ, "PYTHONPATH": str(repo), **(env or {})})
         self.lines: list[str] = []
         self.port: int | None = None
         self.metrics_port: int | None = None  # when its args turn metrics on

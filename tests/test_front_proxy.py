@@ -1,15 +1,13 @@
 """The proxy's image (Containerfile.proxy: Debian trixie's HAProxy with deploy/proxy/haproxy.cfg) in front of a real
-server started with `behind_proxy`: what the proxy adds (admission at its model slots, per-address limits the server
-cannot apply behind it), each through the wire from real gRPC and hand-built HTTP/2 clients. The image is built and
-run with buildah (tests/images.py; `make container-deps`), as the deployments run it."""
+server started with `behind_proxy`: what the proxy adds (admission at its model slots, an overload refused there, a
+server down, TLS at the proxy, HTTP under the same rules), each through the wire from real gRPC and hand-built HTTP/2
+clients. The per-address attacks through it: tests/test_edge.py. The image is built and run with buildah
+(tests/images.py; `make container-deps`), as the deployments run it."""
 
 from __future__ import annotations
 
-import json
 import logging
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,11 +17,11 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hostile import HalfOpen, _Connection
+from hostile import _Connection
 from http_fixtures import call, classify
 from images import config, ok, proxy_image
-from procs import REPO, free_port, run
-from serving_fixtures import FrontProxy, HeldRuns, certs, running_server
+from procs import free_port, run
+from serving_fixtures import FrontProxy, HeldRuns, certs, running_server, wait_until
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
@@ -99,28 +97,44 @@ def test_with_a_certificate_tls_ends_at_the_proxy(tiny_bundle: Path, certs: dict
         assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def test_past_its_model_slots_the_proxy_refuses_at_once_and_health_passes(tiny_bundle: Path) -> None:
-    """MODEL_CALLS 1: a call held inside the model's run takes the one slot; the next is answered RESOURCE_EXHAUSTED
-    by the proxy (its message says so) without reaching the server, and health still answers through the proxy."""
+def test_an_overload_through_the_proxy_is_refused_by_the_proxy(tiny_bundle: Path) -> None:
+    """An overload made here rather than raced against the machine: MODEL_CALLS 2 and the server's one batch worker
+    held inside a run (HeldRuns) with a call in it and a second queued behind it, so that both of the proxy's slots
+    are taken and stay taken. A flood of 200 calls of 64 texts at once on 4 connections, and the authorised
+    client's call on its own: every one is refused RESOURCE_EXHAUSTED by the proxy (its message) while the run is
+    still held, so none waited behind the model, and none reached the server (the calls it holds are still the
+    two); health answers through the proxy. Released, the two held calls are answered."""
     with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN, batch_workers=1) as s, \
-            proxy(s, MODEL_CALLS=1) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = pb_grpc.SentimentServiceStub(channel)
-        assert stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
-        with HeldRuns(s) as held:
-            running = stub.Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60, metadata=AUTH)
-            assert held.wait_entered()
-            served = s.metrics.requests.labels("grpc", "sentiment.v1.SentimentService/Classify", "OK")._value.get()
-            start = time.perf_counter()
-            with pytest.raises(grpc.RpcError) as refused:
-                stub.Classify(pb.ClassifyRequest(texts=["trop"]), timeout=10, metadata=AUTH)
-            assert time.perf_counter() - start < 1.0
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "(proxy)" in refused.value.details()
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
-        assert len(running.result().results) == 1
-        assert s.metrics.requests.labels("grpc", "sentiment.v1.SentimentService/Classify",
-                                         "OK")._value.get() == served + 1
+            proxy(s, MODEL_CALLS=2) as port:
+        channels = [grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(5)]
+        try:
+            stubs = [pb_grpc.SentimentServiceStub(c) for c in channels]
+            assert stubs[0].Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
+            answered = s.metrics.requests.labels("grpc", CLASSIFY.lstrip("/"), "OK")._value.get()
+            with HeldRuns(s) as held:
+                running = stubs[0].Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60,
+                                                   metadata=AUTH)
+                assert held.wait_entered()
+                queued = stubs[0].Classify.future(pb.ClassifyRequest(texts=["en attente"]), timeout=60,
+                                                  metadata=AUTH)
+                wait_until(lambda: s.batcher.queued == 1, what="the second call queued")
+                load = pb.ClassifyRequest(texts=[f"Un livre {i}, assez long pour compter." for i in range(64)])
+                flood = [stubs[1 + i % 4].Classify.future(load, timeout=60, metadata=AUTH) for i in range(200)]
+                refusals = [f.exception(timeout=60) for f in flood]  # all ended while the run is held
+                with pytest.raises(grpc.RpcError) as authorised:
+                    stubs[0].Classify(pb.ClassifyRequest(texts=["trop"]), timeout=10, metadata=AUTH)
+                for refused in [*refusals, authorised.value]:
+                    assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+                    assert "every model slot is busy (proxy)" in refused.details()
+                assert s.gate.model_slots.used == 2 and not running.done() and not queued.done()
+                health = health_pb2_grpc.HealthStub(channels[0]).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+            assert len(running.result().results) == 1 and len(queued.result().results) == 1
+            assert s.metrics.requests.labels("grpc", CLASSIFY.lstrip("/"), "OK")._value.get() == answered + 2
+        finally:
+            for c in channels:
+                c.close()
 
 
 def test_a_server_that_cannot_be_reached_is_unavailable_not_overloaded() -> None:
@@ -140,39 +154,25 @@ def test_a_server_that_cannot_be_reached_is_unavailable_not_overloaded() -> None
         assert health.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_calls_withholding_their_body_without_the_token_free_their_model_slot_at_once(tiny_bundle: Path) -> None:
-    """MODEL_CALLS 2: HAProxy passes a call on, and counts its slot, from its headers. 4 calls without the token whose
-    body never comes: the server refuses each on its headers (UNAUTHENTICATED), so the slots are free again and a
-    client's call is served. (With the token, or a server without one, such calls keep their slots until the
-    server's body_timeout_s: docs/RELIABILITY.md, "A front proxy".)"""
-    with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN) as s, \
-            proxy(s, MODEL_CALLS=2) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        withheld = HalfOpen(port, CLASSIFY, 4)
-        try:
-            assert withheld.wait(lambda: withheld.open_count == 0, 10)
-            # UNAUTHENTICATED from the server; or RESOURCE_EXHAUSTED from the proxy, for those that came while the
-            # first two held the slots
-            assert "16" in withheld.ended.values() and set(withheld.ended.values()) <= {"16", "8"}, withheld.ended
-            stub = pb_grpc.SentimentServiceStub(channel)
-            assert stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
-        finally:
-            withheld.close()
-
-
 @pytest.mark.parametrize("answered_by", ["server", "proxy"])
 def test_a_call_answered_before_its_request_ends_is_reset_with_no_error(answered_by: str, tiny_bundle: Path) -> None:
-    """A call answered on its headers, before its body (the server's UNAUTHENTICATED; the proxy's own answer on its
-    health-only port): the proxy then resets the stream with NO_ERROR, as the server does when called directly (RFC
-    9113, 8.1), so a gRPC client keeps the answer. Debian bookworm's HAProxy 2.6.12 reset it with CANCEL, which a
-    client that reads the reset first reports as CANCELLED (HAProxy's issue 1219; docs/RELIABILITY.md, "A front
-    proxy")."""
+    """A call answered on its headers, before its body has ended (the server's UNAUTHENTICATED; the proxy's own
+    answer on its health-only port): the proxy then resets the stream with NO_ERROR, as the server does when called
+    directly (RFC 9113, 8.1), so a gRPC client keeps the answer. Debian bookworm's HAProxy 2.6.12 reset it with
+    CANCEL, which a client that reads the reset first reports as CANCELLED (HAProxy's issue 1219;
+    docs/RELIABILITY.md, "A front proxy")."""
     health_port = free_port()
     with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN) as s, \
             proxy(s, HEALTH_BIND=f"127.0.0.1:{health_port}") as port:
         conn = _Connection(health_port if answered_by == "proxy" else port)
         conn.start_reading()
         try:
-            sid = conn.open_stream(CLASSIFY)  # no token, and the body never comes
+            sid = conn.open_stream(CLASSIFY)  # no token
+            if answered_by == "server":  # 20 KB of a body that never ends: past the proxy's wait for it (16 KB)
+                with conn.lock:
+                    for part in (bytes(16384), bytes(4000)):
+                        conn.h2.send_data(sid, part)
+                    conn._flush()
             assert _ended(conn, sid)[0] == {"server": "16", "proxy": "12"}[answered_by]
             assert conn.wait(lambda: sid in conn.resets, 5), "the answered stream was never reset"
             assert conn.resets[sid] == 0, f"RST_STREAM code {conn.resets[sid]}, not NO_ERROR"
@@ -180,87 +180,13 @@ def test_a_call_answered_before_its_request_ends_is_reset_with_no_error(answered
             conn.close()
 
 
-def test_wrong_tokens_from_one_address_are_answered_by_the_proxy(tiny_bundle: Path) -> None:
-    """AUTH_FAILURES_PER_SOURCE 3: from 127.0.0.2, the server answers the first wrong tokens (UNAUTHENTICATED); past
-    3 in 10 s the proxy answers them itself. The server, behind the proxy, blocks nobody (one address for all), so
-    the authorised client on 127.0.0.1 is served throughout."""
-    with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN) as s, \
-            proxy(s, AUTH_FAILURES_PER_SOURCE=3) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = pb_grpc.SentimentServiceStub(channel)
-        attacker = _Connection(port, source="127.0.0.2")
-        attacker.start_reading()
-        try:
-            answers = [_ended(attacker, attacker.open_stream(CLASSIFY, [("authorization", "Bearer wrong")], end=True))
-                       for _ in range(10)]
-        finally:
-            attacker.close()
-        assert all(code == "16" for code, _ in answers), answers  # UNAUTHENTICATED
-        by_proxy = [message for _, message in answers if "(proxy)" in message]
-        assert len(by_proxy) == 6, answers  # the 5th and after: 4 failures in the window are past 3
-        assert "missing or wrong bearer token" in answers[0][1]
-        assert s.metrics.auth_failures._value.get() == 4
-        assert stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
-
-
-def test_connections_past_the_per_address_limit_are_closed(tiny_bundle: Path) -> None:
-    """CONNS_PER_SOURCE 2: a third connection from 127.0.0.2 is closed at once; 127.0.0.3 still connects."""
-    with running_server(tiny_bundle, device="cpu", behind_proxy=True) as s, proxy(s, CONNS_PER_SOURCE=2) as port:
-        kept = [_Connection(port, source=source) for source in ("127.0.0.2", "127.0.0.2", "127.0.0.3")]
-        try:
-            for c in kept:
-                c.start_reading()
-            time.sleep(0.2)  # the proxy has counted them
-            try:  # reset at once: while it sends its preface, or as the first read
-                third = _Connection(port, source="127.0.0.2")
-                third.start_reading()
-                assert third.closed.wait(5), "the third connection from one address stayed open"
-                third.close()
-            except ConnectionResetError:
-                pass
-            time.sleep(0.5)
-            assert not any(c.closed.is_set() for c in kept)
-        finally:
-            for c in kept:
-                c.close()
-
-
-def test_a_call_whose_headers_never_end_loses_its_connection_an_idle_client_keeps_its_own(tiny_bundle: Path) -> None:
-    """HEADERS_TIMEOUT 1s: a connection that sends a HEADERS frame without its end (a slow-headers attack) is closed
-    within about that long; a client's connection idle between calls for twice as long is kept (its idle limit is
-    the server's, 300 s)."""
-    with running_server(tiny_bundle, device="cpu", behind_proxy=True) as s, proxy(s, HEADERS_TIMEOUT="1s") as port:
-        client = _Connection(port)
-        client.start_reading()
-        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
-        try:
-            sid = client.open_stream(CLASSIFY)
-            client.send_message(sid, pb.ClassifyRequest(texts=["prêt"]).SerializeToString())
-            assert _ended(client, sid)[0] == "0"
-            # the preface, an empty SETTINGS, then HEADERS (type 1) on stream 1 without END_HEADERS: 3 bytes of it
-            slow.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04" + bytes(5)
-                         + b"\x00\x00\x03\x01\x00\x00\x00\x00\x01" + b"\x83\x86\x84")
-            start = time.monotonic()
-            while slow.recv(4096):
-                pass
-            assert time.monotonic() - start < 5, "the slow headers held their connection"
-            time.sleep(max(0.0, start + 2.0 - time.monotonic()))
-            assert not client.closed.is_set(), "an idle client's connection was closed"
-            sid = client.open_stream(CLASSIFY)
-            client.send_message(sid, pb.ClassifyRequest(texts=["encore"]).SerializeToString())
-            assert _ended(client, sid)[0] == "0"
-        finally:
-            slow.close()
-            client.close()
-
-
 def test_http_calls_pass_through_the_proxy_under_the_same_rules(tiny_bundle: Path) -> None:
     """The HTTP port (KServe v2 REST, /v1/classify) behind the proxy: calls and health pass; MODEL_CALLS 1: with the
     one slot held in the model, the next call is answered 429 by the proxy in the server's JSON shape, health still
-    200; past AUTH_FAILURES_PER_SOURCE 3, wrong tokens are answered 401 by the proxy, and the server counts only the
-    first ones."""
+    200. (Wrong tokens and the other per-address rules on this port: tests/test_edge.py.)"""
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN, http_port=0,
-                        batch_workers=1) as s, http_proxy(s, MODEL_CALLS=1, AUTH_FAILURES_PER_SOURCE=3) as port:
+                        batch_workers=1) as s, http_proxy(s, MODEL_CALLS=1) as port:
         served = classify(port, ["prêt"], auth)
         assert served.status == 200 and served.json["results"][0]["label"] in s.predictor.label_names
         with HeldRuns(s) as held:
@@ -273,10 +199,6 @@ def test_http_calls_pass_through_the_proxy_under_the_same_rules(tiny_bundle: Pat
                 assert call(port, "GET", "/v2/health/ready").status == 200
                 held.release()
                 assert running.result().status == 200
-        answers = [classify(port, ["prêt"], {"Authorization": "Bearer wrong"}) for _ in range(6)]
-        assert {a.status for a in answers} == {401}
-        by_proxy = [a for a in answers if "(proxy)" in a.json["error"]]
-        assert len(by_proxy) == 2 and s.metrics.auth_failures._value.get() == 4, [a.json for a in answers]
 
 
 def test_http_calls_to_a_server_that_cannot_be_reached_are_503() -> None:
@@ -302,21 +224,3 @@ def test_behind_a_proxy_the_server_limits_no_address(tiny_bundle: Path, caplog: 
         assert stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
         assert s.metrics.auth_failures._value.get() == 15
     assert not [r.getMessage() for r in caplog.records if "front proxy" in r.getMessage()]
-
-
-@pytest.mark.slow
-def test_an_overload_through_the_proxy_is_refused_by_the_proxy(tiny_bundle: Path, tmp_path: Path) -> None:
-    """bench/protocol_attacks.py's overload-rate through deploy/proxy (`--via-haproxy 8`), shortened: the load's
-    refusals and the authorised client's are the proxy's (its message), and every call is answered or refused
-    within a second (docs/RELIABILITY.md, "A front proxy", has the figures: 8.6-8.9 ms p99)."""
-    report = tmp_path / "proxy-overload.json"
-    run = subprocess.run([sys.executable, "bench/protocol_attacks.py", "--bundle", str(tiny_bundle), "--attacks",
-                          "overload-rate", "--seconds", "6", "--via-haproxy", "8", "--json", str(report)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (result,) = json.loads(report.read_text())["results"]
-    load, authorised = result["attacker"], result["authorised"]
-    assert load["RESOURCE_EXHAUSTED"]["calls"] > 0 and "(proxy)" in load["RESOURCE_EXHAUSTED"]["message"], load
-    assert load["RESOURCE_EXHAUSTED"]["max_ms"] < 1000 and load["OK"]["p50_ms"] < 1000, load
-    assert set(load) == {"OK", "RESOURCE_EXHAUSTED"}, load
-    assert authorised["errors"].get("RESOURCE_EXHAUSTED", 0) > 0 and authorised["refused_p99_ms"] < 1000, authorised

@@ -64,11 +64,11 @@ def test_a_missing_bundle_is_one_line_before_any_process_starts(script: str, tmp
 
 
 @pytest.mark.parametrize(("args", "line"), [
-    (["--via-haproxy", "8", "--tls"], "error: --via-haproxy serves plain text only (no --tls)"),
     (["--via-haproxy", "0"], "error: --via-haproxy must be >= 1, got 0"),
     (["--haproxy-source-limit", "10"], "error: --haproxy-source-limit needs --via-haproxy"),
-], ids=["with TLS", "zero calls", "a limit without the proxy"])
-def test_a_proxy_the_attacks_script_cannot_run_is_one_line(args: list[str], line: str, tmp_path: Path) -> None:
+    (["--before-repo", "/nonexistent"], "error: --before-repo: /nonexistent holds no serving/server.py"),
+], ids=["zero calls", "a limit without the proxy", "a tree without a server"])
+def test_a_run_the_attacks_script_cannot_make_is_one_line(args: list[str], line: str, tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "bench/protocol_attacks.py", "--bundle", str(tmp_path), *args],
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
