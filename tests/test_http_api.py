@@ -201,6 +201,8 @@ BAD_CLASSIFY = [
     (b"{not json", 400, "not JSON"),
     (b"\xff\xfe", 400, "not UTF-8"),
     (b"[" * 50_000, 400, "nested too deeply"),
+    (b'{"texts": ["\\ud800 lone half"]}', 400, "surrogate"),  # once a 500: sentencepiece cannot read it
+    (b'{"texts": ["ok"], "x": NaN}', 400, "not JSON"),  # RFC 8259 has no NaN
 ]
 
 
@@ -229,6 +231,12 @@ BAD_INFER = [
     ("/v2/models/sentiment/infer", infer_body(["a"], parameters={"timeout": -1}), 400, "INVALID_ARGUMENT",
      "timeout"),
     ("/v2/models/sentiment/infer", [1, 2], 400, "INVALID_ARGUMENT", "expected a JSON object"),
+    ("/v2/models/sentiment/infer", b'{"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1], "data": '
+     b'["\\udc00"]}]}', 400, "INVALID_ARGUMENT", "surrogate"),
+    ("/v2/models/sentiment/infer", infer_body(["a"]) | {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape":
+     [[[[[[[1]]]]]]], "data": ["a"]}]}, 400, "INVALID_ARGUMENT", "got list at shape[0]"),
+    ("/v2/models/sentiment/infer", b'{"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": ' + b"[" * 1000
+     + b"]" * 1000 + b', "data": ["a"]}]}', 400, "INVALID_ARGUMENT", "got list at shape[0]"),  # repr: recursion
 ]
 
 
