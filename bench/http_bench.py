@@ -9,8 +9,10 @@ One load generator for both: h2load (Debian: nghttp2-client), a C client, over H
 ClassifyRequest) and over HTTP/1.1 (--h1) for POST /v1/classify (the same texts as JSON): c connections, one call
 at a time on each (closed loop). Latencies are h2load's per-call times (--log-file); texts/s counts calls answered
 200 (a gRPC error also travels with 200: the server's own sentiment_requests_total{code="OK"} is checked to match).
-Each configuration runs gRPC then HTTP, `--rounds` times, alternated in one invocation: a ratio of two figures from
-one run holds on a loaded machine where the figures themselves do not. Load averages are printed at start and end.
+Each configuration runs gRPC and HTTP `--rounds` times, alternated in one invocation (gRPC first in even rounds, HTTP
+first in odd ones): a ratio of two figures from one run holds on a loaded machine where the figures themselves do
+not. The server's CPU time per text answered (all its threads, /proc) is compared the same way: on a shared machine
+it moves less than the rates. Load averages are printed at start and end.
 
 --stacks serves the same ServingCore through the Starlette router of serving/protocols/http/ and through a FastAPI
 app written as FastAPI is usually written (pydantic request and response models), both on uvicorn + httptools +
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import struct
 import subprocess
 import sys
@@ -81,7 +84,8 @@ def protocols(args: argparse.Namespace) -> dict:
                 grpc_body, json_body = bodies(texts, folder)
                 for callers in args.callers:
                     for round_ in range(args.rounds):
-                        for protocol in ("grpc", "http"):
+                        for protocol in ("grpc", "http")[::1 if round_ % 2 == 0 else -1]:
+                            cpu = server.cpu_seconds()
                             if protocol == "grpc":
                                 r = h2load(f"http://127.0.0.1:{server.port}{CLASSIFY}", grpc_body, callers,
                                            args.seconds, ["content-type: application/grpc", "te: trailers"], False,
@@ -89,8 +93,10 @@ def protocols(args: argparse.Namespace) -> dict:
                             else:
                                 r = h2load(f"http://127.0.0.1:{server.http_port}/v1/classify", json_body, callers,
                                            args.seconds, ["content-type: application/json"], True, folder / "log")
+                            done = r["calls_s"] * args.seconds * texts
                             r.update(protocol=protocol, texts=texts, callers=callers, round=round_,
-                                     texts_s=r["calls_s"] * texts)
+                                     texts_s=r["calls_s"] * texts,
+                                     cpu_ms_text=1e3 * (server.cpu_seconds() - cpu) / done if done else None)
                             results.append(r)
                             print(json.dumps(r), flush=True)
         codes = server.codes()  # CANCELLED: the calls h2load leaves in flight when its time is up
@@ -163,17 +169,18 @@ def stacks(args: argparse.Namespace) -> dict:
 
 
 def summary(runs: list[dict], key: str, a: str, b: str) -> list[str]:
-    """Per configuration: the medians of each side over the rounds, and b / a."""
+    """Per configuration: the medians of each side over the rounds, b / a, and (protocols) the median over rounds of
+    b / a in the server's CPU per text."""
     rows = []
-    configs = sorted({(r["texts"], r["callers"]) for r in runs})
-    for texts, callers in configs:
-        side = {}
-        for name in (a, b):
-            mine = [r for r in runs if (r["texts"], r["callers"], r[key]) == (texts, callers, name)]
-            side[name] = tuple(sorted(x[f] for x in mine)[len(mine) // 2] for f in ("texts_s", "p50_ms", "p99_ms"))
-        (ta, pa, qa), (tb, pb, qb) = side[a], side[b]
+    for texts, callers in sorted({(r["texts"], r["callers"]) for r in runs}):
+        side = {name: [r for r in runs if (r["texts"], r["callers"], r[key]) == (texts, callers, name)]
+                for name in (a, b)}
+        (ta, pa, qa), (tb, pb, qb) = (
+            [statistics.median(r[f] for r in side[name]) for f in ("texts_s", "p50_ms", "p99_ms")] for name in (a, b))
+        cpu = [y["cpu_ms_text"] / x["cpu_ms_text"] for x, y in zip(side[a], side[b], strict=True)
+               if x.get("cpu_ms_text") and y.get("cpu_ms_text")]
         rows.append(f"| {texts} | {callers} | {ta:.0f} | {tb:.0f} | {tb / ta:.2f} | {pa:.2f} / {qa:.2f} | "
-                    f"{pb:.2f} / {qb:.2f} | {pb - pa:+.2f} |")
+                    f"{pb:.2f} / {qb:.2f} | {pb - pa:+.2f} |" + (f" {statistics.median(cpu):.2f} |" if cpu else ""))
     return rows
 
 
@@ -196,9 +203,10 @@ def main() -> None:
     out.update(loadavg_start=start, loadavg_end=loadavg(), cpus=os.cpu_count())
     key, a, b = ("stack", "starlette", "fastapi") if args.stacks else ("protocol", "grpc", "http")
     print(f"load average at start {start}, at end {out['loadavg_end']}; {os.cpu_count()} cores")
+    cpu = "" if args.stacks else f" server CPU per text, {b}/{a} |"
     print(f"| texts/call | callers | {a} texts/s | {b} texts/s | {b}/{a} | {a} p50 / p99 ms | {b} p50 / p99 ms | "
-          f"p50 {b} - {a} ms |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"p50 {b} - {a} ms |{cpu}")
+    print("|---|---|---|---|---|---|---|---|" + ("" if args.stacks else "---|"))
     print("\n".join(summary(out["runs"], key, a, b)))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
