@@ -74,7 +74,7 @@ async def infer(core: ServingCore, call: Call) -> Answer:
     in_binary = {n: bool(_get(p, "binary_data", bool, f"outputs {n!r}.parameters", binary_default))
                  for n, p in zip(names, options, strict=True)} if asked else dict.fromkeys(wanted, binary_default)
     texts = _texts(_get(doc, "inputs", list, "request", []), binary, core.cfg.max_texts)
-    preds = await call.result(core.submit(texts, call.deadline, lambda: call.gone))
+    preds = await call.classify(core, texts)
 
     answer: dict[str, Any] = {"model_name": core.cfg.model_name, "model_version": VERSION}
     if request_id is not None:

@@ -96,7 +96,7 @@ def router(core: ServingCore, calls: HttpCalls, *, page_on: bool) -> Router:
         bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
         if bad is not None:
             raise InvalidInput(f"texts[{bad}]: expected a string, got {type(texts[bad]).__name__}")
-        preds = await call.result(core.submit(texts, call.deadline, lambda: call.gone))
+        preds = await call.classify(core, texts)
         return _json({"results": [{"label": p.label, "label_index": p.label_index,
                                    "probabilities": p.probabilities.tolist(), "token_count": p.token_count,
                                    "truncated": p.truncated} for p in preds]})
