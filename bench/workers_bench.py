@@ -92,6 +92,9 @@ AREAS = [  # (area, substring of a frame's file), first match wins
     ("servicer", "serving/protocols/sentiment.py"), ("core", "serving/model/core.py"),
     ("predictor", "serving/model/predictor.py"),
     ("numpy", "numpy"), ("threading / futures", "threading.py"), ("threading / futures", "concurrent/futures"),
+    ("HTTP (serving/protocols/http/)", "serving/protocols/http/"), ("uvicorn + httptools", "uvicorn/"),
+    ("uvicorn + httptools", "httptools"), ("Starlette", "starlette/"), ("JSON", "orjson"), ("JSON", "json/"),
+    ("telemetry", "serving/telemetry/"), ("event loop", "asyncio/"),
 ]
 
 
@@ -108,6 +111,8 @@ def profile_summary(raw: Path, top: int = 15) -> str:
         n = int(count)
         frames = stack.split(";")
         leaf = re.sub(r":\d+\)$", ")", frames[-1])
+        # py-spy --full-filenames: paths cut to the package's, the standard library's or this repository's
+        leaf = re.sub(r"\((.*/site-packages/|.*/lib/python3\.\d+/|" + re.escape(f"{REPO}/") + ")", "(", leaf)
         by_leaf[leaf] = by_leaf.get(leaf, 0) + n
         area = next((name for name, key in AREAS if key in frames[-1]), "other")
         # A leaf in a library called from our code counts as that library; a leaf in the standard library (a

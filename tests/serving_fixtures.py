@@ -135,8 +135,9 @@ class ServerProcess:
         runs (another one for a benchmark's "before" column). cpus: the cores it may run on (taskset's list, e.g.
         '0-3')."""
         metrics = [] if any(a.startswith("--metrics-port") for a in args) else ["--no-metrics"]
-        if not any(a.startswith("--http-port") for a in args) and (repo / "serving" / "protocols" / "http").is_dir():
-            metrics.append("--no-http")  # (an older tree has no HTTP port)
+        has_http = (Path(repo) / "serving" / "protocols" / "http").is_dir()  # a "before" tree may predate it
+        if has_http and not any(a.startswith("--http-port") for a in args):
+            metrics.append("--no-http")
         pinned = ["taskset", "-c", cpus] if cpus else []
         self.cmd = cmd = [*pinned, sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics,
                           *args]

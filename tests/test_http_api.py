@@ -27,7 +27,9 @@ from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 from serving.model.predictor import Predictor
 from serving.process.app import SentimentServer
+from serving.protocols.http.calls import OFFLOAD_CHARS
 from serving.protocols.kserve import decode_bytes, encode_bytes
+from serving.telemetry import calls
 
 __all__ = ["certs"]
 TOKEN = "http-test-token-0123456789"
@@ -186,6 +188,38 @@ def test_a_deadline_header_drops_texts_still_queued(server: SentimentServer, cha
     assert held.sizes == [1]  # neither late text was computed
 
 
+@pytest.mark.parametrize("path", ["/v1/classify", "/v2/models/sentiment/infer"])
+def test_a_long_call_is_tokenized_off_the_event_loop(tiny_bundle: Path, path: str) -> None:
+    """Texts of more than OFFLOAD_CHARS characters in all are checked and tokenized in a thread: while that call's
+    tokenizer is held, the loop answers other calls (it used to wait), and the call is still the one its telemetry
+    counts texts for."""
+    texts = [f"Critique numéro {i} : un roman dense, lent au début, puis haletant. " * 3 for i in range(20)]
+    assert sum(map(len, texts)) > OFFLOAD_CHARS
+    with running_server(tiny_bundle, device="cpu", http_port=0, max_texts=64) as server, \
+            ThreadPoolExecutor(1) as pool:
+        predictor, entered, release, seen = server.core.predictor, threading.Event(), threading.Event(), []
+        encode = predictor.encode
+
+        def held(batch: list[str]) -> list:
+            if len(batch) > 1:
+                seen.append(calls.current())
+                entered.set()
+                release.wait(30)
+            return encode(batch)
+
+        predictor.encode = held
+        try:
+            body = {"texts": texts} if path == "/v1/classify" else infer_body(texts)
+            long = pool.submit(call, server.http_port, "POST", path, body)
+            assert entered.wait(30)
+            short = classify(server.http_port, ["Bien."], timeout=5)  # the loop is free meanwhile
+            assert short.status == 200 and not long.done()
+        finally:
+            release.set()
+        assert long.result(30).status == 200
+    assert seen[0] is not None and seen[0].texts == len(texts)
+
+
 # ------------------------------------------------------------------------------------- refusals
 
 
@@ -201,6 +235,8 @@ BAD_CLASSIFY = [
     (b"{not json", 400, "not JSON"),
     (b"\xff\xfe", 400, "not UTF-8"),
     (b"[" * 50_000, 400, "nested too deeply"),
+    (b'{"texts": ["\\ud800 lone half"]}', 400, "surrogate"),  # once a 500: sentencepiece cannot read it
+    (b'{"texts": ["ok"], "x": NaN}', 400, "not JSON"),  # RFC 8259 has no NaN
 ]
 
 
@@ -229,6 +265,12 @@ BAD_INFER = [
     ("/v2/models/sentiment/infer", infer_body(["a"], parameters={"timeout": -1}), 400, "INVALID_ARGUMENT",
      "timeout"),
     ("/v2/models/sentiment/infer", [1, 2], 400, "INVALID_ARGUMENT", "expected a JSON object"),
+    ("/v2/models/sentiment/infer", b'{"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1], "data": '
+     b'["\\udc00"]}]}', 400, "INVALID_ARGUMENT", "surrogate"),
+    ("/v2/models/sentiment/infer", infer_body(["a"]) | {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape":
+     [[[[[[[1]]]]]]], "data": ["a"]}]}, 400, "INVALID_ARGUMENT", "got list at shape[0]"),
+    ("/v2/models/sentiment/infer", b'{"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": ' + b"[" * 1000
+     + b"]" * 1000 + b', "data": ["a"]}]}', 400, "INVALID_ARGUMENT", "got list at shape[0]"),  # repr: recursion
 ]
 
 

@@ -123,11 +123,9 @@ class Predictor:
 
     def predictions(self, encoded: Sequence[Encoded], probabilities: np.ndarray) -> list[Prediction]:
         """Pair each encoded text with its (C,) probability row."""
-        out = []
-        for e, p in zip(encoded, probabilities, strict=True):
-            k = int(np.argmax(p))
-            out.append(Prediction(self.label_names[k], k, p, e.token_count, e.truncated))
-        return out
+        best = probabilities.argmax(axis=1).tolist()  # one numpy call for the batch, not one per text
+        return [Prediction(self.label_names[k], k, p, e.token_count, e.truncated)
+                for e, p, k in zip(encoded, probabilities, best, strict=True)]
 
     def predict(self, texts: Sequence[str]) -> list[Prediction]:
         """Texts -> predictions in one onnxruntime run (the in-process reference the server must equal)."""

@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
+
+import orjson
 
 from serving.config import ServerConfig
 from serving.errors import BodyTimeout, Cancelled, DeadlineExpired, InvalidInput, ServingError, Unauthenticated
 from serving.limits.gate import Gate
+from serving.model.core import ServingCore
+from serving.model.predictor import Prediction
 from serving.protocols.http.errors import HttpError, error_body, status_of
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,9 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 JSON_TYPES = (b"application/json",)
 TIMEOUT_HEADER = b"request-timeout-ms"
 MAX_TIMEOUT_MS = 3_600_000.0
+# Characters of a call's texts past which they are tokenized off the event loop: about 0.2 ms of sentencepiece here,
+# twice a hand-off to a thread (to_thread on uvloop: 85 us on the 2-core VM of docs/BENCHMARKS.md).
+OFFLOAD_CHARS = 2048
 
 
 @dataclass
@@ -137,6 +144,16 @@ class Call:
     async def json(self, types: Iterable[bytes] = JSON_TYPES) -> Any:
         return parse_json(await self.body(types))
 
+    async def classify(self, core: ServingCore, texts: list[str]) -> list[Prediction]:
+        """The core's predictions of `texts`, awaited as `result` does. Texts of more than OFFLOAD_CHARS characters
+        in all are checked, tokenized and queued in a thread of the loop's pool (sentencepiece lets go of the
+        interpreter lock): on the loop they held up every other call's reading and answering, the answers of a batch
+        just computed included (docs/BENCHMARKS.md, "HTTP beside gRPC"). Shorter ones stay on the loop, where they
+        cost less than the hand-off to a thread."""
+        submit = partial(core.submit, texts, self.deadline, lambda: self.gone)
+        long = sum(map(len, texts)) > OFFLOAD_CHARS
+        return await self.result(await asyncio.to_thread(submit) if long else submit())
+
     async def result(self, future: Future) -> Any:
         """The core's answer (its ServingError raised), awaited without a thread; DeadlineExpired once the deadline
         passes, Cancelled when the client disconnects first (its queued texts are then dropped: `gone`)."""
@@ -172,14 +189,18 @@ class Call:
 
 
 def parse_json(data: bytes) -> Any:
-    """JSON -> Python; InvalidInput naming where it breaks, or that it nests deeper than Python's parser goes."""
+    """JSON as RFC 8259 has it (UTF-8, no NaN, no lone surrogate) -> Python; InvalidInput naming where it breaks.
+    orjson rather than the standard library: the profile of a call of 64 texts (docs/BENCHMARKS.md, "HTTP beside
+    gRPC")."""
     try:
-        return json.loads(data.decode("utf-8"))  # bytes would be read as UTF-16 or -32 too, after a BOM
-    except RecursionError:
-        raise InvalidInput("body: JSON nested too deeply") from None
-    except UnicodeDecodeError as e:
-        raise InvalidInput(f"body: not UTF-8 (byte {e.start})") from None
-    except ValueError as e:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise InvalidInput(f"body: not UTF-8 (byte {bad.start})") from None
+        if e.msg.startswith("depth limit exceeded"):  # orjson reads 1,024 levels
+            raise InvalidInput("body: JSON nested too deeply") from None
         raise InvalidInput(f"body: not JSON: {e}") from None
 
 

@@ -4,7 +4,7 @@ is the message (the field KServe v2 REST and tritonclient read)."""
 
 from __future__ import annotations
 
-import json
+import orjson
 
 from serving.errors import ServingError
 
@@ -35,4 +35,4 @@ def status_of(error: ServingError) -> int:
 
 
 def error_body(code: str, message: str) -> bytes:
-    return json.dumps({"code": code, "error": message}).encode()
+    return orjson.dumps({"code": code, "error": message})

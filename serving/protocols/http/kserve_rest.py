@@ -15,8 +15,9 @@ instead of "data", its bytes after the JSON (whose length the answer's Inference
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 from serving.errors import InvalidInput
 from serving.model.core import ServingCore
@@ -73,7 +74,7 @@ async def infer(core: ServingCore, call: Call) -> Answer:
     in_binary = {n: bool(_get(p, "binary_data", bool, f"outputs {n!r}.parameters", binary_default))
                  for n, p in zip(names, options, strict=True)} if asked else dict.fromkeys(wanted, binary_default)
     texts = _texts(_get(doc, "inputs", list, "request", []), binary, core.cfg.max_texts)
-    preds = await call.result(core.submit(texts, call.deadline, lambda: call.gone))
+    preds = await call.classify(core, texts)
 
     answer: dict[str, Any] = {"model_name": core.cfg.model_name, "model_version": VERSION}
     if request_id is not None:
@@ -89,7 +90,7 @@ async def infer(core: ServingCore, call: Call) -> Answer:
             out["data"] = t.values if isinstance(t.values, list) else t.values.reshape(-1).tolist()
         tensors.append(out)
     answer["outputs"] = tensors
-    head = json.dumps(answer, separators=(",", ":")).encode()
+    head = orjson.dumps(answer)
     if not raws:
         return Answer(head)
     return Answer(head + b"".join(raws), content_type=b"application/octet-stream",
@@ -119,8 +120,10 @@ def _texts(inputs: list, binary: bytes, max_texts: int) -> list[str]:
     names = [_get(t, "name", str, f"request.inputs[{i}]", "") for i, t in enumerate(tensors)]
     first = tensors[0] if tensors else {}
     shape = _get(first, "shape", list, "request.inputs[0]", [])
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise InvalidInput(f"input {INPUT}: shape must be a list of integers, got {shape!r:.80}")
+    bad = next((i for i, d in enumerate(shape) if not isinstance(d, int) or isinstance(d, bool)), None)
+    if bad is not None:  # named by its type: the repr of a list 1,000 levels deep raises RecursionError
+        raise InvalidInput(f"input {INPUT}: shape must be a list of integers, got {type(shape[bad]).__name__} at "
+                           f"shape[{bad}]")
     count = text_count(names if len(inputs) < 2 else [*names, "..."],
                        _get(first, "datatype", str, "request.inputs[0]", ""), shape, max_texts)
     size = _get(_get(first, "parameters", dict, "request.inputs[0]", {}), "binary_data_size", int,

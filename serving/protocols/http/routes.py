@@ -13,10 +13,10 @@ must refuse a call without reading it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from google.protobuf import json_format
 from starlette.routing import Route, Router
 
@@ -32,7 +32,7 @@ CLASSIFY_FIELDS = {"texts"}
 
 
 def _json(obj: Any, status: int = 200) -> Answer:
-    return Answer(json.dumps(obj, separators=(",", ":")).encode(), status)
+    return Answer(orjson.dumps(obj), status)
 
 
 class Endpoint:
@@ -96,7 +96,7 @@ def router(core: ServingCore, calls: HttpCalls, *, page_on: bool) -> Router:
         bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
         if bad is not None:
             raise InvalidInput(f"texts[{bad}]: expected a string, got {type(texts[bad]).__name__}")
-        preds = await call.result(core.submit(texts, call.deadline, lambda: call.gone))
+        preds = await call.classify(core, texts)
         return _json({"results": [{"label": p.label, "label_index": p.label_index,
                                    "probabilities": p.probabilities.tolist(), "token_count": p.token_count,
                                    "truncated": p.truncated} for p in preds]})
@@ -105,7 +105,7 @@ def router(core: ServingCore, calls: HttpCalls, *, page_on: bool) -> Router:
         return _json(json_format.MessageToDict(metadata(core), preserving_proto_field_name=True,
                                                always_print_fields_with_no_presence=True))
 
-    document = json.dumps(openapi.document(core)).encode()
+    document = orjson.dumps(openapi.document(core))
 
     async def openapi_json(call: Call) -> Answer:
         return Answer(document)
