@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -52,7 +53,7 @@ from trainer.engine.distributed import (  # noqa: F401  (re-exported: the stages
     rank,
     world_size,
 )
-from trainer.engine.schedule import lr_factor
+from trainer.engine.schedule import LrGroup, lr_factor
 
 Stage = Literal["pretrain", "finetune"]
 
@@ -370,19 +371,27 @@ def compiles(setting: str, device: torch.device) -> bool:
 
 
 def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, total_steps: int,
-               engine_cfg: EngineConfig | None = None) -> Any:
+               engine_cfg: EngineConfig | None = None, groups: list[LrGroup] | None = None) -> Any:
     """A DeepSpeed engine around `model`. Our schedule drives the lr unless the user's JSON names a "scheduler".
     `engine_cfg` (the run's engine section; None: neither of these): engine.compile resolving to on compiles the
     engine's module in place (engine.compile(): torch.compile with inductor; parameter names, checkpoints and
     artifacts unchanged; the first steps of each new input shape pay for compiling); engine.deterministic picks
-    deterministic kernels (`deterministic`)."""
+    deterministic kernels (`deterministic`). `groups` (None: one group of every parameter): the optimizer's
+    parameter groups, each at its share of the schedule's lr (schedule.LrGroup; a user's "scheduler" would
+    replace those shares, so the two are exclusive)."""
     if engine_cfg is not None and engine_cfg.deterministic:
         deterministic()
+    if groups and "scheduler" in ds:
+        raise EngineConfigError("the DeepSpeed JSON names a \"scheduler\", which would replace the per-group learning "
+                                "rates of finetune.layer_lr_decay / unfreeze_epochs: drop one of them")
+    factors = [lambda s: lr_factor(s, optim, total_steps)] if not groups else \
+        [functools.partial(g.factor, optim=optim, total_steps=total_steps) for g in groups]
     scheduler = None
     if "scheduler" not in ds:
         def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-            return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, optim, total_steps))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+            return torch.optim.lr_scheduler.LambdaLR(opt, factors)
+    params = model.parameters() if not groups else [{"params": g.params} for g in groups]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params,
                                            config=copy.deepcopy(ds), lr_scheduler=scheduler)
     if world_size() == 1 and engine.zero_optimization_stage() == 0:
         # Alone, DeepSpeed would still copy every gradient into a flat buffer, all-reduce it over a group of one and
@@ -396,8 +405,14 @@ def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, t
         # wait for the stream. torch's clip_grad_norm_ is the same formula (max_norm / (norm + 1e-6), at most 1)
         # in one foreach norm and one foreach mul on a GPU, without waiting: what the plain loop runs. ZeRO 1/2 and
         # DeepSpeed's own bf16/fp16 modes clip inside their optimizer wrappers (partitioned gradients): untouched.
-        engine.clip_fp32_gradients = lambda: torch.nn.utils.clip_grad_norm_(engine.module.parameters(),
-                                                                             engine.gradient_clipping())
+        # With parameter groups, a frozen group's (lr 0) gradients stay out of the norm: counted, they would shrink
+        # the steps of the groups that train. One group: every parameter, in the module's order, as before.
+        def training() -> Any:
+            if not groups:
+                return engine.module.parameters()
+            return [p for g in engine.optimizer.param_groups if g["lr"] > 0 for p in g["params"]]
+
+        engine.clip_fp32_gradients = lambda: torch.nn.utils.clip_grad_norm_(training(), engine.gradient_clipping())
     if engine_cfg is not None and compiles(engine_cfg.compile, torch.device(get_accelerator().device_name())):
         engine.compile()
     return engine

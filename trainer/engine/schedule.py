@@ -4,8 +4,25 @@ trainer/engine/deepspeed_engine.py)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+import torch
 
 from trainer.config.schema import OptimConfig
+
+
+@dataclass(frozen=True)
+class LrGroup:
+    """One optimizer parameter group and its share of the schedule's lr: `rate` from step `start` on, 0 before it
+    (Adam leaves a parameter at lr 0 exactly as it is: a frozen group). trainer/tasks/lr_groups.py builds them."""
+
+    name: str
+    params: list[torch.nn.Parameter]
+    rate: float = 1.0
+    start: int = 0
+
+    def factor(self, step: int, optim: OptimConfig, total_steps: int) -> float:
+        return self.rate * lr_factor(step, optim, total_steps) if step >= self.start else 0.0
 
 
 def lr_factor(step: int, optim: OptimConfig, total_steps: int) -> float:

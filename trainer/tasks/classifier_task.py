@@ -48,13 +48,14 @@ class ClassifierTask:
     plan: eng.BatchPlan
     info: eng.DistInfo
     kept_path: Path  # RUN/best.safetensors
+    seed: int  # the data order's (the run's training seed)
     total: int = 0  # optimizer steps of the run
     log: monitor.RunLog | None = None  # where the per-epoch lines go (set once the run's log is open)
     epoch_loss: float = 0.0  # summed loss of the epoch's log intervals (all ranks)
     epoch_n: int = 0  # examples of those intervals
 
     def batches(self, epoch: int) -> list[list[int]]:
-        return loop.full_batches(bucket_batches(self.sets.train.lengths, self.plan.global_batch, self.cfg.seed,
+        return loop.full_batches(bucket_batches(self.sets.train.lengths, self.plan.global_batch, self.seed,
                                                 epoch), self.plan)
 
     def inputs(self, part: list[int], epoch: int) -> tuple[torch.Tensor, ...]:
