@@ -52,10 +52,17 @@ class Artifact:
     def tokenizer_dir(self) -> Path:
         return self.path / "tokenizer"
 
+    @property
+    def temperature(self) -> float:
+        """A classifier's fitted temperature (artifact.json "calibration"; 1: none fitted, an earlier artifact)."""
+        return float((self.meta.get("calibration") or {}).get("temperature", 1.0))
+
     def model(self) -> torch.nn.Module:
-        """The model with these weights, in eval mode, fp32."""
+        """The model with these weights, in eval mode, fp32; a classifier's logits divided by its temperature."""
         m = build(self.cfg.model, self.task)
         m.load_state_dict(self.state, strict=True)
+        if self.task == "classifier":
+            m.temperature = self.temperature
         return m.eval()
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer import artifact, baseline, cli
+from trainer import artifact, baseline, calibration, cli
 from trainer.artifact import ArtifactError
 from trainer.config import schema as config_mod
 from trainer.config.choice import RESUME_AUTO, Choice, add_config_args, config_choice
@@ -54,7 +55,7 @@ from trainer.engine.stage import on_every_rank
 from trainer.metrics import balanced_weights, summarize, summary_line, warning
 from trainer.model.encoder import Classifier, load_encoder
 from trainer.tasks import lr_groups, report, seeds, task_lm
-from trainer.tasks.classifier_task import KEPT, ClassifierTask, Sets, confusion_of, kept_step
+from trainer.tasks.classifier_task import KEPT, ClassifierTask, Sets, confusion, kept_step, logits_of
 from trainer.tasks.tokenizer_folder import run_tokenizer
 
 EXAMPLES = """examples:
@@ -65,6 +66,7 @@ EXAMPLES = """examples:
   deepspeed --num_gpus 2 --bind_cores_to_rank launch/finetune.sh --preset tiny --out runs/tiny-cls
 """
 
+RELIABILITY = "reliability.png"  # in each run folder: the kept weights' reliability diagram on the test set
 MAX_SEEDS = 20  # --seeds: more is a sweep, not a comparison
 ARCH = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions", "pad_id")  # from the artifact
 
@@ -242,9 +244,11 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
         results.setdefault(seed, {})[name] = result
     if not eng.is_main():
         return None
+    exported = opts.folder(seeds.exported(results, cfg) if opts.seeds > 1 else cfg.seed, "pretrained")
+    if opts.compare:  # the exported classifier's reliability diagram beside compare.png
+        shutil.copyfile(exported / RELIABILITY, run_dir / RELIABILITY)
     if opts.seeds > 1:
-        summary = seeds.finish(run_dir, results, cfg, pretrained, tfidf,
-                               opts.folder(seeds.exported(results, cfg), "pretrained"))
+        summary = seeds.finish(run_dir, results, cfg, pretrained, tfidf, exported)
         for arm in seeds.ARMS:
             m, f1 = summary["test_accuracy_stats"][arm], summary["test_macro_f1_stats"][arm]
             print(f"finetune {arm}: test accuracy over {opts.seeds} seeds: mean {m['mean']:.2f}%, sd {m['sd']:.2f} "
@@ -327,19 +331,26 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
     if not loop.train(run, task, state):
         return None
 
-    # The kept weights, exactly as the artifact will hold them (fp32), scored on every set on every rank's share.
+    # The kept weights, exactly as the artifact will hold them (fp32), scored on every set on every rank's share;
+    # their validation logits fit the temperature (trainer/calibration.py), which the test set then measures.
     clf = Classifier(cfg.model)
     clf.load_state_dict(task.kept_weights(state), strict=True)
     clf.to(info.device)
-    final = {"valid": summarize(confusion_of(clf, sets.valid, info, len(names)), names),
-             "test": summarize(confusion_of(clf, sets.test, info, len(names)), names),
-             "extra": {f: summarize(confusion_of(clf, sp, info, len(names)), names) for f, sp in sets.extra.items()}}
+    raw = {"valid": logits_of(clf, sets.valid, info), "test": logits_of(clf, sets.test, info)}
+    final = {k: summarize(confusion(*raw[k], len(names)), names) for k in ("valid", "test")}
+    final["extra"] = {f: summarize(confusion(*logits_of(clf, sp, info), len(names)), names)
+                      for f, sp in sets.extra.items()}
+    cal = calibration.report(raw, calibration.fit_temperature(*raw["valid"]),
+                             f"the validation split ({len(sets.valid.ids)} examples)")
     kept = state.history[task.best(state)]
-    result = {"history": state.history, "kept": kept, "final": final}
+    result = {"history": state.history, "kept": kept, "final": final, "calibration": cal}
     if eng.is_main():
         for where, m in [("the test set", final["test"]), *final["extra"].items()]:
             if (text := warning(m, where)) is not None:
                 log.print(f"finetune {name}: {text}")
+        log.print(f"finetune {name}: calibration: {calibration.summary_line(cal)}")
+        calibration.plot(run_dir / RELIABILITY, *raw["test"], cal["temperature"],
+                         f"{name}, test set, kept weights (epoch {kept['epoch']})")
         summary = report.run_metrics(cfg, name, result, tfidf)
         report.write_metrics(run_dir, summary)
         artifact.save(artifact_dir, clf.cpu(), cfg, "classifier", tok, extra={
@@ -349,6 +360,7 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
             "valid_accuracy": final["valid"]["accuracy"],
             "extra_accuracy": {f: m["accuracy"] for f, m in final["extra"].items()},
             "metrics": final, "history": state.history, "tfidf_baseline": summary["tfidf_baseline"],
+            "calibration": cal,
             "pretrained_from": None if pretrained is None else {
                 "path": str(pretrained.path), "weights_sha256": pretrained.meta.get("weights_sha256"),
                 "objective": pretrained.meta.get("objective"),

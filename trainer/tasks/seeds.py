@@ -87,6 +87,9 @@ def summarize(results: dict[int, dict[str, dict[str, Any]]], cfg: RunConfig) -> 
         "test_macro_f1_stats": {arm: _stats(per[arm]["macro_f1"]) for arm in ARMS},
         "extra_accuracy": extra,
         "paired": paired_test(per["pretrained"]["accuracy"], per["scratch"]["accuracy"]),
+        "calibration": {arm: {"temperature": [results[s][arm]["calibration"]["temperature"] for s in seeds],
+                              **{f"test_{k}": [results[s][arm]["calibration"]["test"][k] for s in seeds]
+                                 for k in ("ece_before", "ece_after")}} for arm in ARMS},
     }
 
 
@@ -184,6 +187,13 @@ def compare_md(results: dict[int, dict[str, dict[str, Any]]], summary: dict[str,
                    f"({np.std(arms['scratch'], ddof=1):.2f}), pretrained {np.mean(arms['pretrained']):.2f} "
                    f"({np.std(arms['pretrained'], ddof=1):.2f}), gain {d.mean():+.2f} ({d.std(ddof=1):.2f})"
                    + (f"; TF-IDF + LR baseline {base[f]['accuracy']:.2f}" if base and f in base else "")]
+    cal = summary["calibration"]
+    md += ["", "Test ECE (15 bins), raw -> calibrated by the temperature each run fitted on validation, mean over "
+               "seeds: " + "; ".join(f"{arm} {np.mean(cal[arm]['test_ece_before']):.3f} -> "
+                                     f"{np.mean(cal[arm]['test_ece_after']):.3f} (highest "
+                                     f"{max(cal[arm]['test_ece_after']):.3f}, T {min(cal[arm]['temperature']):.2f} - "
+                                     f"{max(cal[arm]['temperature']):.2f})" for arm in ARMS)
+           + " (`reliability.png`: the exported classifier's diagram)"]
     e = summary["exported_seed"]
     valid = results[e]["pretrained"]["final"]["valid"][cfg.finetune.select_metric]
     md += ["", f"`artifact/` holds the pretrained classifier of seed {e}, the best validation "
