@@ -177,3 +177,14 @@ def preset(name: str) -> RunConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]()
+
+
+def overrides(cfg: RunConfig) -> dict[str, typing.Any]:
+    """The keys where a resolved config differs from its preset's values ("key": value, flat), data.root aside (where
+    the data sets are on that machine, not what they are); {} for a preset this code no longer has."""
+    from trainer.config.schema import flatten
+
+    if cfg.preset not in PRESETS:
+        return {}
+    mine, base = flatten(cfg.to_dict()), flatten(preset(cfg.preset).to_dict())
+    return {k: v for k, v in mine.items() if k != "data.root" and base.get(k) != v}

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from trainer import artifact, baseline, calibration, cli
 from trainer.artifact import ArtifactError
+from trainer.config import presets
 from trainer.config import schema as config_mod
 from trainer.config.choice import RESUME_AUTO, Choice, add_config_args, config_choice
 from trainer.config.schema import ConfigError, ModelConfig, RunConfig
@@ -54,7 +55,7 @@ from trainer.engine import loop, monitor
 from trainer.engine.stage import on_every_rank
 from trainer.metrics import balanced_weights, summarize, summary_line, warning
 from trainer.model.encoder import Classifier, load_encoder
-from trainer.tasks import lr_groups, report, seeds, task_lm
+from trainer.tasks import lr_groups, provenance, report, seeds, task_lm
 from trainer.tasks.classifier_task import KEPT, ClassifierTask, Sets, confusion, kept_step, logits_of
 from trainer.tasks.tokenizer_folder import run_tokenizer
 
@@ -92,6 +93,7 @@ def main(args: argparse.Namespace) -> int:
             pretrained, compare, seeds = previous_options(Path(args.out), compare, seeds)
         opts = cli.run_options(args, FinetuneOptions, pretrained=Path(pretrained) if pretrained else None,
                                compare=compare, seeds=seeds or 1)
+        opts = dataclasses.replace(opts, command=provenance.command_line(args, opts))
         run(resolve_config(config_choice(args), opts.pretrained), opts)
 
     on_every_rank(stage)
@@ -159,6 +161,7 @@ class FinetuneOptions(loop.RunOptions):
     pretrained: Path | None = None  # a pretraining artifact (task lm) whose encoder and tokenizer to use
     compare: bool = False  # train from scratch and from `pretrained` (same seed and data order); write compare.*
     seeds: int = 1  # with compare: training seeds per arm, cfg.seed, cfg.seed + 1, ...
+    command: str = ""  # the command line that runs it again (artifact.json, the model card)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -216,6 +219,7 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
                 {name: encoded.get(p.source) or encode(p.examples, tok) for name, p in data.extra.items()})
     monitor.write_run_info(run_dir, cfg, ds, {
         "stage": "finetune", "pretrained": str(opts.pretrained or ""), "compare": opts.compare, "seeds": opts.seeds,
+        "command": opts.command,
         "train_examples": len(sets.train.ids), "valid_examples": len(sets.valid.ids),
         "test_examples": len(sets.test.ids)})
     for line in data.summary(cfg):
@@ -231,6 +235,7 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
         monitor.note(f"note: {pretrained.path} was pretrained without a causal mask (mlm) but "
                      "model.classifier_causal=true; consider --set model.classifier_causal=false")
 
+    about = {"command": opts.command, "data_files": provenance.data_files(cfg, data) if eng.is_main() else {}}
     t0 = time.perf_counter()
     results: dict[int, dict[str, dict[str, Any]]] = {}
     for seed, name, src in runs:
@@ -238,7 +243,7 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
         artifact_dir = where / "artifact" if opts.seeds > 1 or (opts.compare and src is None) \
             else run_dir / "artifact"
         result = train_classifier(cfg, name, src, tok, sets, plan, ds, where, artifact_dir, tags[(seed, name)],
-                                  opts, info, tfidf, seed)
+                                  opts, info, tfidf, seed, about)
         if result is None:
             return None  # stop_at
         results.setdefault(seed, {})[name] = result
@@ -276,11 +281,12 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
 def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | None, tok: Tokenizer, sets: Sets,
                      plan: eng.BatchPlan, ds: dict[str, Any], run_dir: Path, artifact_dir: Path,
                      resume_tag: str | None, opts: FinetuneOptions, info: eng.DistInfo,
-                     tfidf: dict[str, Any] | None = None, seed: int | None = None) -> dict[str, Any] | None:
+                     tfidf: dict[str, Any] | None = None, seed: int | None = None,
+                     about: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Train one classifier, keep the epoch its validation score picks, score those weights; returns {history,
     kept, final} (None when stopped by opts.stop_at). `tfidf`: the baseline's scores (rank 0), reported beside.
     `seed` (default cfg.seed) sets the initial weights, the data order, dropout and the task-text stage; the splits
-    are the caller's (`sets`, made with cfg.seed)."""
+    are the caller's (`sets`, made with cfg.seed). `about`: more for artifact.json (the command, the data's files)."""
     fc, ckpt_dir = cfg.finetune, run_dir / "checkpoints"
     seed = cfg.seed if seed is None else seed
     task = ClassifierTask(cfg, name, sets, plan, info, run_dir / KEPT, seed)
@@ -361,9 +367,12 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
             "extra_accuracy": {f: m["accuracy"] for f, m in final["extra"].items()},
             "metrics": final, "history": state.history, "tfidf_baseline": summary["tfidf_baseline"],
             "calibration": cal,
+            **(about or {}),
             "pretrained_from": None if pretrained is None else {
                 "path": str(pretrained.path), "weights_sha256": pretrained.meta.get("weights_sha256"),
-                "objective": pretrained.meta.get("objective"),
+                "objective": pretrained.meta.get("objective"), "preset": pretrained.cfg.preset,
+                "overrides": presets.overrides(pretrained.cfg), "steps": pretrained.meta.get("steps"),
+                "tokens": pretrained.meta.get("tokens"), "eval_loss": pretrained.meta.get("eval_loss"),
                 "task_lm": str(run_dir / task_lm.FOLDER / "artifact") if fc.task_lm.epochs else None},
         })
     eng.barrier()
