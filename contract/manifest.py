@@ -225,7 +225,7 @@ class Manifest:
         if not isinstance(m, dict):
             raise BundleError(f"{path}: expected a JSON object")
         if m.get("format") == 1:
-            readable = " and ".join(map(str, READABLE_FORMATS))
+            readable = ", ".join(map(str, READABLE_FORMATS[:-1])) + f" and {READABLE_FORMATS[-1]}"
             raise BundleError(f"{path}: format 1, a bundle from an earlier exporter (one graph, "
                               f"tokenizer/tokenizer.json); this version reads formats {readable}: {_REEXPORT}")
         fmt = m.get("format")

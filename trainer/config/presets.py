@@ -44,6 +44,8 @@ def cls_books(**changes: typing.Any) -> DataConfig:
         test="cls-books-fr/test.review.spm",
         labels=["0", "1"],
         label_names=["negative", "positive"],
+        language="fr",
+        domain="book reviews (Amazon, the CLS corpus's books category)",
     )
     return dataclasses.replace(base, **changes)
 
@@ -114,6 +116,8 @@ def english() -> RunConfig:
             extra_test=["imdb/test.jsonl.gz", "sst2/dev.tsv", "sst2/test.tsv"],
             labels=["0", "1"],
             label_names=["negative", "positive"],
+            language="en",
+            domain="movie reviews (IMDB; SST-2's sentences scored too)",
         ),
         # 65,367 packed windows of 256 ids, 4,085 steps a pass: max_steps ends the run in the third pass (with
         # max_steps set, epochs does not bound the run)

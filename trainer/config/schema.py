@@ -106,6 +106,8 @@ class DataConfig:
     max_train_examples: Count = 0  # 0 = all; else N training examples, seeded sample (quick runs)
     max_valid_examples: Count = 0  # 0 = all; else a seeded sample of N validation examples
     max_test_examples: Count = 0  # 0 = all; else a seeded sample of N test examples per epoch (all once at the end)
+    language: str = ""  # the texts' language as a BCP 47 tag (fr, en): the model card states it ("": not stated)
+    domain: str = ""  # what the texts are (book reviews, tweets): the model card states it ("": not stated)
 
     def __post_init__(self) -> None:
         if self.labels and (len(self.labels) < 2 or len(set(self.labels)) != len(self.labels)):

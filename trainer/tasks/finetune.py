@@ -235,7 +235,8 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
         monitor.note(f"note: {pretrained.path} was pretrained without a causal mask (mlm) but "
                      "model.classifier_causal=true; consider --set model.classifier_causal=false")
 
-    about = {"command": opts.command, "data_files": provenance.data_files(cfg, data) if eng.is_main() else {}}
+    about = {"command": opts.command, "data_files": provenance.data_files(cfg, data) if eng.is_main() else {},
+             "truncated_train_share": labelled.cut_share(sets.train, tok.max_len)}
     t0 = time.perf_counter()
     results: dict[int, dict[str, dict[str, Any]]] = {}
     for seed, name, src in runs:
