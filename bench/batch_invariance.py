@@ -51,7 +51,7 @@ Run = Callable[[list[list[int]]], np.ndarray]  # rows of ids -> (n, C) probabili
 
 
 def padded(rows: list[list[int]]) -> dict[str, np.ndarray]:
-    """Right-padded to the longest row, as serving/predictor.py's infer does."""
+    """Right-padded to the longest row, as serving/model/predictor.py's infer does."""
     width = max(len(r) for r in rows)
     ids = np.full((len(rows), width), PAD, dtype=np.int64)  # (n, T)
     mask = np.zeros((len(rows), width), dtype=np.int64)  # (n, T)
@@ -61,7 +61,7 @@ def padded(rows: list[list[int]]) -> dict[str, np.ndarray]:
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
-    """As serving/predictor.py's: float64 arithmetic, float32 out."""
+    """As serving/model/predictor.py's: float64 arithmetic, float32 out."""
     z = z.astype(np.float64) - z.max(axis=1, keepdims=True)
     e = np.exp(z)
     return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)

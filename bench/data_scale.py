@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                              "seconds": secs, "rss_anon_mb": [round(b / 2**20, 1) for b in peaks]})
                 print(json.dumps(rows[-1]), flush=True)
                 shutil.rmtree(run, ignore_errors=True)
-        meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        meta = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                 "cores": len(os.sched_getaffinity(0)), "loadavg_start": load0, "loadavg_end": os.getloadavg(),
                 "command": " ".join(sys.argv), "preset": args.preset, "verify": args.verify}
         print(markdown(rows, meta))

@@ -313,7 +313,7 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "model": what,
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "model": what,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}",
             "threads": args.threads, "versions": {"torch": torch.__version__, "onnxruntime": ort.__version__},
             "load_before": load_before, "load_after": load_after, "timing": results, "quality": quality,

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb  # noqa: E402
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc  # noqa: E402
-from serving.predictor import Predictor  # noqa: E402
+from serving.model.predictor import Predictor  # noqa: E402
 
 METHOD = "sentiment.v1.SentimentService/Classify"
 

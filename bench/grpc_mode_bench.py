@@ -1,5 +1,5 @@
 """Threaded vs asyncio gRPC server on this machine: round-trip latency and throughput of a trivial rpc
-(the standard health Check), so the choice in serving/app.py rests on a measurement.
+(the standard health Check), so the choice in serving/process/app.py rests on a measurement.
 
     python bench/grpc_mode_bench.py [--calls 2000] [--concurrency 1 64]
 

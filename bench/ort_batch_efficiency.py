@@ -144,7 +144,7 @@ def main() -> int:
         ap.error("--io-binding and --cuda-graph are about a GPU: they need --device cuda")
 
     from contract.graph import LOGITS
-    from serving.predictor import Predictor
+    from serving.model.predictor import Predictor
 
     # The server's session options, the graph it runs on this device.
     predictor = Predictor(args.bundle, device=args.device, intra_op_threads=args.threads)

@@ -170,7 +170,7 @@ def load_main(args: argparse.Namespace) -> None:
 
 
 def refused_where(details: str) -> str | None:
-    """Where the server refused a call for want of room in its queue, from the wording of serving/batcher.py:
+    """Where the server refused a call for want of room in its queue, from the wording of serving/model/batcher.py:
     'at_admission' (before the body was read, in gRPC's polling thread) or 'after_body' (in a handler thread, once
     the texts were counted: a call admitted while there was room for a full request, overtaken by others). Also
     an older server's wording at admission ("no room for one more", when it admitted a call on room for one text)."""

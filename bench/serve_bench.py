@@ -124,7 +124,7 @@ def bench_in_process(bundle: Path, texts: list[str], c: int, seconds: float, thr
     """The server's load without gRPC: c threads, each calling predict(texts) in a closed loop, one shared
     predictor (onnxruntime runs concurrently; each run has `threads` intra-op threads). `predictor`: one already
     loaded with those settings (a sweep of points loads it once)."""
-    from serving.predictor import Predictor
+    from serving.model.predictor import Predictor
 
     p = predictor or Predictor(bundle, device=device, intra_op_threads=threads)
     p.predict(texts[:8])  # warm-up
@@ -142,7 +142,7 @@ def eager_caller(bundle: Path, data_root: Path, size: str, device: str = "cpu", 
     import torch
 
     from contract.tokens import PAD
-    from serving.predictor import Predictor, softmax
+    from serving.model.predictor import Predictor, softmax
 
     if device == "cpu":
         torch.set_num_threads(1)  # as the predictor's onnxruntime runs (--threads 1)
@@ -179,7 +179,7 @@ def bench_eager(call, drift: float, texts: list[str], c: int, seconds: float, pe
 
 def sweep(bundle: Path, texts: list[str], sizes: list[int], threads: int, device: str = "cpu") -> list[dict]:
     """Milliseconds per text of in-process runs of b texts, lengths sorted (least padding) or shuffled."""
-    from serving.predictor import Predictor
+    from serving.model.predictor import Predictor
 
     p = Predictor(bundle, device=device, intra_op_threads=threads)
     encoded = sorted(p.encode(texts), key=lambda e: e.token_count)
@@ -237,7 +237,7 @@ class Server:
 
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds of live processes so far (/proc/PID/stat)."""
-    from serving.workers import proc_usage
+    from serving.process.workers import proc_usage
 
     return sum((proc_usage(pid) or (0.0, 0))[0] for pid in pids)
 
@@ -397,7 +397,7 @@ def main() -> int:
     skipped = [f"{k} per call at concurrency {c}" for k, c in points if (k, c) not in local]
     rows = []
     if not args.no_in_process:
-        from serving.predictor import Predictor
+        from serving.model.predictor import Predictor
 
         predictor = Predictor(args.bundle, device=args.device, intra_op_threads=args.threads)
         rows += [bench_in_process(args.bundle, texts, c, args.seconds, args.threads, k, args.device, predictor)

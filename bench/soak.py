@@ -207,7 +207,7 @@ def percentile_ms(values: list[float], q: float) -> float:
 def soak(args: argparse.Namespace) -> dict:
     from serving_fixtures import ServerProcess
 
-    from serving.predictor import Predictor
+    from serving.model.predictor import Predictor
 
     lines = (args.data / "cls-books-fr" / "test.review.txt").read_text(encoding="utf-8").split("\n")
     texts = random.Random(0).sample([t for t in lines if t.strip()], args.texts)

@@ -646,7 +646,7 @@ def run(args: argparse.Namespace) -> None:
         task = (lm_task if name == "lm" else classifier_task)(cfg, plan, need, args.tokenizer)
         windows, profiles = measure(task, variants, plan, info, args)
         rows += rows_for(task, windows, cfg, plan, info, peak, args, profiles)
-    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
+    meta = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "processes": info.world_size,
             "loadavg_start": load0, "loadavg_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
             "peak": peak_what, "peak_flops": peak, "warmup": args.warmup, "windows": args.windows,

@@ -87,8 +87,10 @@ def h2load(port: int, body: Path, seconds: float, args: argparse.Namespace) -> t
 AREAS = [  # (area, substring of a frame's file), first match wins
     ("onnxruntime run", "onnxruntime"), ("tokenizer (sentencepiece, contract/tokens.py)", "sentencepiece"),
     ("tokenizer (sentencepiece, contract/tokens.py)", "contract/tokens.py"), ("protobuf", "protobuf"),
-    ("prometheus_client", "prometheus_client"), ("gRPC Python (grpc/)", "grpc/"), ("batcher", "serving/batcher.py"),
-    ("gate", "serving/gate.py"), ("servicer", "serving/servicer.py"), ("predictor", "serving/predictor.py"),
+    ("prometheus_client", "prometheus_client"), ("gRPC Python (grpc/)", "grpc/"),
+    ("batcher", "serving/model/batcher.py"), ("gate", "serving/limits/gate.py"),
+    ("servicer", "serving/protocols/sentiment.py"), ("core", "serving/model/core.py"),
+    ("predictor", "serving/model/predictor.py"),
     ("numpy", "numpy"), ("threading / futures", "threading.py"), ("threading / futures", "concurrent/futures"),
 ]
 

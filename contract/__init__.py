@@ -10,4 +10,5 @@ reads it, and neither retypes a constant. Modules, lowest first:
   manifest.py  the typed manifest.json
   bundle.py    the one bundle verifier
   comments.py  a config dataclass's field comments as its documentation (trainer config, the server's --help)
+  version.py   the `--version` line of every command line, from the installed package's metadata
 """

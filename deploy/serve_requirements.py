@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ORT_PACKAGES = ("onnxruntime", "onnxruntime-gpu")
 

@@ -21,9 +21,8 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ORT_PACKAGES = ("onnxruntime", "onnxruntime-gpu")
 

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from contract.version import version_line
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 
@@ -217,6 +218,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", help="CA certificate of the server (turns TLS on)")
     p.add_argument("--tls-cert", help="client certificate (mutual TLS)")
     p.add_argument("--tls-key", help="client private key (mutual TLS)")
+    p.add_argument("--version", action="version", version=version_line("sentiment-client"))
     return p
 
 

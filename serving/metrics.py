@@ -32,8 +32,8 @@ class Metrics:
     against hostile clients, and the process (`process_*`: CPU, resident memory, open files, threads)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, per_worker: bool = False) -> None:
-        """per_worker: a worker of serving/workers.py (prometheus_client's multiprocess mode, which sums counters
-        and histograms over the workers): also count its texts in a series of its own, labelled by its pid."""
+        """per_worker: a worker of serving/process/workers.py (prometheus_client's multiprocess mode, which sums
+        counters and histograms over the workers): also count its texts in a series of its own, labelled by its pid."""
         r = self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=r)
         self.requests = Counter("sentiment_requests", "RPCs answered, by method and the status code the client got",
@@ -60,18 +60,9 @@ class Metrics:
                                      "did not arrive within body_timeout_s", registry=r)
         self.memory_reclaim_seconds = Histogram("sentiment_memory_reclaim_seconds", "collections of unreachable "
                                                 "objects + glibc trims after a burst of model calls, and how long "
-                                                "each took (serving/memory.py)", buckets=_SECONDS, registry=r)
+                                                "each took (serving/limits/memory.py)", buckets=_SECONDS, registry=r)
         self.auth_failures = Counter("sentiment_auth_failures", "calls refused for a missing or wrong bearer token",
                                      registry=r)
-        self.auth_throttled = Counter("sentiment_auth_throttled", "calls refused because their address failed "
-                                      "authentication too often (auth_failures_per_peer), whatever their token",
-                                      registry=r)
-        self.connections = Gauge("sentiment_connections", "open connections on the gRPC and health ports (the "
-                                 "connection guard's last look, serving/guard.py)", registry=r,
-                                 multiprocess_mode="livesum")
-        self.connections_cut = Counter("sentiment_connections_cut", "connections cut by the connection guard, by "
-                                       "reason (flood, resets, stalled_answers, per_peer_limit, banned)",
-                                       ["reason"], registry=r)
         self.suppressed_logs = Counter("sentiment_suppressed_tracebacks", "internal-error tracebacks not logged "
                                        "(rate limit)", registry=r)
         self.worker_texts: Gauge | None = None

@@ -1,22 +1,18 @@
-"""The gRPC sentiment server's command line (the server object itself: serving/app.py): one bundle, two
-protocols (sentiment.v1 and KServe v2), health, reflection, metrics.
+"""The sentiment server's command line: one bundle, two protocols (sentiment.v1 and KServe v2), health,
+reflection, metrics. The server object itself is serving/process/app.py.
 
     python -m serving.server BUNDLE [--port 50051] [--metrics-port 8002] [--health-port 50052] [--max-texts 64] ...
     (the same as the console script `sentiment-server`; `--help` lists every option of ServerConfig)
 
-A threaded grpc server: handlers block on the batcher's futures while onnxruntime runs in the batcher's threads (it
-releases the GIL). bench/grpc_mode_bench.py measured the threaded server faster than grpc.aio, alone and at 64
-callers (docs/BENCHMARKS.md, "Threaded or asyncio gRPC server"), and blocking code stays simple. What a
-thread-per-call server owes to hostile clients (a token checked before the body is read, a bound on the time to send
-it, slots, answers held for slow readers, per-connection limits) is in serving/gate.py and the transport options
-below. The health port alone is served by grpc.aio (serving/health_port.py): probes need answers while half-open
-calls wait there, not throughput.
+A threaded gRPC server: handlers block on the batcher's futures while onnxruntime runs in the batcher's threads (it
+releases the GIL); bench/grpc_mode_bench.py measured it faster than grpc.aio (docs/BENCHMARKS.md), and blocking code
+stays simple. What a thread-per-call server owes to hostile clients is in serving/limits/gate.py and the transport
+options of serving/process/app.py; per-address limits are the front proxy's (deploy/proxy/).
 
-Lifecycle: process-wide settings (serving/app.py `configure_process`), then the bundle is loaded and verified, then
-every port (gRPC, health, metrics) is bound, each once, before anything is served: a bad bundle, an unreadable or
-mismatched TLS file or a taken port exits 2 with one line naming it. SIGTERM or SIGINT: health goes NOT_SERVING
-and new requests get UNAVAILABLE, in-flight requests finish (up to grace_s), the batcher drains, exit 0.
-`--workers N` runs N such servers on one port under a parent process (serving/workers.py).
+Lifecycle: the bundle is loaded and verified, then every port (gRPC, health, metrics) is bound, each once, before
+anything is served: a bad bundle, an unreadable or mismatched TLS file or a taken port exits 2 with one line naming
+it. SIGTERM or SIGINT: health goes NOT_SERVING and new requests get UNAVAILABLE, in-flight requests finish (up to
+grace_s), the batcher drains, exit 0. `--workers N` runs N such servers on one port (serving/process/workers.py).
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ import typing
 from pathlib import Path
 
 from contract.comments import comments
-from serving.app import SentimentServer, configure_process
+from contract.version import version_line
 from serving.config import ServerConfig
 from serving.errors import BundleError, ServerConfigError
 
@@ -87,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
                         "SENTIMENT_AUTH_TOKEN variable); never on the command line, where `ps` shows it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="lowest level of the log lines written to stderr (default: INFO)")
+    p.add_argument("--version", action="version", version=version_line("sentiment-server"))
     return p
 
 
@@ -111,11 +108,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from serving.process.app import SentimentServer, configure_process  # onnxruntime: after --help and --version
+
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
         if cfg.workers > 1:
-            from serving import workers  # the parent of several processes: its own module
+            from serving.process import workers  # the parent of several processes: its own module
 
             return workers.serve(args.bundle, cfg, args.log_level)
         configure_process(cfg)

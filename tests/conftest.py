@@ -107,8 +107,8 @@ def default_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_classifier_art
 
 @pytest.fixture(scope="session")
 def predictor(tiny_bundle: Path):
-    """serving.predictor.Predictor on `tiny_bundle`, CPU, one onnxruntime thread (thread-safe: shared)."""
-    from serving.predictor import Predictor
+    """serving.model.predictor.Predictor on `tiny_bundle`, CPU, one onnxruntime thread (thread-safe: shared)."""
+    from serving.model.predictor import Predictor
 
     return Predictor(tiny_bundle, device="cpu", intra_op_threads=1)
 

@@ -34,9 +34,9 @@ from procs import REPO as REPO_ROOT
 from procs import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.app import SentimentServer
-from serving.batcher import Batcher
 from serving.config import ServerConfig
+from serving.model.batcher import Batcher
+from serving.process.app import SentimentServer
 
 LISTENING = re.compile(r"listening on ([\d.]+):(\d+)")
 METRICS_ON = re.compile(r"metrics on ([\d.]+):(\d+)")
@@ -279,7 +279,7 @@ def _name(cn: str) -> x509.Name:
 def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[str, ec.EllipticCurvePrivateKey] | None,
           *, ca: bool = False, server: bool = False, expired: bool = False) -> x509.Certificate:
     """A certificate for `key`, signed by issuer (None: self-signed). EC P-256: fast to generate."""
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     start, end = (now - dt.timedelta(days=10), now - dt.timedelta(days=1)) if expired else \
         (now - dt.timedelta(minutes=5), now + dt.timedelta(days=1))
     issuer_name, issuer_key = (subject, key) if issuer is None else issuer

@@ -27,7 +27,7 @@ from contract.bundle import check_session, verify_bundle
 from contract.errors import BundleError
 from contract.manifest import MODEL_FILE, manifest_digest
 from contract.runtime import session_options
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 from trainer.__main__ import main as trainer_cli
 
 TEST_FILE = "cls-books-fr/test.review.txt"

@@ -23,7 +23,7 @@ from serving_fixtures import reviews
 from contract.bundle import verify_bundle
 from contract.errors import BundleError
 from contract.runtime import cuda_driver_present
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 from trainer import artifact
 from trainer.__main__ import main as cli
 from trainer.data.tokenizer import Tokenizer

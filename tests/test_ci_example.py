@@ -97,7 +97,7 @@ def build_image(steps: dict[str, str], env: dict[str, str], bundle: Path, reques
         assert image.returncode == 0, image.stdout[-2000:] + image.stderr[-3000:]
         ctr = run(["buildah", "from", "--pull-never", env["IMAGE"]], timeout=120).stdout.strip()
         try:
-            read = ("import json; from serving.predictor import Predictor; p = Predictor('/mnt/models'); "
+            read = ("import json; from serving.model.predictor import Predictor; p = Predictor('/mnt/models'); "
                     "print(json.dumps([p.predict(['Super.'])[0].label, open('/mnt/models/manifest.json').read()]))")
             out = run(["buildah", "run", "--isolation", "chroot", ctr, "--", "python", "-c", read], timeout=300)
             assert out.returncode == 0, out.stderr[-3000:]

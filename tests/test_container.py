@@ -32,7 +32,7 @@ from procs import free_port, kill_group, popen, run
 from serving_fixtures import REPO_ROOT, reviews
 
 from serving.client import SentimentClient
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 
 sys.path.insert(0, str(REPO_ROOT / "deploy"))
 from healthcheck import check
@@ -274,7 +274,8 @@ def test_bundled_target_bakes_the_bundle_in(build: list[str], tiny_bundle: Path)
         shutil.rmtree(context_bundle.parent)
     ctr = _ok(["buildah", "from", "--pull-never", name], timeout=120).stdout.strip()
     try:
-        load = "from serving.predictor import Predictor; print(Predictor('/mnt/models').predict(['Super.'])[0].label)"
+        load = ("from serving.model.predictor import Predictor; "
+                "print(Predictor('/mnt/models').predict(['Super.'])[0].label)")
         out = _ok(["buildah", "run", "--isolation", "chroot", ctr, "--", "python", "-c", load], timeout=300)
         assert out.stdout.strip() in json.loads((tiny_bundle / "manifest.json").read_text())["label_names"]
     finally:

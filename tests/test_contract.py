@@ -170,7 +170,7 @@ def test_encoded_ids_are_int64_arrays(tiny_tokenizer_dir: Path) -> None:
 
 def test_the_server_loads_a_bundle_without_torch_or_trainer(tiny_bundle: Path) -> None:
     """The contract is what lets serving/ share the trainer's rules without importing the trainer (or torch)."""
-    script = ("import sys; from serving.predictor import Predictor; import serving.server; "
+    script = ("import sys; from serving.model.predictor import Predictor; import serving.server; "
               "Predictor(sys.argv[1], device='cpu').predict(['Bien.']); "
               "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'trainer', 'deepspeed'}))")
     run = subprocess.run([sys.executable, "-c", script, str(tiny_bundle)], capture_output=True, text=True,

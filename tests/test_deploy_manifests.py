@@ -32,7 +32,7 @@ K8S_VERSIONS = ("1.30.0", "1.37.0")
 EXAMPLES = [DEPLOY / "secret-auth.example.yaml", DEPLOY / "tls" / "secret-tls.example.yaml",
             DEPLOY / "proxy" / "tls" / "secret-proxy-tls.example.yaml"]
 APP_UID = 10001  # the Containerfile's USER
-# KServe's ServingRuntimeSpec fields (serving.kserve.io/v1alpha1; no schema validates a custom resource here)
+# KServe's ServingRuntimeSpec fields (serving.protocols.kserve.io/v1alpha1; no schema validates a custom resource here)
 SERVING_RUNTIME_FIELDS = {"supportedModelFormats", "multiModel", "disabled", "protocolVersions", "workerSpec",
                           "containers", "volumes", "nodeSelector", "affinity", "tolerations", "labels", "annotations",
                           "imagePullSecrets", "hostIPC", "grpcEndpoint", "grpcDataEndpoint", "httpDataEndpoint",

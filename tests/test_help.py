@@ -1,6 +1,7 @@
 """Help that reads right: every option of every command line has help of its own that neither stops mid-sentence nor
-starts in the middle of another option's; and the config comments that become help (contract/comments.py: the
-server's --help, `python -m trainer config`) go to the field they were written for."""
+starts in the middle of another option's; the config comments that become help (contract/comments.py: the
+server's --help, `python -m trainer config`) go to the field they were written for; and every console script (and its
+`python -m` form) answers --version at once."""
 
 from __future__ import annotations
 
@@ -8,14 +9,21 @@ import argparse
 import dataclasses
 import inspect
 import io
+import os
 import re
+import subprocess
+import sys
 import textwrap
 import tokenize
+import tomllib
 import typing
+from pathlib import Path
 
 import pytest
 from clis import all_clis
+from procs import REPO
 
+import contract.version
 from contract.comments import comments
 from serving.config import ServerConfig
 from trainer.config.schema import RunConfig
@@ -80,6 +88,34 @@ def test_the_checks_catch_help_that_stops_or_starts_mid_sentence() -> None:
     p.add_argument("--grace-s", help="in-flight requests get this long to finish (default: 10.0)")
     assert [line.split(":")[0] for line in help_problems(p)] == [
         "--health-port", "--max-ping-strikes", "--drain-delay-s", "--workers"]
+
+
+# ------------------------------------------------------------------------------------------------- --version
+
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+# What --version must not load: the training stack, the inference runtime.
+HEAVY = ("torch", "deepspeed", "onnxruntime", "onnx")
+
+
+@pytest.mark.parametrize("form", ["console script", "python -m"])
+@pytest.mark.parametrize("script", sorted(PROJECT["scripts"]))
+def test_every_command_line_prints_its_version_without_loading_torch_or_onnxruntime(script: str, form: str) -> None:
+    """`sentiment-server --version` prints "sentiment-server VERSION" (the package's, as installed) and exits 0
+    with neither torch nor onnxruntime imported: PYTHONPROFILEIMPORTTIME lists every module the process imported."""
+    module = PROJECT["scripts"][script].split(":")[0].removesuffix(".__main__")
+    cmd = [str(Path(sys.executable).parent / script)] if form == "console script" else [sys.executable, "-m", module]
+    out = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"})
+    assert (out.returncode, out.stdout) == (0, f"{script} {PROJECT['version']}\n"), out.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "argparse" in imported  # the import log is there to read
+    assert not sorted(m for m in imported if m.split(".")[0] in HEAVY)
+
+
+def test_a_source_tree_that_was_never_installed_says_so_instead_of_a_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(contract.version, "DISTRIBUTION", "transfer-sentiment-never-installed")
+    assert contract.version.version_line("sentiment-client") == \
+        "sentiment-client (not installed: no version; `pip install .` gives it one)"
 
 
 # ------------------------------------------------------------------------------------------- config comments

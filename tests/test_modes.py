@@ -67,7 +67,7 @@ def test_artifact_tokenizer_bundle_and_files_follow_the_umask(mask: int, tiny_cl
 
 SERVE_AS_NOBODY = """
 import sys
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 p = Predictor(sys.argv[1], device="cpu", intra_op_threads=1)
 print(p.graph, p.predict(["Un livre magnifique."])[0].label)
 """

@@ -20,7 +20,7 @@ import torch
 from serving_fixtures import reviews, running_server
 
 from serving.client import SentimentClient
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 from trainer import artifact
 from trainer.config.presets import tiny
 from trainer.export import ExportOptions, export_bundle

@@ -35,12 +35,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hostile import HalfOpen, Unread
 from serving_fixtures import ServerProcess, certs, running_server, secure_channel, target, wait_until
 
-from serving.app import SentimentServer
 from serving.config import ServerConfig
 from serving.gen.inference import grpc_service_pb2 as kpb
 from serving.gen.inference import grpc_service_pb2_grpc as kpb_grpc
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
+from serving.process.app import SentimentServer
 
 __all__ = ["certs"]  # the fixture, imported for the TLS case
 
@@ -75,8 +75,7 @@ def test_half_open_unauthenticated_streams_hold_nothing(tiny_bundle: Path, certs
     health says SERVING and an authorised Classify answers within 1 s."""
     options = {"tls_cert": str(certs["server"]), "tls_key": str(certs["server_key"])} if tls else {}
     with running_server(tiny_bundle, device="cpu", auth_token=TOKEN, max_workers=4, health_workers=2,
-                        body_timeout_s=600, auth_failures_per_peer=100_000, **options) as s:
-        # 600 failures from one address: not throttled here (test_reliability_protocol.py throttles them)
+                        body_timeout_s=600, **options) as s:
         channel = secure_channel(s, certs) if tls else grpc.insecure_channel(target(s))
         _health_and_classify(channel, GOOD)
         attackers = [HalfOpen(s.port, CLASSIFY if i % 2 else INFER, 100, tls_ca=certs["ca"] if tls else None)
@@ -254,16 +253,12 @@ def test_unread_answers_are_bounded_and_memory_returns_after_the_client_leaves(t
     (a 3.8 MB answer each before the fix: 92 -> 827 MiB RSS, 471 MiB after the client left), then 100 calls of 512
     texts (13 KB answers) against a 1 MiB budget of answers in flight. The first are refused before computing, the
     second are answered or refused past the budget; after the client has gone, RSS is back within 5% of the
-    baseline within 30 s, after the attack and again after a second one. It stayed 20-27% above before
-    serving/memory.py, and 10.5-10.8% above with glibc's rising mmap threshold (--malloc-mmap-threshold-bytes 0:
-    the first round fails, idle or loaded; 1.0-1.5% with the default)."""
+    baseline within 30 s, after the attack and again after a second one (20-27% above without serving/limits/memory.py;
+    10.5-10.8% with glibc's rising mmap threshold, --malloc-mmap-threshold-bytes 0)."""
     n = 512
     server = ServerProcess(tiny_bundle, "--device", "cpu", "--max-workers", "32", "--max-texts", str(n),
                            "--max-queue", str(32 * n), "--max-message-bytes", str(1 << 20),
-                           "--max-response-bytes-in-flight", str(1 << 20), "--metrics-port", "0",
-                           # the budget is what is tested: the connection guard would cut the connection first
-                           # (test_reliability_protocol.py), and the first round's cut would ban the second's
-                           "--send-stall-s", "3600", "--ban-s", "0", "--max-control-bytes-per-s", str(1 << 30))
+                           "--max-response-bytes-in-flight", str(1 << 20), "--metrics-port", "0")
     reclaims = "sentiment_memory_reclaim_seconds_count"
     try:
         port = server.wait_listening()

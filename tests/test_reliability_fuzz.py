@@ -8,7 +8,7 @@ placements, random deadlines, several requests at once (so that they share batch
   - the status code is the one the contract gives for that request (OK, INVALID_ARGUMENT, NOT_FOUND,
     RESOURCE_EXHAUSTED for a message over the size limit; DEADLINE_EXCEEDED only under a short deadline):
     in particular never INTERNAL or UNKNOWN;
-  - every OK answer equals the in-process predictor's (serving.predictor) for the same texts;
+  - every OK answer equals the in-process predictor's (serving.model.predictor) for the same texts;
   - the server never dies: after every example the process is alive and health says SERVING, and its log holds
     no internal error.
 Hypothesis settings profiles: "fuzz-ci" (the default suite, a few hundred examples in all) and "fuzz-slow"
@@ -36,7 +36,7 @@ from serving.gen.inference import grpc_service_pb2 as kpb
 from serving.gen.inference import grpc_service_pb2_grpc as kpb_grpc
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
-from serving.predictor import Prediction, Predictor
+from serving.model.predictor import Prediction, Predictor
 
 MAX_TEXTS = 16
 MAX_CHARS = 120_000  # above the 100k-character texts, so that those are computed (and 120,001 refused)
@@ -324,7 +324,7 @@ def infer_requests(draw: st.DrawFn) -> kpb.ModelInferRequest:
 
 
 def kserve_status(req: kpb.ModelInferRequest) -> tuple[str, list[str] | None]:
-    """The contract's answer to a ModelInfer request, and its texts when it is valid (serving/kserve.py's
+    """The contract's answer to a ModelInfer request, and its texts when it is valid (serving/protocols/kserve.py's
     docstring: input TEXT, BYTES, shape [n] or [n, 1], data once, raw framed or in bytes_contents, UTF-8)."""
     size = size_status(req.ByteSize())
     if size:

@@ -31,15 +31,15 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from serving_fixtures import REPO_ROOT, certs, reviews, running_server, target
 from serving_fixtures import secure_channel as _secure
 
-from serving.app import SentimentServer
 from serving.client import SentimentClient
 from serving.errors import BundleError
 from serving.gen.inference import grpc_service_pb2 as kpb
 from serving.gen.inference import grpc_service_pb2_grpc as kpb_grpc
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
-from serving.kserve import decode_bytes, encode_bytes
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
+from serving.process.app import SentimentServer
+from serving.protocols.kserve import decode_bytes, encode_bytes
 
 __all__ = ["certs"]  # the session fixture of tests/serving_fixtures.py, used by the TLS tests
 
@@ -129,8 +129,7 @@ def test_token_missing_or_wrong_is_unauthenticated_and_nothing_is_computed(tiny_
     """Over TLS (a token in plain text would be readable on the wire): every wrong form is refused before any
     work; the onnxruntime run counter and the texts metric do not move; the right token is served."""
     with running_server(tiny_bundle, device="cpu", auth_token=TOKEN, tls_cert=str(certs["server"]),
-                        tls_key=str(certs["server_key"]), auth_failures_per_peer=1000) as s, \
-            _secure(s, certs) as channel:  # 60 failures from one address: the throttle has its own test
+                        tls_key=str(certs["server_key"])) as s, _secure(s, certs) as channel:
         runs, texts = s.predictor.runs, s.metrics.registry.get_sample_value("sentiment_texts_total")
         wrong = [None, [("authorization", "")], [("authorization", "Bearer")], [("authorization", "Bearer ")],
                  [("authorization", TOKEN)], [("authorization", f"bearer {TOKEN}")],
@@ -259,7 +258,7 @@ NO_PICKLE_SCRIPT = r"""
 import json, pickle, _pickle, sys
 from pathlib import Path
 import numpy as np, torch
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 from trainer import artifact
 from trainer.config import schema as config
 from trainer.data.tokenizer import Tokenizer

@@ -1,4 +1,4 @@
-"""serving/batcher.py around the real predictor: merging, limits, grouping, bounded queue, dropping, order.
+"""serving/model/batcher.py around the real predictor: merging, limits, grouping, bounded queue, dropping, order.
 
 `HeldRuns` (tests/serving_fixtures.py) wraps the real `Predictor.infer` to record each batch and, while holding, to
 keep the worker inside a run so that the queue fills deterministically.
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from serving_fixtures import HeldRuns, reviews, wait_until
 
-from serving.batcher import Batcher
 from serving.errors import Cancelled, DeadlineExpired, NotReady, Overloaded
-from serving.predictor import Predictor
+from serving.model.batcher import Batcher
+from serving.model.predictor import Predictor
 
 
 def _hold_worker(batcher: Batcher, held: HeldRuns, predictor: Predictor):

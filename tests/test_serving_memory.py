@@ -1,5 +1,5 @@
-"""Memory a call leaves behind (serving/memory.py): a refused call frees its texts when it ends, without waiting for
-Python's cyclic collector, and the reclaimer gives memory back once a burst is over, never during it.
+"""Memory a call leaves behind (serving/limits/memory.py): a refused call frees its texts when it ends, without
+waiting for Python's cyclic collector, and the reclaimer gives memory back once a burst is over, never during it.
 
 The whole chain against a real server subprocess (RSS back within 5% after 100 unread answers, twice) is
 tests/test_reliability_attacks.py::test_unread_answers_are_bounded_and_memory_returns_after_the_client_leaves.
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from serving.batcher import Batcher
 from serving.config import ServerConfig
 from serving.errors import Cancelled
-from serving.memory import Reclaimer, fix_mmap_threshold
-from serving.predictor import Predictor
-from serving.servicer import ServingCore
+from serving.limits.memory import Reclaimer, fix_mmap_threshold
+from serving.model.batcher import Batcher
+from serving.model.core import ServingCore
+from serving.model.predictor import Predictor
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""serving/predictor.py on the real exported tiny bundle: answers, providers, and refusal of bad bundles."""
+"""serving/model/predictor.py on the real exported tiny bundle: answers, providers, and refusal of bad bundles."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from serving_fixtures import reviews
 
 from contract.runtime import CPU, CUDA, CUDA_PROVIDER_LIBRARY, DRIVER_LIBRARY, cuda_driver_present
 from serving.errors import BundleError, ServerConfigError
-from serving.predictor import Predictor, softmax
+from serving.model.predictor import Predictor, softmax
 
 
 def test_predictions_equal_a_plain_onnxruntime_session(predictor: Predictor, tiny_bundle: Path,
@@ -73,7 +73,7 @@ def test_softmax_is_stable_on_extreme_logits() -> None:
 
 AUTO = """
 import sys
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 print(Predictor(sys.argv[1], device="auto", intra_op_threads=1).provider)
 """
 

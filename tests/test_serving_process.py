@@ -22,7 +22,7 @@ from serving_fixtures import REPO_ROOT, ServerProcess, reviews, running_server, 
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 
 
 def test_sigterm_under_load_completes_accepted_requests_and_exits_0(tiny_bundle: Path, data_dir: Path) -> None:

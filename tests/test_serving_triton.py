@@ -17,7 +17,7 @@ import pytest
 from serving_fixtures import REPO_ROOT, reviews, running_server, target
 
 from serving.gen.inference import grpc_service_pb2
-from serving.predictor import Predictor
+from serving.model.predictor import Predictor
 
 TRITON_PYTHON = Path(os.environ.get("TRITON_PYTHON", REPO_ROOT / ".venv-triton" / "bin" / "python"))
 SCRIPT = REPO_ROOT / "tests" / "triton_client_check.py"

@@ -1,4 +1,4 @@
-"""`python -m serving.server BUNDLE --workers 2` (serving/workers.py): real processes on 127.0.0.1.
+"""`python -m serving.server BUNDLE --workers 2` (serving/process/workers.py): real processes on 127.0.0.1.
 
 The answers equal the in-process predictor's and both workers take calls; health says NOT_SERVING until every
 worker is ready; a worker killed with SIGKILL is restarted while the other keeps answering; SIGTERM drains every
@@ -30,9 +30,9 @@ from serving_fixtures import ServerProcess, certs, reviews, wait_until  # noqa: 
 from serving.config import ServerConfig
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
-from serving.health import Health
-from serving.predictor import Predictor
-from serving.workers import _Parent
+from serving.model.predictor import Predictor
+from serving.process.workers import _Parent
+from serving.protocols.health import Health
 
 CHANNELS = 16
 STARTED = re.compile(r"worker (\d+) started \(pid (\d+)\)")
@@ -112,7 +112,7 @@ def test_the_parent_says_listening_only_once_its_health_says_serving(tiny_bundle
             if record.getMessage().startswith("listening on"):
                 seen.append(health.statuses()[""])
 
-    handler, logger = AtTheLine(), logging.getLogger("serving.workers")
+    handler, logger = AtTheLine(), logging.getLogger("serving.process.workers")
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -232,8 +232,7 @@ def test_tls_and_token_auth_hold_in_every_worker(tiny_bundle: Path, tmp_path: Pa
     (tmp_path / "token").write_text(token + "\n")
     server = ServerProcess(tiny_bundle, "--device", "cpu", "--workers", "2", "--metrics-port", "0",
                            "--auth-token-file", str(tmp_path / "token"), "--tls-cert", str(certs["server"]),
-                           "--tls-key", str(certs["server_key"]),
-                           "--auth-failures-per-peer", "1000")  # 16 failures from one address: not throttled here
+                           "--tls-key", str(certs["server_key"]))
     try:
         port = server.wait_listening()
         assert "TLS, token auth" in server.log

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from contract.version import version_line
 from trainer.cli import INPUT_ERRORS, one_line_errors
 
 # name -> (module, one-line help)
@@ -37,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"subcommands:\n{lines}\n\n`python -m trainer SUBCOMMAND --help` shows each one's options and examples.",
     )
     p.add_argument("subcommand", choices=sorted(SUBCOMMANDS), metavar="SUBCOMMAND")
+    p.add_argument("--version", action="version", version=version_line("transfer-sentiment"))
     return p
 
 

@@ -100,7 +100,7 @@ def save(
             "label_names": cfg.data.names,  # what the server answers for each
             "weights_sha256": sha256_file(tmp / WEIGHTS),
             "parameters": sum(v.numel() for v in state.values()),
-            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "torch": torch.__version__,
             **(extra or {}),
         }

@@ -93,7 +93,7 @@ def save(engine: Any, ckpt_dir: str | Path, state: LoopState, keep_last: int, me
             files[str(f.relative_to(d / tag))] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
         marker = {"format": FORMAT, "tag": tag, "step": state.step, "world_size": eng.world_size(),
                   "precision": _precision(engine),
-                  "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "files": files, **meta}
+                  "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "files": files, **meta}
         write_text_atomic(d / tag / MARKER, json.dumps(marker, indent=1) + "\n")
         write_text_atomic(d / LATEST, tag + "\n")
         _fsync_dir(d)

@@ -47,7 +47,7 @@ def write_run_info(run_dir: Path, cfg: RunConfig, ds: dict[str, Any] | None, ext
     if ds is not None:
         write_text_atomic(run_dir / "deepspeed_config.json", json.dumps(ds, indent=2) + "\n")
     env = {
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
         "world_size": eng.world_size(),
         "backend": eng.dist_info().backend,

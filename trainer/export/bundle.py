@@ -209,7 +209,7 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
             calibration=calibration,
             evaluation=card.evaluation(art.meta, art.cfg),
             versions=exporter_versions(),
-            created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             export_seconds=round(time.perf_counter() - t0, 2),
         )
         # The card reads the manifest; then the manifest lists the card (and its digest covers it).

@@ -17,7 +17,8 @@ import numpy as np
 from serving.errors import InvalidInput, ModelNotFound
 from serving.gen.inference import grpc_service_pb2 as pb
 from serving.gen.inference import grpc_service_pb2_grpc as pb_grpc
-from serving.servicer import ServingCore, cancelled_of, deadline_of
+from serving.model.core import ServingCore
+from serving.protocols.calls import cancelled_of, deadline_of
 
 INPUT = "TEXT"
 VERSION = "1"  # the one version of the one model

@@ -1,9 +1,6 @@
-"""The classification core both protocols share, and the thin sentiment.v1 servicer on top of it.
-
-`ServingCore.classify` validates a list of texts against the limits, tokenizes, queues the rows in the batcher
-and waits for them within the request's deadline. Servicers only translate messages; errors are raised as
-ServingError subclasses and turned into status codes by the server's interceptor.
-"""
+"""The classification core every protocol shares: a call's texts checked against the limits, tokenized, queued in
+the batcher and awaited within the call's deadline. No protocol here: errors are ServingError subclasses, which each
+protocol turns into its own status codes."""
 
 from __future__ import annotations
 
@@ -13,30 +10,15 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 
-import grpc
-
-from serving.batcher import Batcher
 from serving.config import ServerConfig
 from serving.errors import DeadlineExpired, InvalidInput, NotReady, Overloaded
-from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
-from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
-from serving.predictor import Prediction, Predictor
+from serving.model.batcher import Batcher
+from serving.model.predictor import Prediction, Predictor
 
-_NO_DEADLINE = 1e6  # grpc reports "no deadline" as a huge time_remaining()
 # A letter or a digit (str.isalnum: Unicode categories L and N). A text without one (NUL, control or format
-# characters, punctuation, symbols, emoji) gives the model nothing it was trained to read: answered as a blank text
-# is, not with a confident label (an all-NUL text got 0.995).
+# characters, punctuation, symbols, emoji) gives the model nothing it was trained to read: refused, not answered
+# with a confident label.
 _LETTER_OR_DIGIT = re.compile(r"[^\W_]")
-
-
-def deadline_of(context: grpc.ServicerContext) -> float | None:
-    """The RPC's deadline as time.monotonic() seconds, or None."""
-    left = context.time_remaining()
-    return None if left is None or left > _NO_DEADLINE else time.monotonic() + left
-
-
-def cancelled_of(context: grpc.ServicerContext) -> Callable[[], bool]:
-    return lambda: not context.is_active()
 
 
 class ServingCore:
@@ -123,40 +105,3 @@ class ServingCore:
             # Python's cyclic collector ran, which an idle server never does (31 calls of 512 texts, 13 MB).
             del future
         return self.predictor.predictions(encoded, probs)
-
-
-class SentimentServicer(pb_grpc.SentimentServiceServicer):
-    """sentiment.v1.SentimentService: messages in and out of ServingCore."""
-
-    def __init__(self, core: ServingCore) -> None:
-        self.core = core
-
-    def Classify(self, request: pb.ClassifyRequest, context: grpc.ServicerContext) -> pb.ClassifyResponse:
-        preds = self.core.classify(list(request.texts), deadline_of(context), cancelled_of(context))
-        return pb.ClassifyResponse(results=[
-            pb.Classification(
-                label=p.label,
-                label_index=p.label_index,
-                probabilities=p.probabilities.tolist(),
-                token_count=p.token_count,
-                truncated=p.truncated,
-            )
-            for p in preds
-        ])
-
-    def GetModelMetadata(self, request: pb.GetModelMetadataRequest,
-                         context: grpc.ServicerContext) -> pb.GetModelMetadataResponse:
-        p, cfg = self.core.predictor, self.core.cfg
-        policy = {"truncate": pb.LONG_TEXT_POLICY_TRUNCATE, "refuse": pb.LONG_TEXT_POLICY_REFUSE}[cfg.long_text]
-        return pb.GetModelMetadataResponse(
-            model_name=cfg.model_name,
-            labels=p.label_names,  # the proto's `labels` field: the names
-            max_tokens=p.max_len,
-            bundle_sha256=p.bundle_sha256,
-            execution_provider=p.provider,
-            precision=p.precision,
-            max_texts=cfg.max_texts,
-            max_chars=cfg.max_chars,
-            long_text_policy=policy,
-            label_values=p.label_values,
-        )

@@ -1,18 +1,12 @@
 """grpc.health.v1 on a port of its own, for probes (Kubernetes' gRPC probes, load balancers): plain text (those
 probes speak no TLS; health carries no data), no token, nothing else served (every other method is UNIMPLEMENTED).
 
-Served by gRPC's asyncio server on an event loop in a thread of its own, not by threads: gRPC's threaded server
-gives each call a thread that first waits for the request message, so whoever reaches the port can hold every
-thread with calls that never send it, and the calls queued behind them wait their turn. 50 such streams on one
-connection failed every probe of this port for about 2 minutes when it was served by 4 threads at the default
-body_timeout_s (tests/test_reliability_attacks.py). Here a call waiting for its message is a coroutine: any number
-of them leave the probes answered. Each still ends after body_timeout_s (CANCELLED), and the connection options of
-the gRPC port apply (streams per connection, handshake, idle and age limits: serving/app.py `transport_options`).
-What such calls still cost is memory, about 24 KB each while they last (2,000 held: +48 MiB, given back once they
-are over): that, and not the probes' answers, is what an attacker who reaches this port can spend.
-
-Statuses come from the server's one `Health` (serving/health.py): Check and List read them, Watch is woken by its
-listener when one changes. Every call is counted in `sentiment_requests_total` with the code its client got.
+Served by gRPC's asyncio server on an event loop in a thread of its own, not by threads: a threaded server gives each
+call a thread that first waits for the request message, so calls that never send it could hold every thread and
+fail the probes queued behind them (tests/test_reliability_attacks.py). Here such a call is a coroutine, costing
+memory (about 24 KB while it lasts, docs/RELIABILITY.md) and ending after body_timeout_s; the connection options of
+the gRPC port apply. Statuses come from the server's one `Health` (serving/protocols/health.py); every call is
+counted in `sentiment_requests_total` with the code its client got.
 """
 
 from __future__ import annotations
@@ -27,9 +21,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from serving.errors import ServerConfigError
-from serving.health import SERVICE_NAME, Health
-from serving.memory import Reclaimer
+from serving.limits.memory import Reclaimer
 from serving.metrics import Metrics
+from serving.protocols.health import SERVICE_NAME, Health
 
 _Response = health_pb2.HealthCheckResponse
 
@@ -45,7 +39,7 @@ class HealthPort:
 
     def __init__(self, health: Health, metrics: Metrics, host: str, port: int, options: list[tuple[str, Any]],
                  body_timeout_s: float, reclaimer: Reclaimer | None = None) -> None:
-        """`reclaimer` counts every call in progress as work (serving/memory.py): the memory of many calls comes
+        """`reclaimer` counts every call in progress as work (serving/limits/memory.py): the memory of many calls comes
         back once they are over."""
         self.health, self.metrics, self.body_timeout_s = health, metrics, body_timeout_s
         self.reclaimer = reclaimer
@@ -126,7 +120,7 @@ class HealthPort:
     async def _first(self, request_type: type, context: grpc.aio.ServicerContext) -> Any:
         try:
             raw = await asyncio.wait_for(context.read(), self.body_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _Refused(grpc.StatusCode.CANCELLED,
                            f"request message not received within body_timeout_s={self.body_timeout_s}") from None
         if raw is grpc.aio.EOF:

@@ -53,11 +53,11 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from contract.bundle import verify_bundle
 from serving.config import ServerConfig
 from serving.errors import BundleError, ServerConfigError
-from serving.health import Health
-from serving.health_port import HealthPort
 from serving.metrics import Metrics, MetricsServer
+from serving.protocols.health import Health
+from serving.protocols.health_port import HealthPort
 
-log = logging.getLogger("serving.workers")
+log = logging.getLogger("serving.process.workers")
 
 BACKOFF_FIRST_S = 0.5  # wait before restarting a worker that died young; doubles at each further young death
 BACKOFF_MAX_S = 30.0
@@ -83,7 +83,7 @@ class _Slot:
 
 def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO") -> int:
     """Run `cfg.workers` server processes until SIGTERM or SIGINT; the exit code."""
-    from serving.app import (
+    from serving.process.app import (
         KSERVE_SERVICE,
         SENTIMENT_SERVICE,
         check_distinct_ports,
@@ -91,7 +91,7 @@ def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO") -> int
         transport_options,
         warn_if_open,
     )
-    from serving.app import metrics_server as bind_metrics
+    from serving.process.app import metrics_server as bind_metrics
 
     cfg.check_bundle_fit(verify_bundle(bundle).manifest.max_len)  # one line now, rather than one per worker
     check_distinct_ports(cfg)
@@ -225,8 +225,8 @@ class _Parent:
         for service in ("", *services):
             health.set(service, status)
         self._serving = serving
-        # After the health status, as from one process (serving/app.py): a script that waits for the line and then
-        # asks health must read SERVING. Printed first, the line raced the status (a test saw NOT_SERVING after it).
+        # After the health status, as from one process (serving/process/app.py): a script that waits for the line
+        # and then asks health must read SERVING.
         if serving and not self._announced:  # the line scripts wait for
             self._announced = True
             c = self.cfg
@@ -355,7 +355,7 @@ def _multiprocess_folder() -> Iterator[str]:
 def _worker_main(index: int, bundle: str, cfg: ServerConfig, conn: Connection, log_level: str,
                  parent_pid: int) -> None:
     """One worker: a SentimentServer on the shared port until SIGTERM (or its parent is gone)."""
-    from serving.app import SentimentServer, configure_process
+    from serving.process.app import SentimentServer, configure_process
 
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {index} pid {os.getpid()}]: %(message)s")

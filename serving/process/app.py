@@ -1,6 +1,6 @@
 """One server process: the bundle's predictor and batcher, the gRPC server with its gate, health, reflection and
 metrics, and its lifecycle (start, drain, stop). `python -m serving.server` (serving/server.py) builds one from the
-command line; `--workers N` runs N of them on one port under a parent (serving/workers.py).
+command line; `--workers N` runs N of them on one port under a parent (serving/process/workers.py).
 """
 
 from __future__ import annotations
@@ -18,36 +18,37 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from serving import reflection
-from serving.batcher import Batcher
 from serving.config import ServerConfig
 from serving.errors import ServerConfigError
-from serving.gate import Gate
 from serving.gen.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from serving.gen.sentiment.v1 import sentiment_service_pb2, sentiment_service_pb2_grpc
-from serving.guard import Guard
-from serving.health import SERVICE_NAME as HEALTH_SERVICE
-from serving.health import Health
-from serving.health_port import HealthPort
-from serving.kserve import KServeServicer
-from serving.memory import Reclaimer, fix_mmap_threshold
+from serving.limits.gate import Gate
+from serving.limits.memory import Reclaimer, fix_mmap_threshold
 from serving.metrics import Metrics, MetricsServer
-from serving.predictor import Predictor
-from serving.servicer import SentimentServicer, ServingCore
+from serving.model.batcher import Batcher
+from serving.model.core import ServingCore
+from serving.model.predictor import Predictor
+from serving.protocols import reflection
+from serving.protocols.health import SERVICE_NAME as HEALTH_SERVICE
+from serving.protocols.health import Health
+from serving.protocols.health_port import HealthPort
+from serving.protocols.kserve import KServeServicer
+from serving.protocols.sentiment import SentimentServicer
 
 log = logging.getLogger(__name__)
 
 SENTIMENT_SERVICE = sentiment_service_pb2.DESCRIPTOR.services_by_name["SentimentService"].full_name
 KSERVE_SERVICE = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 # Calls gRPC itself may hold at once besides our pools' threads (calls queued for a thread: streams, health past its
-# pool; refusals and unary model calls never queue, serving/gate.py): past this backstop gRPC refuses in its polling
-# thread, before any of our code runs. Only a flood reaches it.
+# pool; refusals and unary model calls never queue, serving/limits/gate.py): past this backstop gRPC refuses in its
+# polling thread, before any of our code runs. Only a flood reaches it.
 _BACKSTOP = 512
+COMPOSE_UP = "podman compose -f deploy/compose.yaml up"  # the one-host deployment: the proxy in front of the server
 
 
 def transport_options(cfg: ServerConfig, shared_port: bool = False) -> list[tuple[str, int]]:
     """gRPC core's per-connection bounds, from the config (each field's comment says why its default).
-    shared_port: the port is shared with the other workers of serving/workers.py (SO_REUSEPORT)."""
+    shared_port: the port is shared with the other workers of serving/process/workers.py (SO_REUSEPORT)."""
     ms = lambda seconds: int(seconds * 1000)  # noqa: E731
     return [
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -55,9 +56,8 @@ def transport_options(cfg: ServerConfig, shared_port: bool = False) -> list[tupl
         ("grpc.so_reuseport", int(shared_port)),  # else a taken port is an error, not a silently shared one
         ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
         ("grpc.max_allowed_incoming_connections", cfg.max_connections),  # closed at accept past it
-        # Each stream's receive window stays at 64 KiB (no BDP probe to grow it): a request refused before its body
-        # was read, or over max_message_bytes, brings at most that much unread data (4.4 MB arrived for one over
-        # the limit with gRPC's defaults), so that the connection guard can allow for it (serving/guard.py).
+        # Each stream's receive window stays at 64 KiB (no BDP probe to grow it): a call refused before its body
+        # was read, or over max_message_bytes, brings at most that much unread data into the server.
         ("grpc.http2.bdp_probe", 0),
         ("grpc.http2.lookahead_bytes", 64 * 1024),
         ("grpc.server_handshake_timeout_ms", ms(cfg.handshake_timeout_s)),
@@ -72,7 +72,7 @@ def transport_options(cfg: ServerConfig, shared_port: bool = False) -> list[tupl
 
 def configure_process(cfg: ServerConfig) -> None:
     """Process-wide settings, once per server process and before the model's and gRPC's buffers exist: glibc's
-    mmap threshold (serving/memory.py) and the interpreter lock's switch interval (ServerConfig says why).
+    mmap threshold (serving/limits/memory.py) and the interpreter lock's switch interval (ServerConfig says why).
     `python -m serving.server` and each worker call it; a server made inside another program (a test) leaves that
     program's allocator and interpreter as they are."""
     fix_mmap_threshold(cfg.malloc_mmap_threshold_bytes)
@@ -87,8 +87,8 @@ class SentimentServer:
     `with SentimentServer(...) as s:`)."""
 
     def __init__(self, bundle: str | Path, cfg: ServerConfig | None = None, *, shared_port: bool = False) -> None:
-        """shared_port: one worker of serving/workers.py, whose parent holds `cfg.port` (SO_REUSEPORT) and serves
-        health and metrics for all."""
+        """shared_port: one worker of serving/process/workers.py, whose parent holds `cfg.port` (SO_REUSEPORT) and
+        serves health and metrics for all."""
         self.cfg = cfg = cfg or ServerConfig()
         self.shared_port = shared_port
         check_distinct_ports(cfg, shared_port)
@@ -111,28 +111,20 @@ class SentimentServer:
         self.core = ServingCore(self.predictor, self.batcher, cfg)
         self.health = Health()
         limit = cfg.max_concurrent_rpcs or cfg.max_workers
-        # Memory freed by a burst of model calls goes back to the system once they are over (serving/memory.py).
+        # Memory freed by a burst of model calls goes back to the system once they are over (serving/limits/memory.py).
         self.reclaimer: Reclaimer | None = None
         if cfg.memory_reclaim_idle_s > 0:
             self.reclaimer = Reclaimer(settle_s=cfg.memory_reclaim_idle_s,
                                        on_reclaim=self.metrics.memory_reclaim_seconds.observe)
-        # The guard watches the ports once they are bound (serving/guard.py); the gate reports calls to it.
-        # Behind a front proxy every peer is the proxy: no guard (config.py, behind_proxy).
-        self.guard: Guard | None = None if cfg.behind_proxy else Guard(
-            [], self.metrics, max_connections_per_peer=cfg.max_connections_per_peer,
-            max_control_bytes_per_s=cfg.max_control_bytes_per_s, max_cancels_per_s=cfg.max_cancels_per_s,
-            send_stall_s=cfg.send_stall_s, ban_s=cfg.ban_s, max_message_bytes=cfg.max_message_bytes)
         self.gate = Gate(self.metrics, auth_token=cfg.auth_token, max_calls=limit, health_workers=cfg.health_workers,
                          body_timeout_s=cfg.body_timeout_s, max_message_bytes=cfg.max_message_bytes,
-                         max_response_bytes=cfg.max_response_bytes_in_flight,
-                         auth_failures_per_peer=None if cfg.behind_proxy else cfg.auth_failures_per_peer,
-                         auth_failure_window_s=cfg.auth_failure_window_s, reclaimer=self.reclaimer, guard=self.guard,
+                         max_response_bytes=cfg.max_response_bytes_in_flight, reclaimer=self.reclaimer,
                          queue_full=lambda: self.batcher.no_room_for_any(cfg.max_texts))
         # The gate counts a call until its behaviour returns; the thread then still sends the answer, so a caller
         # that sends its next request at once can need a second thread. Without spare threads, 128 closed-loop
         # callers at max_workers 128 were refused 184 times in 159k requests (bench/soak.py, docs/RELIABILITY.md):
         # the pool gets a headroom of a quarter (at least 8). And a thread for every model slot: a unary model call
-        # takes its slot at admission (serving/gate.py), and must then never wait in the pool's queue, also when
+        # takes its slot at admission (serving/limits/gate.py), and must then never wait in the pool's queue, also when
         # max_concurrent_rpcs is above max_workers.
         threads = max(cfg.max_workers, limit) + max(8, limit // 4)
         self.grpc_server = grpc.server(
@@ -160,7 +152,7 @@ class SentimentServer:
         cfg = self.cfg
         try:
             self.port = _add_port(self.grpc_server, cfg.host, cfg.port, server_credentials(cfg), "gRPC")
-            if cfg.health_port is not None:  # health alone, for probes: serving/health_port.py
+            if cfg.health_port is not None:  # health alone, for probes: serving/protocols/health_port.py
                 self.health_server = HealthPort(self.health, self.metrics, cfg.host, cfg.health_port,
                                                 transport_options(cfg), cfg.body_timeout_s, self.reclaimer)
                 self.health_port = self.health_server.port
@@ -173,16 +165,12 @@ class SentimentServer:
             self._close_listeners()
             self.batcher.close(timeout=0)
             raise
-        if self.guard is not None:
-            self.guard.ports = {p for p in (self.port, self.health_port) if p}
         return self
 
     def start(self) -> SentimentServer:
         if self.port is None:
             self.bind()
         self.grpc_server.start()
-        if self.guard is not None:
-            self.guard.start()
         if self.health_server is not None:
             self.health_server.start()
         if self._metrics_server is not None:
@@ -190,13 +178,13 @@ class SentimentServer:
         for service in ("", SENTIMENT_SERVICE, KSERVE_SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.core.ready = True
-        # A worker's line must not read as the server's "listening on" (scripts wait for that one, the parent's).
-        warn_if_open(self.cfg)
+        if not self.shared_port:  # a worker's parent warns for all, and its line is the one scripts wait for
+            warn_if_open(self.cfg)
         log.info("%s %s:%d (%s%s), model %r on %s, batching %s, health port %s, metrics %s",
                  "worker serving on" if self.shared_port else "listening on", self.cfg.host, self.port,
                  "mutual TLS" if self.cfg.tls_client_ca else "TLS" if self.cfg.tls_cert else "plaintext",
                  (", token auth" if self.cfg.auth_token else "")
-                 + (", behind a proxy: no per-address limits" if self.cfg.behind_proxy else ""),
+                 + (", behind a proxy" if self.cfg.behind_proxy else ""),
                  self.cfg.model_name, self.predictor.provider,
                  "on" if self.cfg.batching else "off",
                  f":{self.health_port}" if self.health_port is not None else "off",
@@ -228,8 +216,6 @@ class SentimentServer:
         log.info("stopped")
 
     def _close_listeners(self) -> None:
-        if self.guard is not None:
-            self.guard.close()
         if self.health_server is not None:
             self.health_server.stop()
         if self._metrics_server is not None:
@@ -279,15 +265,19 @@ def is_loopback(host: str) -> bool:
 
 
 def warn_if_open(cfg: ServerConfig) -> None:
-    """A warning when the server listens beyond loopback with neither a token nor TLS: anyone who reaches the
-    port can use the model, and nothing on the wire is protected."""
-    if not is_loopback(cfg.host) and cfg.auth_token is None and cfg.tls_cert is None:
+    """Warnings, once per server (its parent's with --workers), when it listens beyond loopback: without a front
+    proxy nothing limits each client address, and without a token or TLS anyone who reaches the port can use the
+    model."""
+    if is_loopback(cfg.host):
+        return
+    if not cfg.behind_proxy:
+        log.warning("listening on %s without a front proxy: no limit per client address (connections, call rate, "
+                    "failed logins); put the proxy in front: `%s` on one host, `kubectl apply -k deploy/` on "
+                    "Kubernetes (README, Deploy), and pass --behind-proxy", cfg.host, COMPOSE_UP)
+    if cfg.auth_token is None and cfg.tls_cert is None:
         log.warning("listening on %s with neither a bearer token nor TLS: anyone who reaches port %d can call the "
                     "model; set SENTIMENT_AUTH_TOKEN or --auth-token-file, and --tls-cert/--tls-key (README, "
                     "Serving)", cfg.host, cfg.port)
-    if cfg.behind_proxy and not is_loopback(cfg.host):
-        log.warning("behind_proxy: listening on %s, beyond loopback, with no per-address limits: a client that "
-                    "reaches port %d without the proxy bypasses them (deploy/proxy/haproxy.cfg)", cfg.host, cfg.port)
 
 
 def _add_port(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None,

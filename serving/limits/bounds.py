@@ -1,11 +1,10 @@
-"""The gate's bounds, each a small object with its own lock (serving/gate.py uses them; nothing here knows gRPC):
+"""The gate's bounds, each a small object with its own lock (serving/limits/gate.py uses them; nothing here knows gRPC):
 
 - `Slots`: calls in progress at once, refused past the limit (no queue);
 - `ResponseBudget`: bytes of answers built and not yet delivered;
 - `Watchdog`: cancels a call whose request message has not arrived in time (one thread for all calls);
-- `AuthThrottle`: failed authentications per peer address, and the block that follows;
 - `LogThrottle`: at most a few tracebacks per kind of failure and period, the rest counted.
-Each one that holds work in progress tells the memory reclaimer (serving/memory.py).
+Each one that holds work in progress tells the memory reclaimer (serving/limits/memory.py).
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from serving.errors import Overloaded
-from serving.memory import Reclaimer
+from serving.limits.memory import Reclaimer
 from serving.metrics import Metrics
 
-log = logging.getLogger("serving.gate")  # its lines are the gate's
+log = logging.getLogger("serving.limits.gate")  # its lines are the gate's
 
 
 class _Watch:
@@ -89,7 +88,7 @@ class Watchdog:
 class ResponseBudget:
     """Bytes of answers built and not yet delivered: reserved when an answer is built, released when its call
     ends (delivered, or cancelled by its client). gRPC keeps an answer that its client does not read in memory;
-    this bounds the sum. A held answer counts as work in progress for the reclaimer (serving/memory.py)."""
+    this bounds the sum. A held answer counts as work in progress for the reclaimer (serving/limits/memory.py)."""
 
     def __init__(self, limit: int, metrics: Metrics, reclaimer: Reclaimer | None = None) -> None:
         self.limit = limit
@@ -147,7 +146,7 @@ class LogThrottle:
 
 class Slots:
     """Calls in progress at once, up to `limit`; past it a call is refused at once (no queue). A slot taken counts as
-    work in progress for `reclaimer` (serving/memory.py), when given."""
+    work in progress for `reclaimer` (serving/limits/memory.py), when given."""
 
     def __init__(self, limit: int, what: str, reclaimer: Reclaimer | None = None) -> None:
         self.limit, self.what = limit, what
@@ -181,65 +180,3 @@ class Slots:
             yield
         finally:
             self.release()
-
-
-class AuthThrottle:
-    """Failed authentications per peer address, in fixed windows of `window_s` from an address's first failure:
-    after `limit` of them, `blocked` says how long the address's calls are still refused. At most MAX_PEERS
-    addresses are remembered (the oldest windows are forgotten first), so that spoofed or rotating addresses
-    cannot grow it without bound."""
-
-    MAX_PEERS = 10_000
-    ABUSE = 10  # calls refused while blocked, in multiples of `limit`, past which `on_abuse` is told
-
-    def __init__(self, limit: int | None, window_s: float, metrics: Metrics,
-                 on_abuse: Callable[[str, float], None] = lambda address, seconds: None) -> None:
-        """limit None: nothing is counted and no address is blocked (behind a front proxy, which counts them).
-        on_abuse(address, seconds): a blocked address kept calling (ABUSE x limit refusals in its window): the
-        connection guard then bans it for the rest of the window, so that its calls stop costing a refusal each."""
-        self.limit, self.window_s = limit, window_s
-        self.metrics = metrics
-        self.on_abuse = on_abuse
-        self._lock = threading.Lock()
-        self._peers: dict[str, list[float]] = {}  # address -> [window start, failures, calls refused while blocked]
-
-    def blocked(self, address: str) -> float | None:
-        """Seconds the address stays blocked, or None."""
-        if self.limit is None:
-            return None
-        now = time.monotonic()
-        with self._lock:
-            state = self._peers.get(address)
-            if state is None or state[1] < self.limit or now - state[0] >= self.window_s:
-                return None
-            state[2] += 1
-            abuse = state[2] == self.ABUSE * self.limit
-        self.metrics.auth_throttled.inc()
-        left = state[0] + self.window_s - now
-        if abuse:
-            self.on_abuse(address, left)
-        return left
-
-    def failed(self, address: str) -> None:
-        if self.limit is None:
-            self.metrics.auth_failures.inc()
-            return
-        now = time.monotonic()
-        with self._lock:
-            state = self._peers.get(address)
-            if state is None or now - state[0] >= self.window_s:
-                if state is None and len(self._peers) >= self.MAX_PEERS:
-                    self._forget(now)
-                state = self._peers[address] = [now, 0, 0]
-            state[1] += 1
-            starts = state[1] == self.limit
-        self.metrics.auth_failures.inc()
-        if starts:  # one line per address and window
-            log.warning("%d failed authentications from %s within %.0f s: its calls are refused for the rest of "
-                        "the window (%.1f s)", self.limit, address, self.window_s, state[0] + self.window_s - now)
-
-    def _forget(self, now: float) -> None:
-        """Under the lock: drop ended windows, or the oldest half when none has ended."""
-        ended = [a for a, (start, *_rest) in self._peers.items() if now - start >= self.window_s]
-        for address in ended or sorted(self._peers, key=lambda a: self._peers[a][0])[:len(self._peers) // 2]:
-            del self._peers[address]

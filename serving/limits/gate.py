@@ -1,39 +1,17 @@
-"""The gate every call passes: authentication, admission, time to send the body, bytes of answers held, status codes.
+"""The gate every gRPC call passes: authentication, admission, time to send the body, bytes of answers held, codes.
 
-`Gate` is the server's one gRPC interceptor. gRPC's threaded server runs interceptors in its polling thread, before
-a handler thread is used, and then hands the call to a thread of its pool. What that thread does first is what a
-hostile client can exploit (measured with the hand-built HTTP/2 clients of tests/hostile.py):
-  - a unary handler's thread first waits for the request body, with no bound: 160 streams that send their headers
-    and never their body held every thread and every RPC slot, so that every call, health included, answered
-    RESOURCE_EXHAUSTED for as long as the client held them, and this before any token was checked;
-  - a request-streaming handler's behaviour is called at once with an iterator of messages, and the wire does not
-    say whether a method is unary or streaming.
-So every handler is re-made here as request-streaming: a call without a valid token is refused from its metadata
-before its body is read, and so is a model call when every model slot is taken, the answers in flight fill their
-budget or the batching queue is full; both refusals are made in gRPC's polling thread, where the call arrives,
-never after a wait for a thread. A unary model call takes its slot there too, before gRPC queues it for its pool,
-so that no admitted call can wait in the pool's queue (a burst admitted while slots were free would be refused
-there, after the wait). Every other call takes a slot when its thread starts (its own limit for model calls,
-another for health). Then a call reads its message under a watchdog that cancels
-it when the body has not arrived within `body_timeout_s`.
+`Gate` is the server's one gRPC interceptor. gRPC's threaded server runs interceptors in its polling thread, before a
+handler thread is taken; a unary handler's thread would then wait for the request body without bound. So every
+handler is re-made here as request-streaming, which lets the gate refuse from the call's metadata alone, before its
+body is read and without a thread: a call without a valid token, and a model call when every model slot is taken,
+the answers in flight fill their budget or the batching queue has no room for a request of max_texts. A unary model
+call takes its slot here too, so that no admitted call waits in the pool's queue. A call then reads its message
+under a watchdog that cancels it when the body has not arrived within `body_timeout_s`.
 
-The bounds themselves (slots, the answers' budget, the body watchdog, the auth throttle) are serving/limits.py.
-Failed authentications are counted per peer address (`AuthThrottle`): past `auth_failures_per_peer` in
-`auth_failure_window_s`, every call from that address is refused UNAUTHENTICATED until the window ends, with one
-answer whatever token it carries. The token is compared in constant time (hmac.compare_digest) before the peer is
-known (gRPC's interceptor is not told the peer), but while the address is blocked the comparison's result is not
-used: a right guess gets the answer a wrong one gets. Each block is logged once and counted
-(`sentiment_auth_throttled_total`). Every call also tells the connection guard (serving/guard.py) what it explains
-on its connection: its headers, its message's bytes, its cancellation, the answer it leaves unread.
-
-Health runs on a pool of its own threads (`experimental_thread_pool`, gRPC's per-handler pool), so no model
-traffic can starve it. Model calls in progress and the answers they hold count as work for the memory reclaimer
-(serving/memory.py).
-
-Errors become status codes here (ServingError subclasses; anything else is a bug: INTERNAL, and its traceback is
-logged with a rate limit, so that no client can make the log grow without bound); the health port, an asyncio
-server of its own, maps its few refusals itself (serving/health_port.py). Every call is
-counted with the code its client really got, also when a handler sets a code without raising.
+Per-address limits (connections, call rates, failed logins) are the front proxy's (deploy/proxy/): only the edge
+sees a client's real address. The bounds themselves are serving/limits/bounds.py. Health runs on a pool of its own
+threads, so no model traffic can starve it. Errors become status codes here (ServingError subclasses; anything else
+is a bug: INTERNAL, its traceback logged with a rate limit). Every call is counted with the code its client got.
 """
 
 from __future__ import annotations
@@ -50,9 +28,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from serving.errors import BodyTimeout, InvalidInput, Overloaded, ServingError, Unauthenticated
-from serving.guard import PREMATURE_S, Guard, peer_of
-from serving.limits import AuthThrottle, LogThrottle, ResponseBudget, Slots, Watchdog
-from serving.memory import Reclaimer
+from serving.limits.bounds import LogThrottle, ResponseBudget, Slots, Watchdog
+from serving.limits.memory import Reclaimer
 from serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -100,18 +77,12 @@ class Gate(grpc.ServerInterceptor):
 
     def __init__(self, metrics: Metrics, *, auth_token: str | None, max_calls: int, health_workers: int,
                  body_timeout_s: float, max_message_bytes: int, max_response_bytes: int,
-                 auth_failures_per_peer: int | None = 10, auth_failure_window_s: float = 10.0,
-                 reclaimer: Reclaimer | None = None, guard: Guard | None = None,
-                 queue_full: Callable[[], str | None] = lambda: None) -> None:
+                 reclaimer: Reclaimer | None = None, queue_full: Callable[[], str | None] = lambda: None) -> None:
         """queue_full: why the batcher might have no room for the call's texts (their number is known only once its
         body is read), or None (model calls are then refused at admission with that reason)."""
         self.metrics = metrics
         self.queue_full = queue_full
-        self.guard = guard
         self.expected = f"Bearer {auth_token}".encode() if auth_token else None
-        on_abuse = (lambda address, seconds: guard.ban(address, seconds, "auth_abuse")) if guard is not None else \
-            (lambda address, seconds: None)
-        self.auth = AuthThrottle(auth_failures_per_peer, auth_failure_window_s, metrics, on_abuse)
         self.body_timeout_s = body_timeout_s
         self.model_slots = Slots(max_calls, "model", reclaimer)
         self.health_slots = Slots(health_workers, "health")
@@ -192,13 +163,6 @@ class Gate(grpc.ServerInterceptor):
             return Overloaded(full)
         return None
 
-    def blocked_reply(self, address: str | None) -> Unauthenticated | None:
-        """The refusal for a call from an address blocked after failed authentications (whatever its token)."""
-        left = self.auth.blocked(address) if address is not None and self.expected is not None else None
-        if left is None:
-            return None
-        return Unauthenticated(f"too many failed authentications from this address; retry in {left:.0f} s")
-
     def first(self, requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Any:
         """The one message of a unary call, read under the watchdog."""
         request = self.next_message(requests, context)
@@ -210,20 +174,8 @@ class Gate(grpc.ServerInterceptor):
 
     def next_message(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """The next message of a call (None at its end); BodyTimeout when it took longer than body_timeout_s."""
-        peer = context.peer() if self.guard is not None else None
-        if peer is not None:
-            self.guard.waiting(peer, 1)
-        request = None
-        try:
-            with self.watchdog.watching(context.cancel) as watch:
-                request = next(requests, None)
-        finally:
-            if peer is not None:
-                self.guard.waiting(peer, -1)
-                if request is None:  # none, or one gRPC refused (over max_message_bytes): up to a window unread
-                    self.guard.refused(peer)
-                else:
-                    self.guard.message(peer, request.size if isinstance(request, _Malformed) else request.ByteSize())
+        with self.watchdog.watching(context.cancel) as watch:
+            request = next(requests, None)
         if watch.fired:
             raise BodyTimeout(f"request message not received within body_timeout_s={self.body_timeout_s}")
         return request
@@ -235,16 +187,8 @@ class Gate(grpc.ServerInterceptor):
             raise Overloaded(f"the answer would be {size} bytes > max_message_bytes {self.max_message_bytes}; "
                              "send fewer texts per request")
         self.budget.reserve(size)
-        peer = context.peer() if self.guard is not None else None
-        held = self.guard.hold(peer) if peer is not None else None
-
-        def delivered() -> None:
-            self.budget.release(size)
-            if held is not None:
-                self.guard.release(peer, held)
-
-        if not context.add_callback(delivered):
-            delivered()  # the call has already ended
+        if not context.add_callback(lambda: self.budget.release(size)):
+            self.budget.release(size)  # the call has already ended
         return response
 
     def log_internal(self, method: str, error: Exception) -> None:
@@ -258,21 +202,13 @@ class Gate(grpc.ServerInterceptor):
     def _refusal(self, handler: grpc.RpcMethodHandler, method: str, error: ServingError,
                  auth: bool = False) -> grpc.RpcMethodHandler:
         """A request-streaming handler that only aborts: it never reads the body, so a client that never sends it
-        holds nothing; it runs in gRPC's polling thread (`_Inline`). auth: a failed authentication, counted against
-        its address (or answered as blocked once the address is)."""
+        holds nothing; it runs in gRPC's polling thread (`_Inline`). auth: a failed authentication, counted."""
 
         def abort(requests: Iterator[Any], context: grpc.ServicerContext, *callback: Any) -> Any:
-            refusal = error
-            peer = context.peer()
-            if self.guard is not None:
-                self.guard.refused(peer)
             if auth:
-                address = (peer_of(peer) or (peer, 0))[0]
-                refusal = self.blocked_reply(address) or error
-                if refusal is error:
-                    self.auth.failed(address)
-            self.metrics.requests.labels(method, refusal.code).inc()
-            context.abort(grpc.StatusCode[refusal.code], str(refusal))
+                self.metrics.auth_failures.inc()
+            self.metrics.requests.labels(method, error.code).inc()
+            context.abort(grpc.StatusCode[error.code], str(error))
 
         abort.experimental_thread_pool = self.refusal_pool
         make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else \
@@ -291,17 +227,8 @@ class _Call:
     @contextmanager
     def _served(self, context: grpc.ServicerContext) -> Iterator[None]:
         start, code = time.perf_counter(), None
-        guard = self.gate.guard
-        prepaid, peer = self.prepaid, ""  # prepaid: a slot this call holds, released at the end whatever happens
+        prepaid = self.prepaid  # a slot this call holds, released at the end whatever happens
         try:
-            if guard is not None or self.gate.expected is not None:
-                peer = context.peer()
-            if guard is not None:
-                guard.call(peer)
-            if self.model:
-                blocked = self.gate.blocked_reply((peer_of(peer) or (peer, 0))[0])
-                if blocked is not None:  # after failed authentications: refused whatever its token
-                    raise blocked
             if not prepaid:
                 refusal = self.slots.acquire()
                 if refusal is not None:
@@ -314,9 +241,6 @@ class _Call:
             yield
         except grpc.RpcError:
             code = "CANCELLED"  # the client went away: gRPC raised this itself and ends the call quietly
-            if guard is not None:  # premature: cancelled by its client soon after its start, not by its deadline
-                soon = time.perf_counter() - start < PREMATURE_S
-                guard.cancelled(peer, premature=soon and context.time_remaining() > 0)
             raise
         except ServingError as e:
             code = e.code

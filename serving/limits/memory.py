@@ -1,30 +1,11 @@
 """Giving memory back to the system once a burst of model calls is over.
 
-A server's memory after a burst is not what its live objects need. 100 KServe calls of 512 texts whose answers a
-client never read, after 100 calls that each listed an output 7,400 times (tests/test_reliability_attacks.py), left
-the server 26-28% above its resident size before them for as long as it stayed idle. Found with /proc/PID/smaps,
-tracemalloc and gc.DEBUG_SAVEALL, in order of size:
-  - glibc kept the pages of freed blocks in its per-thread arenas (19 MB here): malloc_trim(0) returns them;
-  - reference cycles held the texts, tokens and request of every refused or cancelled call (31 calls of 512 texts,
-    about 13 MB): Python's cyclic collector frees them only after enough new allocations, which an idle server
-    never makes. Ours (a failed future and the frame that waited on it) is broken where it forms
-    (serving/servicer.py); gRPC keeps each cancelled call's RpcError in a list that its frames hold (small):
-    gc.collect() here frees those;
-  - Python's small-object allocator frees a 1 MiB arena only when every object in it is gone; reading 7,400 output
-    entries made 15,000 Python objects per call and grew it from 24 to 32 arenas, which the thread-pool threads
-    started during the burst then pinned. serving/kserve.py now counts the entries instead of reading them.
-With the three, the server is back within 1.5-2.3% (3 runs). A fourth showed later (+7-11%, idle or loaded; the
-pages of glibc's per-thread arenas): glibc's mmap threshold, which rises to the size of every large block freed,
-so that later request-sized buffers (127 KB for 512 texts) are carved from the arenas instead of mapped alone, and
-pin arena pages while a few of them live. `fix_mmap_threshold` sets it once (64 KiB by default): +0.8-1.5%.
-
-`Reclaimer` counts model calls in progress and answers held for their clients; once none has been for `settle_s`,
-it runs gc.collect() and malloc_trim(0) in a thread of its own, at most once per `every_s`, and only when work
-happened since the last time. Under steady load, or traffic whose pauses are shorter than `settle_s`, it never
-runs. What it costs: its pause (a full collection, most of it, and the trim) lands on a server idle for
-`settle_s`; the next burst then faults its pages in again. Two servers side by side, one reclaiming and one not,
-bursts of 1,000 calls after 6 s pauses (bench/memory_reclaim.py): median ratio of the rounds' rates 0.969, range
-0.934-1.099, on a shared 2-core machine.
+After a burst, an idle server holds more than its live objects need: glibc's per-thread arenas keep freed pages,
+unreachable cycles wait for a collection an idle process never triggers, and glibc's rising mmap threshold carves
+later request buffers from the arenas (docs/RELIABILITY.md, "Where an idle server's memory went", has the figures).
+`Reclaimer` counts model calls in progress and answers held; once none has been for `settle_s`, it runs
+gc.collect() and malloc_trim(0) in a thread of its own, at most once per `every_s`, and only when work happened
+since. Under steady load it never runs. `fix_mmap_threshold` pins glibc's threshold once per process.
 """
 
 from __future__ import annotations
