@@ -172,6 +172,11 @@ class Manifest:
     bundle_sha256: str = ""  # as read; `to_dict` computes it afresh
 
     @property
+    def calibrated(self) -> bool:
+        """The graphs' probabilities are calibrated: a temperature was fitted and every graph applies it."""
+        return bool(self.calibration and self.calibration.get("method") == "temperature scaling")
+
+    @property
     def temperature(self) -> float:
         """What every graph divides its logits by (1: not calibrated, a bundle before format 4)."""
         return float(self.calibration["temperature"]) if self.calibration else 1.0

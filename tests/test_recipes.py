@@ -13,7 +13,10 @@ from pathlib import Path
 import procs
 import pytest
 from procs import REPO, env
+from serving_fixtures import running_server, target
 
+from contract.manifest import CARD_FILE
+from serving.client import SentimentClient
 from trainer.config.presets import tiny
 from trainer.config.schema import ConfigError, override
 from trainer.tasks import seeds
@@ -81,10 +84,17 @@ def test_seeds_go_with_compare(base: list[str], pretrained: Path, tmp_path: Path
 # ---------------------------------------------------------------------------------------------- seeds
 
 
-def test_compare_over_seeds_reports_each_seed_its_mean_spread_and_a_paired_test(base: list[str], pretrained: Path,
-                                                                                tmp_path: Path) -> None:
-    out = tmp_path / "seeds"
+@pytest.fixture(scope="module")
+def seeds_run(base: list[str], pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """`finetune --compare --seeds 2` of the tiny preset: its folder and its stdout."""
+    out = tmp_path_factory.mktemp("recipes") / "seeds"
     p = trainer(["finetune", *base, "--pretrained", str(pretrained), "--compare", "--seeds", "2", "--out", str(out)])
+    return out, p.stdout
+
+
+def test_compare_over_seeds_reports_each_seed_its_mean_spread_and_a_paired_test(
+        seeds_run: tuple[Path, str], base: list[str], pretrained: Path, tmp_path: Path) -> None:
+    out, stdout = seeds_run
     md = (out / "compare.md").read_text()
     assert "2 seeds (0, 1:" in md and "**Verdict:** gain " in md and "paired t-test over seeds" in md
     for row in ("| 0 |", "| 1 |", "| **mean** |", "| sd (spread) |", "| TF-IDF + LR baseline"):
@@ -107,7 +117,7 @@ def test_compare_over_seeds_reports_each_seed_its_mean_spread_and_a_paired_test(
     assert rows[0].startswith("seed,epoch,scratch_valid_accuracy") and rows[-2].startswith("mean,kept,")
     assert rows[-1].startswith("sd,kept,") and sum(r.split(",")[1] == "kept" for r in rows) == 4
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "finetune: gain " in p.stdout and "paired t-test" in p.stdout
+    assert "finetune: gain " in stdout and "paired t-test" in stdout
     # The seeds differ (initial weights, data order) but not the splits, which the run's seed (0) made.
     hist = [json.loads((out / f"seed{s}" / "scratch" / "artifact" / "artifact.json").read_text())["history"]
             for s in range(2)]
@@ -128,6 +138,7 @@ def test_compare_over_seeds_reports_each_seed_its_mean_spread_and_a_paired_test(
 # and which groups' weights have moved from their initial values.
 ENGINE_STEPS = """
 import json, sys, torch
+from contract.manifest import CARD_FILE
 from trainer.config.presets import tiny
 from trainer.config.schema import override
 from trainer.engine import deepspeed_engine as eng
@@ -216,3 +227,48 @@ def test_the_task_text_stage_reads_the_training_texts_only(base: list[str], pret
     assert len(rows) - 1 == meta["steps"] and float(rows[-1].split(",")[2]) < float(rows[1].split(",")[2])
     clf = json.loads((out["a"] / "artifact" / "artifact.json").read_text())
     assert clf["pretrained_from"]["task_lm"] == str(adapted[0])
+
+
+# ---------------------------------------------------------------------------------------------- the bundle of a run
+
+
+def test_the_bundle_of_a_run_carries_its_card_and_calibration_to_the_server(seeds_run: tuple[Path, str],
+                                                                            data_dir: Path, tmp_path: Path) -> None:
+    """Fine-tuning fitted a temperature and recorded how the model was made; export puts both in the manifest and the
+    model card (whose figures are the manifest's); the server says them in GetModelMetadata."""
+    out, _ = seeds_run
+    meta = json.loads((out / "artifact" / "artifact.json").read_text())
+    cal = meta["calibration"]
+    assert cal["temperature"] > 0 and cal["fitted_on"] == "the validation split (39 examples)"
+    assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(meta["data_files"]) == {"train", "valid", "test"}
+    assert meta["data_files"]["train"]["sha256"] == sha(data_dir / meta["data_files"]["train"]["file"])
+    assert meta["command"].startswith("python -m trainer finetune --preset tiny --set data.root=") and \
+        meta["command"].endswith(f"--compare --seeds 2 --out {out}")
+    bundle = tmp_path / "bundle"
+    trainer(["export", str(out / "artifact"), "--out", str(bundle)])
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["calibration"]["temperature"] == cal["temperature"] and m["files"][CARD_FILE] == sha(bundle / CARD_FILE)
+    card = (bundle / CARD_FILE).read_text()
+    head = dict(line.split(": ", 1) for line in card.split("---\n")[1].splitlines())
+    metrics = {x["type"]: x["value"] for x in json.loads(head["model-index"])[0]["results"][0]["metrics"]}
+    ev = m["evaluation"]
+    assert json.loads(head["language"]) == "fr" == ev["language"]
+    assert metrics == {"accuracy": round(ev["test"]["accuracy"], 2), "f1": round(ev["test"]["macro_f1"], 2),
+                       "expected_calibration_error": round(m["calibration"]["test"]["ece_after"], 4)}
+    assert ev["test"]["accuracy"] == meta["test_accuracy"] and ev["seed"] == meta["seeds"]["exported_seed"]
+    base = ev["tfidf_baseline"]
+    assert f"| test accuracy (%) | {ev['test']['accuracy']:.2f} | " \
+           f"{ev['seeds']['test_accuracy_stats']['scratch']['mean']:.2f} | {base['test_accuracy']:.2f} |" in card
+    assert f"| test macro-F1 (%) | {ev['test']['macro_f1']:.2f} |" in card
+    assert f"T = {m['calibration']['temperature']:.4f}" in card
+    for role, f in meta["data_files"].items():
+        assert f"| {role} | `{f['file']}` | `{f['sha256']}` | {f['examples']} |" in card
+    assert meta["command"] in card and f"python -m trainer export {out / 'artifact'} --out BUNDLE" in card
+    assert f"at most {m['max_len']} token ids" in card and "Language: fr; domain: book reviews" in card
+    assert "| 0 | `0` | negative |" in card and "| 1 | `1` | positive |" in card
+    assert "Seeds 0, 1 (head initialisation, data order, dropout)" in card
+    with running_server(bundle) as server, SentimentClient(target(server), timeout=30) as client:
+        md = client.metadata()
+    assert md["model_card"] == card and md["probabilities_calibrated"] is True
+    assert md["calibration_temperature"] == pytest.approx(cal["temperature"], rel=1e-6)  # a float32 field

@@ -44,4 +44,7 @@ class SentimentServicer(pb_grpc.SentimentServiceServicer):
             max_chars=cfg.max_chars,
             long_text_policy=policy,
             label_values=p.label_values,
+            probabilities_calibrated=p.manifest.calibrated,
+            calibration_temperature=p.manifest.temperature,
+            model_card=p.model_card,
         )
