@@ -26,6 +26,7 @@ from contract.errors import BundleError, TokenizerError, one_line
 from contract.files import Folder
 from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS, as_dicts, expected_io, io_spec, tables
 from contract.manifest import (
+    CARD_FILE,
     GRAPH_FILES,
     MANIFEST_FILE,
     MODEL_FILE,
@@ -44,8 +45,9 @@ MAX_BYTES = {
     f"{TOKENIZER_DIR}/spm.model": 64 << 20,
     f"{TOKENIZER_DIR}/{TOKENIZER_META}": 64 << 10,
     f"{TOKENIZER_DIR}/vocab.txt": 64 << 20,
+    CARD_FILE: 1 << 20,
 }
-assert set(MAX_BYTES) == {MANIFEST_FILE, *GRAPH_FILES, *TOKENIZER_BUNDLE_FILES}
+assert set(MAX_BYTES) == {MANIFEST_FILE, *GRAPH_FILES, *TOKENIZER_BUNDLE_FILES, CARD_FILE}
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,11 @@ class Bundle:
 
     def graph_bytes(self, graph_file: str) -> bytes:
         return self.files[graph_file]
+
+    @property
+    def model_card(self) -> str:
+        """MODEL_CARD.md as verified ("" in a bundle before format 4, which has none)."""
+        return self.files.get(CARD_FILE, b"").decode("utf-8", errors="replace")
 
     @property
     def bundle_sha256(self) -> str:

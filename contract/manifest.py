@@ -6,6 +6,9 @@ A bundle folder:
   model.int8.onnx   optional: the same model with dynamic int8 weights, the graph a CPU server runs
   model.fp16.onnx   optional: fp16 weights and activations, for CUDA (`export --gpu-precision fp16`)
   tokenizer/        spm.model, vocab.txt, meta.json (contract/tokens.py; no max_len: this manifest holds it)
+  MODEL_CARD.md     the model card (trainer/export/card.py): data and its hashes, recipe, seeds, scores beside the
+                    baseline, calibration, labels, limits, the commands that reproduce it; rendered from this
+                    manifest's own fields, so its figures are the manifest's
   manifest.json     this object: which graph a server runs on which device ("serve"), how each graph was validated
                     ("graphs"), the sha256 of each file above ("files"), and its own digest: bundle_sha256, the
                     sha256 of the canonical JSON of everything else in it (keys sorted, no spaces, ASCII), so of every
@@ -28,9 +31,15 @@ manifest.json, the graphs' metadata_props): no key is called "labels" alone.
 data_fields holds the data's text and label fields the model was trained with ({"text_field", "label_field"}):
 `predict BUNDLE` and `export --check BUNDLE` read files with them unless told otherwise.
 
-Format 3 (this one) named the label names "label_names" and added data_fields. A format-2 bundle (label names under
-"labels", in manifest.json and in each graph's metadata_props) is still read, its fields taken as "text" and
-"label". Format 1 (one graph, tokenizer/tokenizer.json) is refused with the command that exports it again.
+calibration holds the temperature T fitted on the validation split at fine-tuning (trainer/calibration.py) and the
+expected calibration error before and after: every graph divides its logits by T (the served probabilities, a
+softmax of the graph's output, are the calibrated ones), and says T in its metadata_props. evaluation holds the
+source artifact's scores (validation, test, the TF-IDF baseline's, the seeds' summary) that the model card shows.
+
+Format 4 (this one) added MODEL_CARD.md, calibration and evaluation. Format 3 named the label names "label_names" and
+added data_fields; a format-3 bundle (no card, logits not calibrated) is still read, and so is a format-2 one (label
+names under "labels", in manifest.json and in each graph's metadata_props), its fields taken as "text" and "label".
+Format 1 (one graph, tokenizer/tokenizer.json) is refused with the command that exports it again.
 """
 
 from __future__ import annotations
@@ -48,13 +57,14 @@ from contract.graph import TensorSpec
 from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
 from contract.tokens import SPECIALS, TOKENIZER_FILES, check_max_len
 
-FORMAT = 3
-READABLE_FORMATS = (2, 3)  # format 2: label names under "labels" (module docstring)
+FORMAT = 4
+READABLE_FORMATS = (2, 3, 4)  # format 2: label names under "labels"; before 4: no card, no calibration (docstring)
 TASK = "sentiment-classification"
 MANIFEST_FILE = "manifest.json"
 MODEL_FILE = "model.onnx"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_BUNDLE_FILES = tuple(f"{TOKENIZER_DIR}/{name}" for name in sorted(TOKENIZER_FILES))
+CARD_FILE = "MODEL_CARD.md"
 PRECISIONS = ("fp32", "int8", "fp16")
 DEVICES = ("cpu", "cuda")  # what "serve" maps to a graph file
 # model.onnx may hold any precision (a one-graph bundle: `export --precision`); the others are named by theirs.
@@ -112,15 +122,24 @@ def names_key(fmt: int) -> str:
 
 
 def graph_metadata(label_names: list[str], label_values: list[str], max_len: int, special_ids: Mapping[str, int],
-                   tokenizer_sha256: Mapping[str, str], precision: str, fmt: int = FORMAT) -> dict[str, str]:
+                   tokenizer_sha256: Mapping[str, str], precision: str, fmt: int = FORMAT,
+                   temperature: float = 1.0) -> dict[str, str]:
     """The model-level metadata_props of a graph file (ONNX keeps strings: lists and objects as JSON); `fmt`: the
-    bundle format they belong to."""
+    bundle format they belong to; `temperature` (format 4): what the graph divides its logits by."""
     def js(value: object) -> str:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
 
-    return {"task": TASK, "bundle_format": str(fmt), names_key(fmt): js(label_names),
+    meta = {"task": TASK, "bundle_format": str(fmt), names_key(fmt): js(label_names),
             "label_values": js(label_values), "max_len": str(max_len), "special_ids": js(dict(special_ids)),
             "precision": precision, "tokenizer_sha256": js(dict(tokenizer_sha256))}
+    if fmt >= 4:
+        meta["calibration_temperature"] = repr(float(temperature))
+    return meta
+
+
+def bundle_files(graphs: Mapping[str, Any], fmt: int = FORMAT) -> tuple[str, ...]:
+    """Every file a bundle of format `fmt` with these graph files holds, manifest.json aside."""
+    return (*sorted(graphs), *TOKENIZER_BUNDLE_FILES, *((CARD_FILE,) if fmt >= 4 else ()))
 
 
 @dataclass(frozen=True)
@@ -141,11 +160,25 @@ class Manifest:
     source_artifact: dict[str, Any] = field(default_factory=dict)  # where the weights came from
     # the data's fields the model was trained with; a format-2 bundle: the readers' defaults
     data_fields: dict[str, str] = field(default_factory=lambda: {"text_field": "text", "label_field": "label"})
+    # the temperature every graph divides its logits by, where it was fitted, ECE before and after (module
+    # docstring); None: a bundle before format 4, uncalibrated
+    calibration: dict[str, Any] | None = None
+    evaluation: dict[str, Any] = field(default_factory=dict)  # the source artifact's scores (module docstring)
     format: int = FORMAT  # as read (READABLE_FORMATS); `to_dict` writes FORMAT
     versions: dict[str, str] = field(default_factory=dict)  # of the exporter's libraries
     created: str = ""
     export_seconds: float = 0.0
     bundle_sha256: str = ""  # as read; `to_dict` computes it afresh
+
+    @property
+    def calibrated(self) -> bool:
+        """The graphs' probabilities are calibrated: a temperature was fitted and every graph applies it."""
+        return bool(self.calibration and self.calibration.get("method") == "temperature scaling")
+
+    @property
+    def temperature(self) -> float:
+        """What every graph divides its logits by (1: not calibrated, a bundle before format 4)."""
+        return float(self.calibration["temperature"]) if self.calibration else 1.0
 
     def graph_for(self, device: str) -> str:
         """The graph file a server runs on `device` ("cpu" or "cuda")."""
@@ -155,7 +188,7 @@ class Manifest:
         """The metadata_props `graph_file` carries (module docstring)."""
         return graph_metadata(self.label_names, self.label_values, self.max_len, self.special_ids,
                               {rel: self.files[rel] for rel in TOKENIZER_BUNDLE_FILES},
-                              self.graphs[graph_file].precision, self.format)
+                              self.graphs[graph_file].precision, self.format, self.temperature)
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as written (format FORMAT), its digest last."""
@@ -179,6 +212,8 @@ class Manifest:
             "runtime": self.runtime.to_dict(),
             "files": self.files,
             "source_artifact": self.source_artifact,
+            "calibration": self.calibration,
+            "evaluation": self.evaluation,
             "versions": self.versions,
             "created": self.created,
             "export_seconds": self.export_seconds,
@@ -194,7 +229,7 @@ class Manifest:
         if not isinstance(m, dict):
             raise BundleError(f"{path}: expected a JSON object")
         if m.get("format") == 1:
-            readable = " and ".join(map(str, READABLE_FORMATS))
+            readable = ", ".join(map(str, READABLE_FORMATS[:-1])) + f" and {READABLE_FORMATS[-1]}"
             raise BundleError(f"{path}: format 1, a bundle from an earlier exporter (one graph, "
                               f"tokenizer/tokenizer.json); this version reads formats {readable}: {_REEXPORT}")
         fmt = m.get("format")
@@ -203,8 +238,8 @@ class Manifest:
         if m.get("task") != TASK:
             raise BundleError(f"{path}: field 'task' must be {TASK!r}, got {m.get('task')!r}")
         key = names_key(fmt)
-        if fmt == FORMAT and "labels" in m:
-            raise BundleError(f"{path}: field 'labels' is not one of format {FORMAT}: it says 'label_names' (what "
+        if fmt >= 3 and "labels" in m:
+            raise BundleError(f"{path}: field 'labels' is not one of format {fmt}: it says 'label_names' (what "
                               "the server answers) and 'label_values' (the data's values)")
         names = m.get(key)
         if (not isinstance(names, list) or len(names) < 2 or not all(isinstance(x, str) and x for x in names)
@@ -234,13 +269,16 @@ class Manifest:
         cpu_int8 = m.get("cpu_int8")
         if not (cpu_int8 is None or isinstance(cpu_int8, dict)):
             raise BundleError(f"{path}: field 'cpu_int8' must be an object or null, got {cpu_int8!r}")
+        calibration, evaluation = _calibration(m.get("calibration"), fmt, path), m.get("evaluation") or {}
+        if not isinstance(evaluation, dict):
+            raise BundleError(f"{path}: field 'evaluation' must be an object, got {evaluation!r}")
         return cls(
             label_names=list(names),
             label_values=list(values),
             max_len=max_len,
             inputs=_specs(m.get("inputs"), "inputs", path),
             outputs=_specs(m.get("outputs"), "outputs", path),
-            files=_files(m.get("files"), graphs, path),
+            files=_files(m.get("files"), graphs, path, fmt),
             graphs=graphs,
             serve=_serve(m.get("serve"), graphs, path),
             runtime=_runtime(m.get("runtime", {}), path),
@@ -250,6 +288,8 @@ class Manifest:
             cpu_int8=cpu_int8,
             source_artifact=m.get("source_artifact") or {},
             data_fields=dict(fields),
+            calibration=calibration,
+            evaluation=evaluation,
             format=fmt,
             versions=m.get("versions") or {},
             created=str(m.get("created", "")),
@@ -301,9 +341,20 @@ def _serve(value: Any, graphs: Mapping[str, Graph], path: Path) -> dict[str, str
     return {d: value[d] for d in DEVICES}
 
 
-def _files(files: Any, graphs: Mapping[str, Graph], path: Path) -> dict[str, str]:
-    """Exactly the bundle's files (the tokenizer's and the graphs'), each a relative path inside the folder with a
-    sha256."""
+def _calibration(value: Any, fmt: int, path: Path) -> dict[str, Any] | None:
+    """Format 4: an object whose temperature is a finite number > 0 (what every graph divides its logits by)."""
+    if fmt < 4:
+        return None
+    t = value.get("temperature") if isinstance(value, dict) else None
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < float("inf"):
+        raise BundleError(f"{path}: field 'calibration' must be an object whose temperature is a number > 0 (what "
+                          f"every graph divides its logits by), got {value!r}")
+    return dict(value)
+
+
+def _files(files: Any, graphs: Mapping[str, Graph], path: Path, fmt: int = FORMAT) -> dict[str, str]:
+    """Exactly the bundle's files (the tokenizer's, the graphs', the model card from format 4), each a relative path
+    inside the folder with a sha256."""
     if not isinstance(files, dict):
         raise BundleError(f"{path}: field 'files' must map file names to sha256 checksums, got {files!r}")
     for rel, digest in files.items():
@@ -312,7 +363,7 @@ def _files(files: Any, graphs: Mapping[str, Graph], path: Path) -> dict[str, str
             raise BundleError(f"{path}: files entry {rel!r} must be a relative path inside the bundle")
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest.lower()):
             raise BundleError(f"{path}: files[{rel!r}] must be a 64-digit sha256, got {digest!r}")
-    expected = (*sorted(graphs), *TOKENIZER_BUNDLE_FILES)
+    expected = bundle_files(graphs, fmt)
     for rel in expected:
         if rel not in files:
             raise BundleError(f"{path}: field 'files' lacks {rel!r}: every bundle file must have a checksum")

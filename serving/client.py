@@ -177,6 +177,9 @@ class SentimentClient:
             "max_texts": m.max_texts,
             "max_chars": m.max_chars,
             "long_text_policy": pb.LongTextPolicy.Name(m.long_text_policy),
+            "probabilities_calibrated": m.probabilities_calibrated,
+            "calibration_temperature": m.calibration_temperature,
+            "model_card": m.model_card,
         }
 
     def close(self) -> None:
@@ -226,7 +229,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--retries", type=int, default=3, help="extra attempts when the server is UNAVAILABLE")
     p.add_argument("--batch", type=int, default=32, help="texts per request (at most the server's max_texts)")
     p.add_argument("--json", action="store_true", help="one JSON object per text")
-    p.add_argument("--metadata", action="store_true", help="print the model's metadata and exit")
+    p.add_argument("--metadata", action="store_true",
+                   help="print the model's metadata and exit (its model card's length; --model-card prints it)")
+    p.add_argument("--model-card", action="store_true", help="print the model card (MODEL_CARD.md) and exit")
     p.add_argument("--token-file", help="bearer token file (also: SENTIMENT_AUTH_TOKEN)")
     p.add_argument("--tls-ca", help="CA certificate of the server (turns TLS on)")
     p.add_argument("--tls-cert", help="client certificate (mutual TLS)")
@@ -240,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         texts = list(args.texts) + (_read_lines(args.file) if args.file else [])
-        if not texts and not args.metadata:
+        if not texts and not (args.metadata or args.model_card):
             p.error("give texts as arguments or --file")
         token = os.environ.get("SENTIMENT_AUTH_TOKEN")
         if args.token_file:
@@ -251,8 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sentiment-client: error: {_file_error(e)}", file=sys.stderr)
         return 2
     try:
-        if args.metadata:
-            print(json.dumps(client.metadata(), indent=2))
+        if args.metadata or args.model_card:
+            m = client.metadata()
+            card = m.pop("model_card")
+            print(card if args.model_card else json.dumps({**m, "model_card_chars": len(card)}, indent=2), end="\n"
+                  if args.metadata else "")
             return 0
         labels = client.metadata()["label_names"]
         for chunk in _chunks(texts, max(1, args.batch)):

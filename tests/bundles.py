@@ -11,7 +11,15 @@ from pathlib import Path
 
 import onnx
 
-from contract.manifest import DIGEST_KEY, FORMAT, TOKENIZER_BUNDLE_FILES, graph_metadata, manifest_digest, names_key
+from contract.manifest import (
+    CARD_FILE,
+    DIGEST_KEY,
+    FORMAT,
+    TOKENIZER_BUNDLE_FILES,
+    graph_metadata,
+    manifest_digest,
+    names_key,
+)
 
 
 def _sha256(path: Path) -> str:
@@ -25,6 +33,8 @@ def reseal(bundle: Path, graphs: bool = True) -> None:
         if rel in m["files"] and (bundle / rel).is_file():
             m["files"][rel] = _sha256(bundle / rel)
     tokenizer = {rel: m["files"].get(rel, "") for rel in TOKENIZER_BUNDLE_FILES}
+    if CARD_FILE in m["files"] and (bundle / CARD_FILE).is_file():
+        m["files"][CARD_FILE] = _sha256(bundle / CARD_FILE)
     for name, graph in m.get("graphs", {}).items():
         path = bundle / name
         if not path.is_file() or path.is_symlink():
@@ -35,8 +45,9 @@ def reseal(bundle: Path, graphs: bool = True) -> None:
             model = onnx.load(str(path))
             del model.metadata_props[:]
             fmt = m.get("format", FORMAT)
+            temperature = (m.get("calibration") or {}).get("temperature", 1.0)
             for key, value in graph_metadata(m[names_key(fmt)], m["label_values"], m["max_len"], m["special_ids"],
-                                             tokenizer, graph["precision"], fmt).items():
+                                             tokenizer, graph["precision"], fmt, temperature).items():
                 model.metadata_props.add(key=key, value=value)
             onnx.save(model, str(path))
         m["files"][name] = _sha256(path)
@@ -44,9 +55,25 @@ def reseal(bundle: Path, graphs: bool = True) -> None:
     (bundle / "manifest.json").write_text(json.dumps(m, indent=2), encoding="utf-8")
 
 
+def as_format_3(bundle: Path) -> None:
+    """A bundle as the exporter before model cards wrote it: no MODEL_CARD.md, no calibration or evaluation, format 3
+    (its graphs' metadata_props without calibration_temperature); sealed. Its graphs still divide by the temperature:
+    only what the files say changes."""
+    def older(m: dict) -> None:
+        m["format"] = 3
+        for key in ("calibration", "evaluation"):
+            m.pop(key, None)
+        m["files"].pop(CARD_FILE, None)
+
+    edit_manifest(bundle, older, sealed=True)
+    (bundle / CARD_FILE).unlink(missing_ok=True)
+
+
 def as_format_2(bundle: Path) -> None:
-    """A bundle as the previous exporter wrote it: label names under "labels" (manifest.json and every graph's
+    """A bundle as the exporter before that wrote it: label names under "labels" (manifest.json and every graph's
     metadata_props), no data_fields, format 2; sealed."""
+    as_format_3(bundle)
+
     def older(m: dict) -> None:
         m.update(format=2, labels=m.pop("label_names"))
         del m["data_fields"]

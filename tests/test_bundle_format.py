@@ -51,7 +51,7 @@ def test_each_graph_says_what_it_is_to_any_onnx_tool(default_bundle: Path, graph
     # onnxruntime's own reader (what `get_modelmeta` tools print) sees the same.
     session = ort.InferenceSession(str(default_bundle / graph), providers=["CPUExecutionProvider"])
     assert session.get_modelmeta().custom_metadata_map == props
-    assert props["task"] == "sentiment-classification" and props["bundle_format"] == "3"
+    assert props["task"] == "sentiment-classification" and props["bundle_format"] == "4"
     assert json.loads(props["label_names"]) == m["label_names"] == ["negative", "positive"] and "labels" not in props
     assert json.loads(props["label_values"]) == m["label_values"]
     assert int(props["max_len"]) == m["max_len"] == 48
@@ -122,7 +122,7 @@ def test_a_format_1_bundle_is_refused_with_the_command_that_exports_it_again(
     with one line that says what to do."""
     edit_manifest(bundle, lambda m: m.update(format=1))
     want = "format 1, a bundle from an earlier exporter (one graph, tokenizer/tokenizer.json); this version reads " \
-           "formats 2 and 3: export it again: python -m trainer export ARTIFACT --out BUNDLE"
+           "formats 2, 3 and 4: export it again: python -m trainer export ARTIFACT --out BUNDLE"
     server = subprocess.run([sys.executable, "-m", "serving.server", str(bundle), "--port", "0", "--no-metrics"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert server.returncode == 2
@@ -161,7 +161,7 @@ def test_int8_beyond_its_bound_is_left_out_and_the_cpu_runs_fp32(tiny_classifier
     m = manifest_of(out)
     assert m["serve"] == {"cpu": "model.onnx", "cuda": "model.onnx"} and set(m["graphs"]) == {"model.onnx"}
     assert m["cpu_int8"]["accepted"] is False and m["cpu_int8"]["bound"]["max_abs_diff"] == 1e-9
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model.onnx", "tokenizer"]
+    assert sorted(p.name for p in out.iterdir()) == ["MODEL_CARD.md", "manifest.json", "model.onnx", "tokenizer"]
     assert Predictor(out, device="cpu").graph == "model.onnx"
     assert "cpu -> model.onnx (fp32)" in captured.out
 

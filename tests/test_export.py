@@ -106,7 +106,7 @@ def test_compare_counts_flips_only_outside_near_ties():
 def test_manifest_describes_the_bundle(default_bundle, tiny_classifier_artifact):
     m = manifest_of(default_bundle)
     src = json.loads((tiny_classifier_artifact / "artifact.json").read_text())
-    assert m["format"] == 3 and m["task"] == "sentiment-classification"
+    assert m["format"] == 4 and m["task"] == "sentiment-classification"
     assert {n: g["precision"] for n, g in m["graphs"].items()} == {"model.onnx": "fp32", "model.int8.onnx": "int8"}
     assert m["serve"] == {"cpu": "model.int8.onnx", "cuda": "model.onnx"}
     assert m["cpu_int8"]["accepted"] is True and m["cpu_int8"]["bound"] == dataclasses.asdict(INT8_CPU_BOUND)
@@ -118,14 +118,14 @@ def test_manifest_describes_the_bundle(default_bundle, tiny_classifier_artifact)
     assert m["inputs"] == [{"name": n, "dtype": d, "shape": ["batch", "sequence"]} for n, d in INPUTS]
     assert m["outputs"] == [{"name": OUTPUT[0], "dtype": "float32", "shape": ["batch", 2]}]
     assert set(m["files"]) == {"model.onnx", "model.int8.onnx", "tokenizer/spm.model", "tokenizer/vocab.txt",
-                               "tokenizer/meta.json"}
+                               "tokenizer/meta.json", "MODEL_CARD.md"}
     assert m["source_artifact"]["weights_sha256"] == src["weights_sha256"]
     assert {"torch", "onnx", "onnxruntime", "onnxscript"} <= set(m["versions"])
     graph = onnx.load(str(default_bundle / "model.onnx"))
     assert m["opset"] == next(o.version for o in graph.opset_import if o.domain == "") >= 18
     assert not graph.graph.initializer or all(not t.external_data for t in graph.graph.initializer)
-    assert sorted(p.name for p in default_bundle.iterdir()) == ["manifest.json", "model.int8.onnx", "model.onnx",
-                                                             "tokenizer"]
+    assert sorted(p.name for p in default_bundle.iterdir()) == ["MODEL_CARD.md", "manifest.json", "model.int8.onnx",
+                                                             "model.onnx", "tokenizer"]
     # The typed manifest writes back the very bytes the exporter wrote.
     b = verify_bundle(default_bundle)
     assert b.manifest.to_json() == (default_bundle / "manifest.json").read_text(encoding="utf-8")

@@ -58,10 +58,17 @@ class Artifact:
         """The artifact's tokenizer, cutting at its config's tokenizer.max_len."""
         return Tokenizer.load(self.tokenizer_dir, self.cfg.tokenizer.max_len)
 
+    @property
+    def temperature(self) -> float:
+        """A classifier's fitted temperature (artifact.json "calibration"; 1: none fitted, an earlier artifact)."""
+        return float((self.meta.get("calibration") or {}).get("temperature", 1.0))
+
     def model(self) -> torch.nn.Module:
-        """The model with these weights, in eval mode, fp32."""
+        """The model with these weights, in eval mode, fp32; a classifier's logits divided by its temperature."""
         m = build(self.cfg.model, self.task)
         m.load_state_dict(self.state, strict=True)
+        if self.task == "classifier":
+            m.temperature = self.temperature
         return m.eval()
 
 

@@ -74,6 +74,7 @@ class Predictor:
         b = verify_bundle(bundle)
         self.bundle_dir = b.folder
         self.manifest = b.manifest
+        self.model_card: str = b.model_card  # MODEL_CARD.md, verified ("" before bundle format 4)
         self.bundle_sha256 = b.bundle_sha256  # the manifest's own digest, over every file: GetModelMetadata says it
         self.label_names: list[str] = list(b.manifest.label_names)  # what clients get, in logit order
         self.label_values: list[str] = list(b.manifest.label_values)  # the data's value of each label, same order

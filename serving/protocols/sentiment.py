@@ -49,4 +49,7 @@ def metadata(core: ServingCore) -> pb.GetModelMetadataResponse:
         max_chars=cfg.max_chars,
         long_text_policy=policy,
         label_values=p.label_values,
+        probabilities_calibrated=p.manifest.calibrated,
+        calibration_temperature=p.manifest.temperature,
+        model_card=p.model_card,
     )

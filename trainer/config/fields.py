@@ -104,7 +104,9 @@ def closest_keys(key: str, valid: list[str]) -> list[str]:
     same_top = [k for k in hits if k.split(".")[0] == top and "." in key]
     ranked = sorted(same_top or hits, key=lambda k: (k.rpartition(".")[0] != parent, _leaf(k) not in exact,
                                                      -difflib.SequenceMatcher(None, leaf, _leaf(k)).ratio()))
-    return ranked[:2]
+    # A name found at several depths: the shallowest (finetune.optim.lr, not finetune.task_lm.optim.lr)
+    depth = {_leaf(k): min(h.count(".") for h in ranked if _leaf(h) == _leaf(k)) for k in ranked}
+    return [k for k in ranked if k.count(".") == depth[_leaf(k)]][:2]
 
 
 def unknown_key(key: str, valid: list[str]) -> ConfigError:

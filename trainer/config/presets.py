@@ -44,6 +44,8 @@ def cls_books(**changes: typing.Any) -> DataConfig:
         test="cls-books-fr/test.review.spm",
         labels=["0", "1"],
         label_names=["negative", "positive"],
+        language="fr",
+        domain="book reviews (Amazon, the CLS corpus's books category)",
     )
     return dataclasses.replace(base, **changes)
 
@@ -113,6 +115,8 @@ def english() -> RunConfig:
             extra_test=["imdb/test.jsonl.gz", "sst2/dev.tsv", "sst2/test.tsv"],
             labels=["0", "1"],
             label_names=["negative", "positive"],
+            language="en",
+            domain="movie reviews (IMDB; SST-2's sentences scored too)",
         ),
         # 65,367 packed windows of 256 ids, 4,085 steps a pass: max_steps ends the run in the third pass (with
         # max_steps set, epochs does not bound the run)
@@ -176,3 +180,14 @@ def preset(name: str) -> RunConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]()
+
+
+def overrides(cfg: RunConfig) -> dict[str, typing.Any]:
+    """The keys where a resolved config differs from its preset's values ("key": value, flat), data.root aside (where
+    the data sets are on that machine, not what they are); {} for a preset this code no longer has."""
+    from trainer.config.schema import flatten
+
+    if cfg.preset not in PRESETS:
+        return {}
+    mine, base = flatten(cfg.to_dict()), flatten(preset(cfg.preset).to_dict())
+    return {k: v for k, v in mine.items() if k != "data.root" and base.get(k) != v}

@@ -106,6 +106,8 @@ class DataConfig:
     max_train_examples: Count = 0  # 0 = all; else N training examples, seeded sample (quick runs)
     max_valid_examples: Count = 0  # 0 = all; else a seeded sample of N validation examples
     max_test_examples: Count = 0  # 0 = all; else a seeded sample of N test examples per epoch (all once at the end)
+    language: str = ""  # the texts' language as a BCP 47 tag (fr, en): the model card states it ("": not stated)
+    domain: str = ""  # what the texts are (book reviews, tweets): the model card states it ("": not stated)
 
     def __post_init__(self) -> None:
         if self.labels and (len(self.labels) < 2 or len(set(self.labels)) != len(self.labels)):
@@ -208,6 +210,22 @@ class PretrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
+@section("task_lm")
+class TaskLMConfig:
+    """A language-model stage on the training split's texts before the head is fitted (ULMFiT's second stage; TAPT in
+    "Don't Stop Pretraining"): the pretrained LM continues with its own objective on the labelled training texts,
+    packed into windows; validation and test texts are never read. Runs from a pretrained encoder only."""
+
+    epochs: Count = 0  # passes over the training texts' windows (0: no stage)
+    micro_batch: Count = 0  # windows per rank per micro-step (0: pretrain.micro_batch)
+    seq_len: Annotated[int, Field(ge=0)] = 0  # window length in ids, 0 or >= 2 (0: pretrain.seq_len)
+
+    def __post_init__(self) -> None:
+        if self.seq_len == 1:
+            raise ConfigError("finetune.task_lm.seq_len must be 0 (pretrain.seq_len) or >= 2, got 1")
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-4))
+
+
 @section("finetune")
 class FinetuneConfig:
     """Classification fine-tuning (a new head on the encoder)."""
@@ -225,6 +243,13 @@ class FinetuneConfig:
     # and character 2-5-grams, word n-grams only (far cheaper on long texts: docs/RESULTS.md), or none
     tfidf_baseline: Literal["word+char", "word", "none"] = "word+char"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    # Layer-wise learning-rate decay, pretrained encoder only: the head trains at optim.lr, the layer below it at
+    # lr x decay, the next at lr x decay^2, ..., the embedding at lr x decay^(n_layers + 1); 1: one rate for all
+    layer_lr_decay: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    # Gradual unfreezing, pretrained encoder only: the head trains alone, then every this many epochs the next group
+    # down (top layer first, the embedding last) joins it at its rate; 0: every group trains from the first step
+    unfreeze_epochs: NonNegative = 0.0
+    task_lm: TaskLMConfig = field(default_factory=TaskLMConfig)
 
 
 @section("")
@@ -252,6 +277,8 @@ class RunConfig:
                               f"classes {self.data.labels}")
         check_positions(tc.max_len, m, "tokenizer.max_len")
         check_positions(self.pretrain.seq_len, m, "pretrain.seq_len")
+        if self.finetune.task_lm.seq_len:
+            check_positions(self.finetune.task_lm.seq_len, m, "finetune.task_lm.seq_len")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,6 +17,7 @@ a global batch (trainer/engine/loop.py `micro_batches`): 2 ranks x B read exactl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -66,10 +67,31 @@ def permute(i: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
     return y.astype(np.int64)
 
 
-class Windows:
-    """Full windows of seq_len + overlap tokens over the stream span [lo, hi) of a prepared corpus."""
+class TokenStream(Protocol):
+    """What windows read: a prepared corpus on disk, or `MemoryStream`."""
 
-    def __init__(self, corpus: PreparedCorpus, lo: int, hi: int, seq_len: int, overlap: int) -> None:
+    n_tokens: int
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Ids [a, b) of the stream, (b - a,) int64."""
+
+
+class MemoryStream:
+    """Sequences of ids back to back in memory (fine-tuning's task-text stage: trainer/tasks/task_lm.py)."""
+
+    def __init__(self, seqs: Sequence[Sequence[int]]) -> None:
+        self.ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in seqs]) if seqs else np.empty(0, np.int64)
+        self.n_tokens = len(self.ids)
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        return self.ids[a:b]
+
+
+class Windows:
+    """Full windows of seq_len + overlap tokens over the stream span [lo, hi) of a prepared corpus (or any
+    TokenStream)."""
+
+    def __init__(self, corpus: TokenStream, lo: int, hi: int, seq_len: int, overlap: int) -> None:
         if seq_len < 1 or overlap not in (0, 1) or not 0 <= lo <= hi <= corpus.n_tokens:
             raise ValueError(f"bad windows: seq_len {seq_len}, overlap {overlap}, span [{lo}, {hi})")
         self.corpus, self.lo, self.hi, self.seq_len, self.overlap = corpus, lo, hi, seq_len, overlap

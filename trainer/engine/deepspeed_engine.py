@@ -48,7 +48,7 @@ from trainer.engine.distributed import (  # noqa: F401  (re-exported: the stages
     world_size,
 )
 from trainer.engine.ds_config import BatchPlan, Stage, check_keys, ds_config, known_keys, precision_of  # noqa: F401
-from trainer.engine.optimizer import lr_factor  # noqa: F401
+from trainer.engine.optimizer import LrGroup, lr_factor  # noqa: F401
 from trainer.engine.process import finish, init_distributed, local_env, package_versions  # noqa: F401
 
 # The only objects besides tensors and plain containers that a DeepSpeed checkpoint may unpickle: what the ZeRO 1/2
@@ -67,37 +67,48 @@ def compiles(setting: str, device: torch.device) -> bool:
 
 
 def initialize(model: torch.nn.Module, ds: dict[str, Any], optim: OptimConfig, total_steps: int,
-               engine_cfg: EngineConfig | None = None) -> Any:
+               engine_cfg: EngineConfig | None = None, groups: list[LrGroup] | None = None) -> Any:
     """A DeepSpeed engine around `model`. Our schedule drives the lr unless the user's JSON names a "scheduler".
     `engine_cfg` (the run's engine section; None: neither of these): engine.compile resolving to on compiles the
     engine's module in place (DeepSpeed's engine.compile(): inductor; parameter names, checkpoints and artifacts
-    unchanged); engine.deterministic picks deterministic kernels (`deterministic`)."""
+    unchanged); engine.deterministic picks deterministic kernels (`deterministic`). `groups` (None: one group of
+    every parameter): the optimizer's parameter groups, each at its share of the schedule's lr (optimizer.LrGroup;
+    a user's "scheduler" would replace those shares, so the two are exclusive)."""
     if engine_cfg is not None and engine_cfg.deterministic:
         deterministic()
-    scheduler = None if "scheduler" in ds else optimizer.schedule(optim, total_steps)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=optimizer.param_groups(model),
+    if groups and "scheduler" in ds:
+        raise EngineConfigError("the DeepSpeed JSON names a \"scheduler\", which would replace the per-group learning "
+                                "rates of finetune.layer_lr_decay / unfreeze_epochs: drop one of them")
+    scheduler = None if "scheduler" in ds else optimizer.schedule(optim, total_steps, groups)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=optimizer.param_groups(model, groups),
                                            config=copy.deepcopy(ds), lr_scheduler=scheduler)
     if world_size() == 1 and engine.zero_optimization_stage() == 0:
         # Alone, DeepSpeed would still copy every gradient into a flat buffer, all-reduce it over a group of one and
         # copy it back. DeepSpeed's own switch; ZeRO 1/2 need that pass to fill their gradient partitions.
         engine.enable_backward_allreduce = False
     if engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
-        step_like_torch(engine)
+        step_like_torch(engine, bool(groups))
     if engine_cfg is not None and compiles(engine_cfg.compile, torch.device(get_accelerator().device_name())):
         engine.compile()
     return engine
 
 
-def step_like_torch(engine: Any) -> None:
+def step_like_torch(engine: Any, grouped: bool = False) -> None:
     """At ZeRO 0 with fp32 weights (the optimizer used bare), clip and clear the gradients as the plain loop does.
 
     DeepSpeed's own clipping there takes a norm and a mul_ per tensor, all-reduces the total over the data-parallel
     group (for MoE: every rank here holds the same averaged gradients) and copies constants to the device; torch's
     clip_grad_norm_ is the same formula (max_norm / (norm + 1e-6), at most 1) in foreach kernels with no sync. Its
     zero_grad walks the module's named parameters in Python; the optimizer's sets the same gradients to None. ZeRO 1-3
-    and DeepSpeed's bf16/fp16 modes do both inside their optimizer wrappers: untouched."""
-    engine.clip_fp32_gradients = lambda: torch.nn.utils.clip_grad_norm_(engine.module.parameters(),
-                                                                         engine.gradient_clipping())
+    and DeepSpeed's bf16/fp16 modes do both inside their optimizer wrappers: untouched. `grouped` (parameter groups
+    of their own lr, LrGroup): a frozen group's (lr 0) gradients stay out of the norm; counted, they would shrink the
+    steps of the groups that train."""
+    def training() -> Any:
+        if not grouped:
+            return engine.module.parameters()
+        return [p for g in engine.optimizer.param_groups if g["lr"] > 0 for p in g["params"]]
+
+    engine.clip_fp32_gradients = lambda: torch.nn.utils.clip_grad_norm_(training(), engine.gradient_clipping())
     engine.zero_grad = lambda *_, **__: engine.optimizer.zero_grad(set_to_none=True)
 
 

@@ -8,8 +8,10 @@ bench/train_throughput.py's plain loop builds torch's Adam from the same groups 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,11 +21,28 @@ from trainer.config.schema import OptimConfig
 Scheduler = torch.optim.lr_scheduler.LambdaLR
 
 
-def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
-    """The optimizer's parameter groups: today one, every parameter at the stage's lr and weight decay. A group's own
-    "lr" or "weight_decay" overrides the optimizer's for its parameters (torch.optim's rule, kept by DeepSpeed and
-    its ZeRO stages); the schedule then scales each group's lr by `lr_factor`."""
-    return [{"params": list(model.parameters())}]
+@dataclass(frozen=True)
+class LrGroup:
+    """One optimizer parameter group and its share of the schedule's lr: `rate` from step `start` on, 0 before it
+    (Adam leaves a parameter at lr 0 exactly as it is: a frozen group). trainer/tasks/lr_groups.py builds them for
+    layer-wise decay and gradual unfreezing."""
+
+    name: str
+    params: list[torch.nn.Parameter]
+    rate: float = 1.0
+    start: int = 0
+
+    def factor(self, step: int, optim: OptimConfig, total_steps: int) -> float:
+        return self.rate * lr_factor(step, optim, total_steps) if step >= self.start else 0.0
+
+
+def param_groups(model: torch.nn.Module, groups: list[LrGroup] | None = None) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: one of every parameter at the stage's lr and weight decay, or `groups`'
+    (None: the one). A group's own "lr" or "weight_decay" would override the optimizer's for its parameters
+    (torch.optim's rule, kept by DeepSpeed and its ZeRO stages); the schedule scales each group's lr by its factor."""
+    if not groups:
+        return [{"params": list(model.parameters())}]
+    return [{"params": g.params} for g in groups]
 
 
 def ds_section(optim: OptimConfig, cuda: bool) -> dict[str, Any]:
@@ -43,10 +62,17 @@ def ds_section(optim: OptimConfig, cuda: bool) -> dict[str, Any]:
     }
 
 
-def schedule(optim: OptimConfig, total_steps: int) -> Callable[[torch.optim.Optimizer], Scheduler]:
-    """What builds the lr scheduler from the optimizer (DeepSpeed's `lr_scheduler` argument takes such a callable)."""
+def schedule(optim: OptimConfig, total_steps: int,
+             groups: list[LrGroup] | None = None) -> Callable[[torch.optim.Optimizer], Scheduler]:
+    """What builds the lr scheduler from the optimizer (DeepSpeed's `lr_scheduler` argument takes such a callable):
+    one factor per group of `param_groups(model, groups)`, each group at its share (LrGroup.factor)."""
+    if not groups:
+        factors: Any = lambda s: lr_factor(s, optim, total_steps)  # noqa: E731
+    else:
+        factors = [functools.partial(g.factor, optim=optim, total_steps=total_steps) for g in groups]
+
     def build(opt: torch.optim.Optimizer) -> Scheduler:
-        return Scheduler(opt, lambda s: lr_factor(s, optim, total_steps))
+        return Scheduler(opt, factors)
 
     return build
 

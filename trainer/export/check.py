@@ -34,7 +34,9 @@ def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | 
     Returns {"bundle", "bundle_sha256", "file", "fields", "examples", "blank_skipped", "artifact", "graphs": {file:
     {"precision", "serves" (devices), "provider", "bundle_accuracy", and with PyTorch "torch_accuracy",
     "accuracy_change_points", "label_agreement", "max_abs_diff"}}, "label_values", "label_names", "tfidf_baseline":
-    {method, recipe, C, "accuracy", "macro_f1", "verdicts": {graph: line}} or {"skipped": why}}. The file's fields:
+    {method, recipe, C, "accuracy", "macro_f1", "verdicts": {graph: line}} or {"skipped": why}, "calibration": the
+    manifest's}; each graph's report also holds "ece_served" and "ece_uncalibrated" (its logits times the
+    manifest's temperature: what they were before it). The file's fields:
     `text_field` / `label_field`, else those the bundle was trained with (manifest data_fields). Blank texts are
     skipped and counted. tfidf=False: no baseline (it needs the source artifact's training data)."""
     b = verify_bundle(bundle)
@@ -62,13 +64,15 @@ def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | 
     for name, graph in m.graphs.items():
         serves = [d for d in DEVICES if m.serve[d] == name]
         served = served_graph(b, name, prefer_gpu=prefer_gpu and "cuda" in serves)
-        report = score_data(served.session, seqs, labels, PAD, reference, batch_size, graph.per_row)
+        report = score_data(served.session, seqs, labels, PAD, reference, batch_size, graph.per_row,
+                            m.temperature)
         graphs[name] = {"precision": graph.precision, "serves": serves, "provider": served.provider, **report}
     base = tfidf_baseline(art, examples, graphs, str(data_file)) if tfidf else None
     return {"bundle": str(b.folder), "bundle_sha256": b.bundle_sha256, "file": str(data_file),
             "fields": dict(zip(("text_field", "label_field"), fields, strict=True)), "examples": len(seqs),
             "blank_skipped": len(blank), "artifact": str(source) if model is not None else None, "graphs": graphs,
-            "label_values": list(m.label_values), "label_names": list(m.label_names), "tfidf_baseline": base}
+            "label_values": list(m.label_values), "label_names": list(m.label_names), "tfidf_baseline": base,
+            "calibration": m.calibration}
 
 
 def tfidf_baseline(art: artifact_mod.Artifact | None, examples: list[Example], graphs: dict[str, dict[str, Any]],

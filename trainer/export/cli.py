@@ -176,7 +176,10 @@ def check(args: argparse.Namespace) -> int:
         if "torch_accuracy" in g:
             line += (f"; PyTorch {g['torch_accuracy']:.2f}%, label agreement {g['label_agreement']:.2%}, "
                      f"max |logit diff| {g['max_abs_diff']:.3g}")
-        print(line)
+        print(line + f"; ECE {g['ece_uncalibrated']:.4f} uncalibrated -> {g['ece_served']:.4f} served")
+    cal = report["calibration"]
+    print(f"  calibration: temperature {cal['temperature']:.4f} in every graph, fitted on {cal['fitted_on']}" if cal and
+          cal.get("applied_in_graphs") else "  calibration: none (the probabilities served are the raw softmax)")
     if report["artifact"] is None:
         print("  no source artifact found: pass --artifact to compare with PyTorch")
     tfidf = report["tfidf_baseline"]

@@ -11,6 +11,7 @@ import onnxruntime as ort
 from torch import nn
 
 from contract.runtime import inference_session
+from trainer.calibration import ece, softmax
 from trainer.data.readers import read_labeled
 from trainer.data.tokenizer import Tokenizer
 from trainer.export.errors import ExportValidationError
@@ -68,11 +69,16 @@ def predict(run: Callable[[np.ndarray, np.ndarray], np.ndarray], seqs: list[list
 
 
 def score_data(session: ort.InferenceSession, seqs: list[list[int]], labels: np.ndarray, pad_id: int,
-               reference: np.ndarray | None = None, batch_size: int = 32, per_row: bool = False) -> dict[str, Any]:
+               reference: np.ndarray | None = None, batch_size: int = 32, per_row: bool = False,
+               temperature: float | None = None) -> dict[str, Any]:
     """Accuracy of a graph (run as `graph_logits` says) and, given PyTorch's (N, C) logits on the same sequences
-    (`reference`), PyTorch's accuracy and their label agreement."""
+    (`reference`), PyTorch's accuracy and their label agreement. With the `temperature` the graph divides its logits
+    by: the expected calibration error of its probabilities as served and as they were before (logits x T)."""
     got = predict(graph_logits(session, per_row), seqs, pad_id, batch_size)
     out: dict[str, Any] = {"examples": len(seqs), "bundle_accuracy": accuracy(got, labels)}
+    if temperature is not None:
+        out["ece_served"] = ece(softmax(got), labels)
+        out["ece_uncalibrated"] = ece(softmax(got, 1.0 / temperature), labels)
     if reference is not None:
         out["torch_accuracy"] = accuracy(reference, labels)
         out["accuracy_change_points"] = round(out["bundle_accuracy"] - out["torch_accuracy"], 3)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import datetime as dt
 import platform
+import shlex
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 
 from contract.graph import expected_io
 from contract.manifest import (
+    CARD_FILE,
     EXTRA_GRAPH_FILES,
     MANIFEST_FILE,
     MODEL_FILE,
@@ -45,6 +47,7 @@ from trainer.artifact import replace_dir, write_text_atomic
 from trainer.atomic import sha256_file, temp_dir
 from trainer.config.schema import check_positions
 from trainer.data.tokenizer import Tokenizer
+from trainer.export import card
 from trainer.export.errors import ExportError, ExportValidationError
 from trainer.export.graph import check_graph, export_onnx
 from trainer.export.precision import INT8_CPU_BOUND, TOLERANCES, Tolerance, convert_fp16, quantize_int8
@@ -99,6 +102,18 @@ class ExportOptions:
         """An int8 graph's quantization record in the manifest."""
         return {"method": "dynamic", "weight_type": "int8", "per_channel": self.per_channel,
                 "reduce_range": self.reduce_range}
+
+    def command(self, artifact: Path) -> str:
+        """The export command with these options (those at their defaults left out); --out BUNDLE, so that exporting
+        one artifact gives the same bytes wherever the bundle goes."""
+        flags = [("--precision", self.precision, AUTO), ("--gpu-precision", self.gpu_precision, "fp32"),
+                 ("--optimize", self.optimize, DEFAULT_OPT_LEVEL), ("--max-len", self.max_len, None)]
+        parts = ["python", "-m", "trainer", "export", str(artifact), "--out", "BUNDLE"]
+        parts += [x for flag, value, default in flags if value != default for x in (flag, str(value))]
+        parts += [flag for flag, on in (("--save-optimized", self.save_optimized), ("--per-channel", self.per_channel),
+                                        ("--reduce-range", self.reduce_range),
+                                        ("--no-fuse-attention", not self.fuse_attention)) if on]
+        return shlex.join(parts)
 
     def graphs(self) -> list[tuple[str, str]]:
         """(graph file, precision) to write, model.onnx first."""
@@ -155,8 +170,10 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
         check_graph(graph, mcfg.num_classes, "exported fp32 graph")
         opset_imports = {o.domain or "ai.onnx": o.version for o in graph.opset_import}
         del graph  # the lab-size graph holds 48 MB of weights; the stages below read it from disk
+        calibration = card.calibration_of(art.meta)
         for name, precision in opt.graphs():
-            meta = graph_metadata(label_names, label_values, max_len, SPECIALS, tokenizer_sha256, precision)
+            meta = graph_metadata(label_names, label_values, max_len, SPECIALS, tokenizer_sha256, precision,
+                                  temperature=calibration["temperature"])
             _write_graph(fp32, tmp, name, precision, opt, meta, mcfg.num_classes)
         fp32.unlink()
 
@@ -189,10 +206,15 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
                 "parameters": art.meta.get("parameters"),
                 "model": asdict(mcfg),
             },
+            calibration=calibration,
+            evaluation=card.evaluation(art.meta, art.cfg),
             versions=exporter_versions(),
             created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             export_seconds=round(time.perf_counter() - t0, 2),
         )
+        # The card reads the manifest; then the manifest lists the card (and its digest covers it).
+        write_text_atomic(tmp / CARD_FILE, card.render(manifest, opt.command(art.path)))
+        manifest = replace(manifest, files={**manifest.files, CARD_FILE: sha256_file(tmp / CARD_FILE)})
         write_text_atomic(tmp / MANIFEST_FILE, manifest.to_json())
         replace_dir(tmp, out)
     except BaseException:

@@ -146,16 +146,20 @@ class Classifier(nn.Module):
         # mean of all real positions carries what the encoder learned about the text itself.
         self.pool = MeanPool() if cfg.pooling == "mean" else None
         self.head = _init_head(nn.Linear(cfg.d_model, cfg.num_classes))
+        # The logits are divided by it: a calibration fitted on validation after training (trainer/calibration.py),
+        # set from the artifact; 1 while training. A constant in an exported graph.
+        self.temperature = 1.0
 
     def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-        """(B, T), (B, T) -> (B, C) logits."""
+        """(B, T), (B, T) -> (B, C) logits (divided by `temperature`)."""
         h = self.encoder(input_ids, padding_mask, self.cfg.classifier_causal)  # (B, T, d)
         if self.pool is not None:
             pooled = self.pool(h, padding_mask)  # (B, d)
         else:
             last = (~padding_mask).sum(dim=1) - 1  # (B,) index of the last real token
             pooled = h[torch.arange(h.shape[0], device=h.device), last]  # (B, d)
-        return self.head(pooled)
+        logits = self.head(pooled)  # (B, C)
+        return logits if self.temperature == 1.0 else logits / self.temperature
 
 
 def build(cfg: ModelConfig, task: str) -> LanguageModel | Classifier:

@@ -6,6 +6,7 @@ validation and test scores, the epoch kept (the first with the best validation s
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from trainer.data.labelled import Split
 from trainer.engine import checkpoint as ckpt
 from trainer.engine import deepspeed_engine as eng
 from trainer.engine import loop, monitor
+from trainer.engine.distributed import all_gather_bytes
 from trainer.metrics import summarize, summary_line
 
 EVAL_BATCH = 64  # evaluation batch (no gradients, so larger than training batches)
@@ -48,13 +50,14 @@ class ClassifierTask:
     plan: eng.BatchPlan
     info: eng.DistInfo
     kept_path: Path  # RUN/best.safetensors
+    seed: int  # the data order's (the run's training seed)
     total: int = 0  # optimizer steps of the run
     log: monitor.RunLog | None = None  # where the per-epoch lines go (set once the run's log is open)
     epoch_loss: float = 0.0  # summed loss of the epoch's log intervals (all ranks)
     epoch_n: int = 0  # examples of those intervals
 
     def batches(self, epoch: int) -> list[list[int]]:
-        return loop.full_batches(bucket_batches(self.sets.train.lengths, self.plan.global_batch, self.cfg.seed,
+        return loop.full_batches(bucket_batches(self.sets.train.lengths, self.plan.global_batch, self.seed,
                                                 epoch), self.plan)
 
     def inputs(self, part: list[int], epoch: int) -> tuple[torch.Tensor, ...]:
@@ -145,3 +148,32 @@ def confusion_of(model: torch.nn.Module, split: Split, info: eng.DistInfo, class
         cm += torch.bincount(labels * classes + model(ids, pad).argmax(dim=-1), minlength=classes * classes)
     model.train(was_training)
     return np.rint(eng.all_reduce_sum(cm.cpu().tolist())).astype(np.int64).reshape(classes, classes)
+
+
+def confusion(logits: np.ndarray, labels: np.ndarray, classes: int) -> np.ndarray:
+    """(C, C) confusion matrix (rows true, columns predicted) of (N, C) logits."""
+    return np.bincount(labels * classes + logits.argmax(axis=1), minlength=classes * classes).reshape(classes, classes)
+
+
+@torch.no_grad()
+def logits_of(model: torch.nn.Module, split: Split, info: eng.DistInfo) -> tuple[np.ndarray, np.ndarray]:
+    """(N, C) float32 logits and (N,) labels of a split, on every rank: each rank scores a share (as confusion_of),
+    then the shares are gathered (np.save'd, no pickle). Rows in batch order, not the split's."""
+    was_training = model.training
+    model.eval()
+    batches = bucket_batches(split.lengths, EVAL_BATCH, 0, 0, shuffle=False)
+    rows, labels = [], []
+    for idx in batches[info.rank::info.world_size]:
+        ids, pad, lab = loop.to_device(split.batch(idx), info.device)
+        rows.append(model(ids, pad).float().cpu().numpy())
+        labels.append(lab.cpu().numpy())
+    model.train(was_training)
+    buf = io.BytesIO()
+    np.save(buf, np.concatenate(rows) if rows else np.empty((0, 0), np.float32))
+    np.save(buf, np.concatenate(labels) if labels else np.empty(0, np.int64))
+    sizes = [int(n) for n in eng.all_reduce_sum([buf.tell() if r == info.rank else 0
+                                                  for r in range(info.world_size)])]
+    parts = [io.BytesIO(b) for b in all_gather_bytes(buf.getvalue(), max(sizes))]
+    got = [(np.load(b, allow_pickle=False), np.load(b, allow_pickle=False)) for b in parts]
+    got = [(z, y) for z, y in got if len(y)]
+    return np.concatenate([z for z, _ in got]), np.concatenate([y for _, y in got])

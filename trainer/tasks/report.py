@@ -49,6 +49,7 @@ def run_metrics(cfg: RunConfig, name: str, result: dict[str, Any],
         "test": final["test"],
         "extra_test": final["extra"],
         "tfidf_baseline": tfidf,
+        "calibration": result.get("calibration"),
         "verdicts": verdicts(name, final, tfidf),
         "per_epoch": [{"epoch": h["epoch"], "step": h["step"], "train_loss": h["train_loss"],
                        "valid_accuracy": h["valid"]["accuracy"], "valid_macro_f1": h["valid"]["macro_f1"],
@@ -116,6 +117,12 @@ def compare_md(results: dict[str, dict[str, Any]], cfg: RunConfig, pretrained: a
               diff=False)]
     md += [row(f"`{f}` accuracy (%)", m["accuracy"], fp["extra"][f]["accuracy"], tf=tf(f))
            for f, m in fs["extra"].items()]
+    if s.get("calibration") and p.get("calibration"):
+        def ece(r: dict[str, Any]) -> str:
+            c = r["calibration"]
+            return f"{c['test']['ece_before']:.3f} -> {c['test']['ece_after']:.3f} (T = {c['temperature']:.2f})"
+
+        md.append(f"| test ECE, raw -> calibrated (temperature fitted on validation) | {ece(s)} | {ece(p)} | | |")
     if tfidf:
         md += ["", *(f"- {line}" for name, r in (("from scratch", s), ("pretrained", p))
                      for line in verdicts(name, r["final"], tfidf))]

@@ -47,7 +47,7 @@ class GetModelMetadataRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelMetadataResponse(_message.Message):
-    __slots__ = ("model_name", "labels", "max_tokens", "bundle_sha256", "execution_provider", "precision", "max_texts", "max_chars", "long_text_policy", "label_values")
+    __slots__ = ("model_name", "labels", "max_tokens", "bundle_sha256", "execution_provider", "precision", "max_texts", "max_chars", "long_text_policy", "label_values", "probabilities_calibrated", "calibration_temperature", "model_card")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,9 @@ class GetModelMetadataResponse(_message.Message):
     MAX_CHARS_FIELD_NUMBER: _ClassVar[int]
     LONG_TEXT_POLICY_FIELD_NUMBER: _ClassVar[int]
     LABEL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITIES_CALIBRATED_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CARD_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     labels: _containers.RepeatedScalarFieldContainer[str]
     max_tokens: int
@@ -68,4 +71,7 @@ class GetModelMetadataResponse(_message.Message):
     max_chars: int
     long_text_policy: LongTextPolicy
     label_values: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., bundle_sha256: _Optional[str] = ..., execution_provider: _Optional[str] = ..., precision: _Optional[str] = ..., max_texts: _Optional[int] = ..., max_chars: _Optional[int] = ..., long_text_policy: _Optional[_Union[LongTextPolicy, str]] = ..., label_values: _Optional[_Iterable[str]] = ...) -> None: ...
+    probabilities_calibrated: bool
+    calibration_temperature: float
+    model_card: str
+    def __init__(self, model_name: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., bundle_sha256: _Optional[str] = ..., execution_provider: _Optional[str] = ..., precision: _Optional[str] = ..., max_texts: _Optional[int] = ..., max_chars: _Optional[int] = ..., long_text_policy: _Optional[_Union[LongTextPolicy, str]] = ..., label_values: _Optional[_Iterable[str]] = ..., probabilities_calibrated: _Optional[bool] = ..., calibration_temperature: _Optional[float] = ..., model_card: _Optional[str] = ...) -> None: ...
