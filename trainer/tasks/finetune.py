@@ -93,7 +93,8 @@ def main(args: argparse.Namespace) -> int:
             pretrained, compare, seeds = previous_options(Path(args.out), compare, seeds)
         opts = cli.run_options(args, FinetuneOptions, pretrained=Path(pretrained) if pretrained else None,
                                compare=compare, seeds=seeds or 1)
-        opts = dataclasses.replace(opts, command=provenance.command_line(args, opts))
+        opts = dataclasses.replace(opts, command=provenance.command_line(
+            args, opts.out, opts.pretrained, opts.compare, opts.seeds))
         run(resolve_config(config_choice(args), opts.pretrained), opts)
 
     on_every_rank(stage)

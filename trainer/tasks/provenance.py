@@ -6,29 +6,27 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from trainer.artifact import sha256_file
 from trainer.config.schema import RunConfig
 from trainer.data.labelled import Labelled
 
-if TYPE_CHECKING:
-    from trainer.tasks.finetune import FinetuneOptions
 
-
-def command_line(args: argparse.Namespace, opts: FinetuneOptions) -> str:
-    """The command that runs this fine-tuning again (the model card quotes it); a resumed run's: the one that
-    started it (its env.json)."""
+def command_line(args: argparse.Namespace, out: Path, pretrained: Path | None, compare: bool, seeds: int) -> str:
+    """The command that runs this fine-tuning into `out` again (the model card quotes it); a resumed run's: the one
+    that started it (its env.json)."""
     if args.resume:
         try:
-            return str(json.loads((opts.out / "env.json").read_text(encoding="utf-8"))["command"])
+            return str(json.loads((out / "env.json").read_text(encoding="utf-8"))["command"])
         except (OSError, ValueError, KeyError):
             pass
     parts = ["python", "-m", "trainer", "finetune", "--preset", args.preset or args.default_preset]
     parts += [*(["--config", args.config] if args.config else []), *(x for a in args.overrides for x in ("--set", a))]
-    parts += [*(["--pretrained", str(opts.pretrained)] if opts.pretrained else []),
-              *(["--compare"] if opts.compare else []), *(["--seeds", str(opts.seeds)] if opts.seeds > 1 else [])]
-    return shlex.join([*parts, "--out", str(opts.out)])
+    parts += [*(["--pretrained", str(pretrained)] if pretrained else []),
+              *(["--compare"] if compare else []), *(["--seeds", str(seeds)] if seeds > 1 else [])]
+    return shlex.join([*parts, "--out", str(out)])
 
 
 def data_files(cfg: RunConfig, data: Labelled) -> dict[str, dict[str, Any]]:
