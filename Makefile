@@ -134,15 +134,13 @@ image-train-cuda:
 # The default suite runs in TEST_WORKERS pytest-xdist processes: most of its time is spent starting Python
 # subprocesses (DeepSpeed launchers and ranks, servers, CLIs) that use one core each, so 2 workers keep a 2-core
 # machine busy (docs/BENCHMARKS.md, "The test suite", has both times).
-# TEST_WORKERS=0 runs it in one process. Tests marked `serial` (attacks that race the server's own timers) run
-# after it, alone. test-slow runs in one process: the soak, the long fuzz runs, and the training suites that start
-# several DeepSpeed ranks each (two of them at once would share 2 cores with their own ranks' collectives).
+# TEST_WORKERS=0 runs it in one process. test-slow runs in one process: the soak, the long fuzz runs, and the
+# training suites that start several DeepSpeed ranks each (two at once would share 2 cores with their collectives).
 # CI (.ci/run) runs both: every test that can run without a GPU.
 TEST_WORKERS ?= 2
 test: setup triton-venv deploy-venv container-deps browser-deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS)
-	$(BIN)/python -m pytest -q -m "serial and not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS)
 
 test-slow: setup triton-venv deploy-venv container-deps browser-deps
 	$(BIN)/python -m pytest -q -m slow
