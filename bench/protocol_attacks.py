@@ -12,7 +12,8 @@ deploy/proxy/haproxy.cfg, its per-address limits at the file's defaults, MODEL_C
 in front of `python -m serving.server BUNDLE --behind-proxy` on loopback; TLS, with --tls, ends at the proxy. Without
 it, the clients call the server itself (TLS at the server). `--before-repo DIR` adds, alternated attack by attack, the
 server of another checkout called directly (an older tree, for a "before" column: its own defences, whatever they
-were); both run with PYTHONPATH at their own tree. The server has a bearer token.
+were); both run with PYTHONPATH at their own tree and serve BUNDLE, which must be in a format both read (make it
+with the older tree's bench/soak.py). The server has a bearer token.
 
 The authorised client: another process that calls Classify (one text) every 20 ms from 127.0.0.1 for the whole
 attack and reports its latencies and refusals. The attacker: this process, from 127.0.0.2 (another address: per-
@@ -691,7 +692,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the checkout whose server runs (default: this one)")
     p.add_argument("--before-repo", type=Path,
                    help="also run each attack, alternated, against the server of this checkout called directly "
-                        "(an older tree, for a before column)")
+                        "(an older tree, for a before column; --bundle in a format it reads: make it with its "
+                        "bench/soak.py)")
     p.add_argument("--server-args", default="", help="more flags for this tree's server, e.g. '--max-workers 32'")
     p.add_argument("--overload-rate", type=float, default=200.0,
                    help="calls of 64 texts per second in the overload-rate attack (default: 200)")

@@ -74,6 +74,17 @@ def served(port: int) -> None:
         assert len(stub.Classify(pb.ClassifyRequest(texts=["Un bon livre."]), timeout=10, metadata=AUTH).results) == 1
 
 
+def served_or_refused(port: int) -> bool:
+    """`served(port)`, False where the proxy refused the call for want of a model slot."""
+    try:
+        served(port)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return False
+    return True
+
+
 def closed_by_peer(sock: socket.socket) -> bytes:
     """What the other side sent until it closed `sock`; fails when it is still open after WAIT s."""
     sock.settimeout(WAIT)
@@ -340,6 +351,27 @@ def test_answers_a_client_never_reads_are_dropped_with_their_streams(server: Sen
         assert server.metrics.requests.labels("grpc", CLASSIFY.lstrip("/"), "OK")._value.get() - answered == 3
         assert server.gate.budget.used == 0
         served(front.port)
+
+
+def test_an_answer_its_client_never_reads_gives_its_model_slot_back(server: SentimentServer) -> None:
+    """MODEL_CALLS 1: an authorised call from 127.0.0.2 on a connection whose window is 0, answered by the server: its
+    slot is free again though the proxy still holds the answer, and the authorised client's calls are served. Before,
+    the proxy counted a call's slot until its client had read the answer: the unread one held the only slot for
+    CLIENT_TIMEOUT, and the authorised client was refused RESOURCE_EXHAUSTED meanwhile (bench/protocol_attacks.py's
+    zero-window: the server alone answered every call)."""
+    with edge(server, MODEL_CALLS=1, CLIENT_TIMEOUT="60s") as front:
+        answered = server.metrics.requests.labels("grpc", CLASSIFY.lstrip("/"), "OK")._value.get()
+        unread = Unread(front.port, source=ATTACKER)
+        try:
+            sid = unread.call(CLASSIFY, pb.ClassifyRequest(texts=["jamais lu"]).SerializeToString(), AUTH)
+            wait_until(lambda: server.metrics.requests.labels("grpc", CLASSIFY.lstrip("/"), "OK")._value.get()
+                       - answered == 1, WAIT, "the server's answer to the unread call")
+            wait_until(lambda: served_or_refused(front.port), WAIT, "the slot given back")  # the proxy saw the answer
+            assert sid not in unread.ended and not unread.closed.is_set(), "the unread answer was dropped"
+            for _ in range(3):
+                served(front.port)
+        finally:
+            unread.close()
 
 
 def test_a_large_body_passes_the_proxys_wait(server: SentimentServer) -> None:
