@@ -62,10 +62,10 @@ def lab() -> RunConfig:
 
 def demo() -> RunConfig:
     """The lab's experiment sized for 2 CPU cores (its wall time: docs/RESULTS.md): a trained 8k tokenizer (the
-    50k-way LM head is most of the lab's FLOPs), next-token LM as in the lab, the lab's fine-tuning lr 1e-4.
-    Two departures from the lab, whose effect docs/RESULTS.md shows: the classifier averages the real positions
-    instead of reading `<eos>` (whose next-token target is the same for every review), and fine-tuning (only)
-    uses dropout 0.1.
+    50k-way LM head is most of the lab's FLOPs), next-token LM as in the lab. Three departures from the lab, whose
+    effect docs/RESULTS.md shows: the classifier averages the real positions instead of reading `<eos>` (whose
+    next-token target is the same for every review), fine-tuning (only) uses dropout 0.1, and its lr is 4e-4 rather
+    than the lab's 1e-4 (both arms, pretrained and from scratch, score higher on every one of 3 seeds).
 
     Pretraining text: the novels of eltec-fr plus the cls-books train reviews listed 8 times (so that in-domain text
     is not a sliver of the pieces); the valid reviews come last, so they are the held-out eval slice."""
@@ -86,7 +86,7 @@ def demo() -> RunConfig:
             max_steps=2000,
             optim=OptimConfig(lr=1e-3, warmup_steps=100, schedule="cosine"),
         ),
-        finetune=FinetuneConfig(micro_batch=16, epochs=6, dropout=0.1, optim=OptimConfig(lr=1e-4)),
+        finetune=FinetuneConfig(micro_batch=16, epochs=6, dropout=0.1, optim=OptimConfig(lr=4e-4)),
         engine=EngineConfig(checkpoint_every=500),
     )
 
