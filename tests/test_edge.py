@@ -115,6 +115,21 @@ def closed_at_accept(port: int, greeting: bytes, source: str = ATTACKER) -> bool
         return closed_by_peer(sock) == b""
 
 
+def rapid_reset(port: int, n: int, metadata: list[tuple[str, str]]) -> Raw:
+    """`n` Classify calls opened and reset at once (HEADERS, RST_STREAM CANCEL) from 127.0.0.2 in one burst on one
+    connection, which the proxy must end; that connection, closed."""
+    block, reset = request_block(CLASSIFY, metadata), struct.pack(">I", CANCEL)
+    attacker = Raw(port, source=ATTACKER)
+    try:
+        assert attacker.wait_settings()
+        attacker.send(b"".join(frame(HEADERS, END_HEADERS, sid, block) + frame(RST_STREAM, 0, sid, reset)
+                               for sid in range(1, 2 * n, 2)))
+        assert attacker.closed.wait(WAIT), "the rapid reset's connection was kept"
+    finally:
+        attacker.close()
+    return attacker
+
+
 HEALTH = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n"
 HEALTH_GET = HEALTH + b"Connection: close\r\n\r\n"  # answered, then closed by the proxy
 
@@ -154,19 +169,9 @@ def test_a_rapid_reset_is_dropped_by_the_proxy_while_another_address_is_served(s
     from 127.0.0.2 in one burst: no call of it reaches the server (a call waits for its body at the proxy, and these
     never send one), and the proxy, its address past the call rate, ends the connection (a GOAWAY once
     HEADERS_TIMEOUT has passed; with the rate lifted the connection stays); the authorised client is served."""
-    block = request_block(CLASSIFY, AUTH if token else [])
-    reset = struct.pack(">I", CANCEL)
     with edge(server, CALLS_PER_SOURCE_S=50, HEADERS_TIMEOUT="1s") as front:
         before = calls(server, "grpc")
-        attacker = Raw(front.port, source=ATTACKER)
-        try:
-            assert attacker.wait_settings()
-            attacker.send(b"".join(frame(HEADERS, END_HEADERS, sid, block) + frame(RST_STREAM, 0, sid, reset)
-                                   for sid in range(1, 401, 2)))
-            assert attacker.closed.wait(WAIT), "the rapid reset's connection was kept"
-            assert attacker.goaway_code is not None
-        finally:
-            attacker.close()
+        assert rapid_reset(front.port, 200, AUTH if token else []).goaway_code is not None
         assert calls(server, "grpc") == before
         served(front.port)
 
@@ -178,18 +183,9 @@ def test_an_address_past_the_call_rate_is_banned_on_both_ports_while_another_is_
     and the HTTP port (one table), are closed at accept, where 127.0.0.3 is answered and the authorised client on
     127.0.0.1 served. Before, the proxy dropped the connection alone, and the attacker reconnected at once
     (bench/protocol_attacks.py's rapid-reset: 411 connections in 5 s, where the server's own guard banned it)."""
-    block = request_block(CLASSIFY, [])
-    reset = struct.pack(">I", CANCEL)
     with edge(server, CALLS_PER_SOURCE_S=20, HEADERS_TIMEOUT="1s") as front:
         assert not closed_at_accept(front.http_port, HEALTH_GET)  # not banned yet
-        attacker = Raw(front.port, source=ATTACKER)
-        try:
-            assert attacker.wait_settings()
-            attacker.send(b"".join(frame(HEADERS, END_HEADERS, sid, block) + frame(RST_STREAM, 0, sid, reset)
-                                   for sid in range(1, 601, 2)))
-            assert attacker.closed.wait(WAIT), "the rapid reset's connection was kept"
-        finally:
-            attacker.close()
+        rapid_reset(front.port, 300, [])
         assert closed_at_accept(front.port, PREFACE + frame(SETTINGS, 0, 0)), "the attacker reconnected"
         assert closed_at_accept(front.http_port, HEALTH_GET), "the attacker reconnected over HTTP"
         assert classify(front.http_port, ["prêt"], HTTP_AUTH, source="127.0.0.3").status == 200
