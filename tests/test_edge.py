@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import socket
 import struct
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,6 +100,40 @@ def closed_by_peer(sock: socket.socket) -> bytes:
     return data
 
 
+def closed_at_accept(port: int, greeting: bytes, source: str = ATTACKER) -> bool:
+    """Whether a new connection from `source` that sends `greeting` is closed with no byte of answer (the proxy's
+    `tcp-request connection reject`); False when it answers (an HTTP/2 port sends its SETTINGS at once)."""
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT, source_address=(source, 0))
+    except ConnectionResetError:
+        return True  # the proxy's reset came before connect() returned (a loaded machine): refused at accept
+    with sock:
+        try:
+            sock.sendall(greeting)
+        except OSError:
+            pass  # reset while sending: closed at accept
+        return closed_by_peer(sock) == b""
+
+
+def rapid_reset(port: int, n: int, metadata: list[tuple[str, str]]) -> Raw:
+    """`n` Classify calls opened and reset at once (HEADERS, RST_STREAM CANCEL) from 127.0.0.2 in one burst on one
+    connection, which the proxy must end; that connection, closed."""
+    block, reset = request_block(CLASSIFY, metadata), struct.pack(">I", CANCEL)
+    attacker = Raw(port, source=ATTACKER)
+    try:
+        assert attacker.wait_settings()
+        attacker.send(b"".join(frame(HEADERS, END_HEADERS, sid, block) + frame(RST_STREAM, 0, sid, reset)
+                               for sid in range(1, 2 * n, 2)))
+        assert attacker.closed.wait(WAIT), "the rapid reset's connection was kept"
+    finally:
+        attacker.close()
+    return attacker
+
+
+HEALTH = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n"
+HEALTH_GET = HEALTH + b"Connection: close\r\n\r\n"  # answered, then closed by the proxy
+
+
 # ------------------------------------------------------------------------------------- floods
 
 
@@ -134,21 +169,45 @@ def test_a_rapid_reset_is_dropped_by_the_proxy_while_another_address_is_served(s
     from 127.0.0.2 in one burst: no call of it reaches the server (a call waits for its body at the proxy, and these
     never send one), and the proxy, its address past the call rate, ends the connection (a GOAWAY once
     HEADERS_TIMEOUT has passed; with the rate lifted the connection stays); the authorised client is served."""
-    block = request_block(CLASSIFY, AUTH if token else [])
-    reset = struct.pack(">I", CANCEL)
     with edge(server, CALLS_PER_SOURCE_S=50, HEADERS_TIMEOUT="1s") as front:
         before = calls(server, "grpc")
-        attacker = Raw(front.port, source=ATTACKER)
-        try:
-            assert attacker.wait_settings()
-            attacker.send(b"".join(frame(HEADERS, END_HEADERS, sid, block) + frame(RST_STREAM, 0, sid, reset)
-                                   for sid in range(1, 401, 2)))
-            assert attacker.closed.wait(WAIT), "the rapid reset's connection was kept"
-            assert attacker.goaway_code is not None
-        finally:
-            attacker.close()
+        assert rapid_reset(front.port, 200, AUTH if token else []).goaway_code is not None
         assert calls(server, "grpc") == before
         served(front.port)
+
+
+def test_an_address_past_the_call_rate_is_banned_on_both_ports_while_another_is_served(
+        server: SentimentServer) -> None:
+    """CALLS_PER_SOURCE_S 20, BAN_S at its default (10), HEADERS_TIMEOUT 1s: a rapid reset of 300 calls from
+    127.0.0.2 in one burst loses its connection, and the address is banned: its next connections, on the gRPC port
+    and the HTTP port (one table), are closed at accept, where 127.0.0.3 is answered and the authorised client on
+    127.0.0.1 served. Before, the proxy dropped the connection alone, and the attacker reconnected at once
+    (bench/protocol_attacks.py's rapid-reset: 411 connections in 5 s, where the server's own guard banned it)."""
+    with edge(server, CALLS_PER_SOURCE_S=20, HEADERS_TIMEOUT="1s") as front:
+        assert not closed_at_accept(front.http_port, HEALTH_GET)  # not banned yet
+        rapid_reset(front.port, 300, [])
+        assert closed_at_accept(front.port, PREFACE + frame(SETTINGS, 0, 0)), "the attacker reconnected"
+        assert closed_at_accept(front.http_port, HEALTH_GET), "the attacker reconnected over HTTP"
+        assert classify(front.http_port, ["prêt"], HTTP_AUTH, source="127.0.0.3").status == 200
+        served(front.port)
+
+
+def test_a_ban_ends(server: SentimentServer) -> None:
+    """CALLS_PER_SOURCE_S 5, BAN_S 1: an address banned for a burst of 10 HTTP calls on one connection, which tries a
+    connection every 0.5 s (slower than 5 a second, which would keep it banned), is closed at accept, then answered
+    once the ban is over (within 2 s; tried for 30)."""
+    with edge(server, CALLS_PER_SOURCE_S=5, BAN_S=1) as front:
+        with socket.create_connection(("127.0.0.1", front.http_port), timeout=WAIT,
+                                      source_address=(ATTACKER, 0)) as s:
+            s.sendall((HEALTH + b"\r\n") * 10)
+            closed_by_peer(s)
+        assert closed_at_accept(front.http_port, HEALTH_GET), "not banned"
+        for _ in range(60):
+            time.sleep(0.5)
+            if not closed_at_accept(front.http_port, HEALTH_GET):
+                break
+        else:
+            pytest.fail("still banned after 30 s")
 
 
 # ------------------------------------------------------------------------------------- wrong tokens
@@ -203,18 +262,7 @@ def test_connections_past_the_per_address_limit_are_refused_on_both_ports(server
             for c in kept:
                 c.start_reading()
                 assert c.ping(), "a connection within the limit was not answered"  # the proxy has counted it
-            try:
-                third = socket.create_connection(("127.0.0.1", front.http_port), timeout=WAIT,
-                                                 source_address=(ATTACKER, 0))
-            except ConnectionResetError:
-                pass  # the proxy's reset came before connect() returned (a loaded machine): refused at accept
-            else:
-                try:
-                    third.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
-                except OSError:
-                    pass  # reset while sending: closed at accept
-                assert closed_by_peer(third) == b""  # closed without an answer
-                third.close()
+            assert closed_at_accept(front.http_port, HEALTH_GET)
             other = classify(front.http_port, ["prêt"], HTTP_AUTH, source="127.0.0.3")
             assert other.status == 200
             for c in kept:
