@@ -118,7 +118,7 @@ def english() -> RunConfig:
             language="en",
             domain="movie reviews (IMDB; SST-2's sentences scored too)",
         ),
-        # 65,367 packed windows of 256 ids, 4,085 steps a pass: max_steps ends the run in the third pass (with
+        # 65,367 packed windows of 256 ids, 4,085 steps a pass: max_steps ends the run 2.45 passes in (with
         # max_steps set, epochs does not bound the run)
         pretrain=dataclasses.replace(base.pretrain, micro_batch=16, seq_len=256, epochs=2, max_steps=10_000),
         # 22,500 labeled reviews: 2 epochs are 2,814 steps. The baseline: word n-grams only; character n-grams of
