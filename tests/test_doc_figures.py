@@ -4,6 +4,7 @@ a newcomer reads first) cannot drift from the tables that carry the commands tha
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from procs import REPO
 
@@ -34,7 +35,7 @@ def test_a_figure_results_does_not_hold_is_caught() -> None:
     assert missing_figures("## Results\n\nno table\n", "72.35") == [("", "no results table under '## Results'")]
 
 
-# ------------------------------------------------------------------------------------------------ pictures
+# ------------------------------------------------------------------------------------------------- pictures
 
 DOCS = [REPO / "README.md", REPO / "launch" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")  # ![alt](path)

@@ -61,7 +61,7 @@ def lab() -> RunConfig:
 
 
 def demo() -> RunConfig:
-    """The lab's experiment sized for 2 CPU cores (its wall time: docs/RESULTS.md): a trained 8k tokenizer (the
+    """The lab's experiment sized for 2 CPU cores (its wall time: docs/BENCHMARKS.md): a trained 8k tokenizer (the
     50k-way LM head is most of the lab's FLOPs), next-token LM as in the lab, the lab's fine-tuning lr 1e-4.
     Two departures from the lab, whose effect docs/RESULTS.md shows: the classifier averages the real positions
     instead of reading `<eos>` (whose next-token target is the same for every review), and fine-tuning (only)
