@@ -95,7 +95,7 @@ browser-deps:
 
 # buildah builds and runs the images (tests/images.py: the server's, and the proxy's that tests/test_front_proxy.py
 # and bench/protocol_attacks.py --via-haproxy run), mmdebstrap makes their bases from Debian's packages, podman runs
-# compose.yaml (tests/test_compose.py; runc: this machine's cgroups are more than Debian bookworm's crun takes).
+# compose.yaml (tests/test_compose.py; with runc: Debian bookworm's crun does not take every host's cgroups).
 CONTAINER_TOOLS := buildah mmdebstrap podman runc
 container-deps:
 	@if ! for t in $(CONTAINER_TOOLS); do command -v $$t >/dev/null || exit 1; done; then \
@@ -154,10 +154,10 @@ demo: setup
 proto: setup
 	$(BIN)/python -m serving.gen_proto
 
-# For a bare GPU image that has python3.12 and a CUDA torch but not our other packages (the device tool's
-# machines): the wheels it lacks in .whl/ and what bench/gpu_check.sh reads in .data/: cls-books-fr, the lab's
-# pretraining corpus prepared with the lab's tokenizer, and the gpu preset's tokenizer trained on its corpus (both
-# made here, a few minutes on 2 cores, so that the GPU's minutes go to measuring); carry both folders there.
+# For a bare GPU image that has python3.12 and a CUDA torch but not our other packages: the wheels it lacks in
+# .whl/ and what bench/gpu_check.sh reads in .data/: cls-books-fr, the lab's pretraining corpus prepared with the
+# lab's tokenizer, and the gpu preset's tokenizer trained on its corpus (both made on the CPU, a few minutes on 2
+# cores, so that the GPU's time goes to measuring); carry both folders there.
 GPU_PY ?= 3.12
 GPU_DATA ?= $(or $(TS_DATA),../shared/data)
 gpu-carry: setup

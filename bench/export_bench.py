@@ -234,7 +234,7 @@ def report(results: dict, sweep: dict, quality: dict, bundles: dict[str, Path], 
                 mb = (bundles[name] / "model.onnx").stat().st_size / 1e6
                 lines.append(f"| {name} | {q['accuracy']:.2f} | {q['agreement']:.2%} | {q['max_abs_diff']:.3g} | "
                              f"{export_s[name]} | {mb:.1f} |")
-    lines += ["", "targets (docs/BENCHMARKS.md, export benchmark):",
+    lines += ["", "targets (docs/BENCHMARKS.md, Export):",
               f"  b1x64  ORT fp32 >= 1.5x eager: {ratio['b1x64']['fp32 basic']:.2f}x",
               f"  b1x64  ORT int8 >= 2x eager:   {ratio['b1x64']['int8 basic']:.2f}x",
               f"  b32x128 served precision >= 1.3x eager: fp32 {ratio['b32x128']['fp32 basic']:.2f}x, "

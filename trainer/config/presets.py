@@ -61,7 +61,7 @@ def lab() -> RunConfig:
 
 
 def demo() -> RunConfig:
-    """The lab's experiment sized for 2 CPU cores (its wall time: docs/RESULTS.md): a trained 8k tokenizer (the
+    """The lab's experiment sized for 2 CPU cores (its wall time: docs/BENCHMARKS.md): a trained 8k tokenizer (the
     50k-way LM head is most of the lab's FLOPs), next-token LM as in the lab. Three departures from the lab, whose
     effect docs/RESULTS.md shows: the classifier averages the real positions instead of reading `<eos>` (whose
     next-token target is the same for every review), fine-tuning (only) uses dropout 0.1, and its lr is 4e-4 rather
@@ -118,7 +118,7 @@ def english() -> RunConfig:
             language="en",
             domain="movie reviews (IMDB; SST-2's sentences scored too)",
         ),
-        # 65,367 packed windows of 256 ids, 4,085 steps a pass: max_steps ends the run in the third pass (with
+        # 65,367 packed windows of 256 ids, 4,085 steps a pass: max_steps ends the run 2.45 passes in (with
         # max_steps set, epochs does not bound the run)
         pretrain=dataclasses.replace(base.pretrain, micro_batch=16, seq_len=256, epochs=2, max_steps=10_000),
         # 22,500 labeled reviews: 2 epochs are 2,814 steps. The baseline: word n-grams only; character n-grams of

@@ -113,7 +113,7 @@ class RunLog:
         # A bar redraws with \r many times a second: in a log file (cluster jobs, `make demo > log`) that is one
         # endless line, so without a terminal each logged row is printed as a plain line instead.
         self.tty = sys.stderr.isatty()
-        self.started, self.initial = time.monotonic(), initial  # this session's start: the ETA's rate
+        self.started, self.initial = time.monotonic(), initial  # this process's start: the ETA's rate
 
     def advance(self, n: int = 1) -> None:
         if not self.main or not self.tty:
@@ -139,7 +139,7 @@ class RunLog:
                   flush=True)
 
     def progress(self, step: int) -> str:
-        """"finetune scratch: step 300/1,500 (20%, 0:12, about 0:48 left)": the ETA from this session's mean step
+        """"finetune scratch: step 300/1,500 (20%, 0:12, about 0:48 left)": the ETA from this process's mean step
         time (evaluations and checkpoints included, as they will be in the rest)."""
         total, spent = self._bar_args["total"], time.monotonic() - self.started
         done = step - self.initial

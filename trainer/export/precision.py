@@ -42,7 +42,7 @@ class Tolerance:
 
 
 # fp32 differs from PyTorch by rounding only, fp16 by its 10-bit mantissa, int8 (dynamic, per-tensor) by its
-# quantisation: what each measured is in docs/BENCHMARKS.md (Export, "Accuracy"). What a user sees is the label, so a
+# quantisation: what each measured is in docs/BENCHMARKS.md (Export). What a user sees is the label, so a
 # labelled --data set is held to agreement and accuracy.
 TOLERANCES: dict[str, Tolerance] = {
     "fp32": Tolerance(max_abs_diff=1e-4, rel_diff=0.0, min_data_agreement=0.999, max_accuracy_drop=0.1),
