@@ -15,6 +15,7 @@ average at the start and the end (docs/BENCHMARKS.md, Tracing).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -58,6 +59,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per turn (after 2 s of warm-up)")
     ap.add_argument("--rounds", type=int, default=5, help="turns of each server")
     ap.add_argument("--texts", type=int, default=256, help="distinct reviews drawn from the test split")
+    ap.add_argument("--json", type=Path, help="write every turn's row, the ratios and the load averages to this file")
     args = ap.parse_args()
     texts = reviews(args.data, args.texts)
     for k in [k for k in os.environ if k.startswith("OTEL_")]:  # only "on" traces: none left from the shell
@@ -75,6 +77,7 @@ def main() -> int:
             servers = {m: _Measured(s) for m, s in started.items()}
             rates: dict[str, list[float]] = {m: [] for m in MODES}
             cpu: dict[str, list[float]] = {m: [] for m in MODES}  # server CPU ms per text
+            turns: list[dict] = []
             for r in range(args.rounds):
                 order = MODES[r % 3:] + MODES[:r % 3]
                 for mode in order:
@@ -83,10 +86,16 @@ def main() -> int:
                     rates[mode].append(row["texts_per_s"])
                     cpu[mode].append(1000 * row["server_cpu"] * (os.cpu_count() or 1) / row["texts_per_s"])
                     spans = (receiver.received - spans0) if mode == "on" else 0
+                    turns.append({**row, "round": r, "mode": mode, "cpu_ms_text": cpu[mode][-1], "spans": spans})
                     print(f"round {r + 1} {mode:6s} {row['texts_per_s']:8.1f} texts/s  p50 {row['p50_ms']:.1f} ms  "
                           f"p99 {row['p99_ms']:.1f} ms  errors {row['errors'] or 0}  server CPU "
                           f"{100 * row['server_cpu']:.0f}% ({cpu[mode][-1]:.2f} ms a text)  spans received {spans}",
                           flush=True)
+            # Every span "on" made, its queue flushed by the drain: fewer a call than the code makes = dropped spans.
+            calls = sum(started["on"].codes().values())
+            started["on"].stop()
+            spans_per_call = receiver.received / calls
+            print(f"spans received per call answered by on: {spans_per_call:.2f}", flush=True)
         finally:
             for s in started.values():
                 s.close()
@@ -98,7 +107,15 @@ def main() -> int:
           f"(medians over {args.rounds} rounds)")
     print(f"server CPU per text, off / before: {ratio(cpu, 'off', 'before'):.3f}, on / off: "
           f"{ratio(cpu, 'on', 'off'):.3f}")
-    print(f"load average at start: {start_load}, at end: {_load()}")
+    end_load = _load()
+    print(f"load average at start: {start_load}, at end: {end_load}")
+    if args.json:
+        ratios = {f"{v}_{a}_{b}": ratio(values, a, b) for v, values in (("texts_s", rates), ("cpu_ms_text", cpu))
+                  for a, b in (("off", "before"), ("on", "off"))}
+        out = {"turns": turns, "ratios": ratios, "spans_per_call": spans_per_call, "concurrency": args.concurrency,
+               "seconds": args.seconds, "rounds": args.rounds, "loadavg_start": start_load, "loadavg_end": end_load,
+               "cpus": os.cpu_count()}
+        args.json.write_text(json.dumps(out, indent=1))
     return 0
 
 
