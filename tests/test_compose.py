@@ -27,7 +27,7 @@ from procs import REPO, quiet_port, run
 from serving_fixtures import reviews
 from test_container import TOKEN, _tritonclient, base_image, build, image, wheelhouse  # noqa: F401 (fixtures)
 
-from serving.client import SentimentClient
+from serving.client import SentimentClient, Unavailable
 from serving.model.predictor import Predictor
 
 TOOLS = Path(os.environ.get("TS_DEPLOY_TOOLS", REPO / ".venv-deploy" / "bin"))
@@ -72,9 +72,14 @@ def _podman(env: dict[str, str], *args: str) -> str:
 
 
 def _serving(target: str, env: dict[str, str], project: str) -> None:
+    """Until the server answers SERVING through the proxy and the proxy routes model calls to it: health passes
+    straight through, while model calls are answered UNAVAILABLE until the proxy's own check (every second) has seen
+    the server up (a fresh clone's CI run called in that second)."""
     try:
         wait_serving(target, 120)
-    except AssertionError as e:
+        with SentimentClient(target, token=TOKEN, timeout=30, retries=30, backoff=0.1) as client:
+            client.classify(["prêt"])
+    except (AssertionError, Unavailable) as e:
         raise AssertionError(f"{e}\n{_logs(env, project)}") from None
 
 
