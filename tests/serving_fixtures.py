@@ -62,6 +62,18 @@ def running_server(bundle: Path, **options: object) -> Iterator[SentimentServer]
         server.stop(grace=2.0)
 
 
+def flood_and_one_more_are_refused(stubs: Sequence, load: object, metadata: list, last: object, wording: str) -> None:
+    """While the model's run is held: 200 calls of `load` over stubs[1:], then one call of `last` on stubs[0], every
+    one refused RESOURCE_EXHAUSTED with `wording` in its details (an overload made, not raced)."""
+    flood = [stubs[1 + i % (len(stubs) - 1)].Classify.future(load, timeout=60, metadata=metadata) for i in range(200)]
+    refusals = [f.exception(timeout=60) for f in flood]  # all ended while the run is held
+    with pytest.raises(grpc.RpcError) as authorised:
+        stubs[0].Classify(last, timeout=10, metadata=metadata)
+    for refused in [*refusals, authorised.value]:
+        assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+        assert wording in refused.details(), refused.details()
+
+
 class HeldRuns:
     """A gate around a batcher's real infer function (`Predictor.infer`): records each run's row lengths and, while
     holding (the default), keeps every run that starts inside it until `release()`, so that requests queue behind

@@ -21,7 +21,7 @@ from hostile import _Connection
 from http_fixtures import call, classify
 from images import config, ok, proxy_image
 from procs import free_port, run
-from serving_fixtures import FrontProxy, HeldRuns, certs, running_server, wait_until
+from serving_fixtures import FrontProxy, HeldRuns, certs, flood_and_one_more_are_refused, running_server, wait_until
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
@@ -120,13 +120,8 @@ def test_an_overload_through_the_proxy_is_refused_by_the_proxy(tiny_bundle: Path
                                                   metadata=AUTH)
                 wait_until(lambda: s.batcher.queued == 1, what="the second call queued")
                 load = pb.ClassifyRequest(texts=[f"Un livre {i}, assez long pour compter." for i in range(64)])
-                flood = [stubs[1 + i % 4].Classify.future(load, timeout=60, metadata=AUTH) for i in range(200)]
-                refusals = [f.exception(timeout=60) for f in flood]  # all ended while the run is held
-                with pytest.raises(grpc.RpcError) as authorised:
-                    stubs[0].Classify(pb.ClassifyRequest(texts=["trop"]), timeout=10, metadata=AUTH)
-                for refused in [*refusals, authorised.value]:
-                    assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
-                    assert "every model slot is busy (proxy)" in refused.details()
+                flood_and_one_more_are_refused(stubs, load, AUTH, pb.ClassifyRequest(texts=["trop"]),
+                                               "every model slot is busy (proxy)")
                 assert s.gate.model_slots.used == 2 and not running.done() and not queued.done()
                 health = health_pb2_grpc.HealthStub(channels[0]).Check(health_pb2.HealthCheckRequest(), timeout=10)
                 assert health.status == health_pb2.HealthCheckResponse.SERVING

@@ -25,7 +25,15 @@ import grpc
 import pytest
 from hostile import WINDOW_UPDATE, HalfOpen, Raw, Unread, frame
 from procs import REPO
-from serving_fixtures import HeldRuns, ServerProcess, certs, running_server, target, wait_until
+from serving_fixtures import (
+    HeldRuns,
+    ServerProcess,
+    certs,
+    flood_and_one_more_are_refused,
+    running_server,
+    target,
+    wait_until,
+)
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
@@ -187,13 +195,8 @@ def test_an_overload_is_refused_at_admission_not_after_queueing(tiny_bundle: Pat
                                                   metadata=GOOD)
                 wait_until(lambda: s.batcher.queued == 4, what="4 texts queued")
                 load = pb.ClassifyRequest(texts=["Un livre, assez long pour compter."] * 4)
-                flood = [stubs[1 + i % 4].Classify.future(load, timeout=60, metadata=GOOD) for i in range(200)]
-                refusals = [f.exception(timeout=60) for f in flood]  # all ended while the run is held
-                with pytest.raises(grpc.RpcError) as authorised:
-                    stubs[0].Classify(pb.ClassifyRequest(texts=["un"]), timeout=10, metadata=GOOD)
-                for refused in [*refusals, authorised.value]:
-                    assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
-                    assert "no room for a request of up to 4 texts" in refused.details(), refused.details()
+                flood_and_one_more_are_refused(stubs, load, GOOD, pb.ClassifyRequest(texts=["un"]),
+                                               "no room for a request of up to 4 texts")
                 assert s.gate.model_slots.used == 2 and not running.done() and not queued.done()
             assert len(running.result().results) == 1 and len(queued.result().results) == 4
         finally:
