@@ -3,8 +3,8 @@ servers of one bundle, measured in turns within one run (the order rotates every
 load falls on all three alike:
   - before: the code before tracing (`--before`, a tree of it: `git archive COMMIT | tar -x -C DIR`);
   - off: this tree without OTEL_* variables (tracing off; request ids and access lines on, as by default);
-  - on: this tree exporting every call's spans (OTEL_TRACES_SAMPLER=always_on) over OTLP/gRPC to a receiver in this
-    process that counts them (tests/otlp_receiver.py, keep=False).
+  - on: this tree exporting every call's spans (OTEL_TRACES_SAMPLER=always_on) over OTLP/gRPC to a receiver that
+    counts them, in a process of its own as a collector would be (tests/otlp_receiver.py, ReceiverProcess).
 Prints each round's rows, the ratios off/before and on/off of texts/s and of the server's CPU time per text (the
 median over rounds: on a shared machine the CPU per text moves less than the rate), spans received, and the load
 average at the start and the end (docs/BENCHMARKS.md, Tracing).
@@ -19,15 +19,18 @@ import json
 import os
 import statistics
 import sys
+import timeit
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from otlp_receiver import OtlpReceiver  # noqa: E402
-from serve_bench import bench_server  # noqa: E402
+from otlp_receiver import ReceiverProcess  # noqa: E402
+from serve_bench import bench_server, cpu_seconds  # noqa: E402
 from serving_fixtures import ServerProcess, reviews  # noqa: E402
 
 MODES = ("before", "off", "on")
@@ -38,7 +41,10 @@ class _Measured:
 
     def __init__(self, server: ServerProcess) -> None:
         self.server, self.port = server, server.wait_listening(120)
-        self.metrics_port, self.pids = server.metrics_port, [server.proc.pid]
+        # its CPU: the server's process and its span export process (serving/telemetry/export.py), when tracing
+        self.metrics_port = server.metrics_port
+        self.exporters = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
+        self.pids = [server.proc.pid, *self.exporters]
 
     def metric(self, name: str) -> float:
         value = self.server.metric(name)
@@ -66,7 +72,7 @@ def main() -> int:
         del os.environ[k]
     start_load = _load()
     print(f"load average at start: {start_load}", flush=True)
-    with OtlpReceiver(keep=False) as receiver:
+    with ReceiverProcess() as receiver:
         # The SDK's own export settings (OTEL_BSP_*: every 5 s or 512 spans, a queue of 2,048), every call sampled.
         env = {"before": {"PYTHONPATH": str(args.before)}, "off": {"PYTHONPATH": str(REPO)},
                "on": {"PYTHONPATH": str(REPO), **receiver.env("grpc", OTEL_TRACES_SAMPLER="always_on",
@@ -81,15 +87,21 @@ def main() -> int:
             for r in range(args.rounds):
                 order = MODES[r % 3:] + MODES[:r % 3]
                 for mode in order:
-                    spans0 = receiver.received
-                    row = bench_server(servers[mode], mode, texts, args.concurrency, args.seconds)
+                    server = servers[mode]
+                    spans0, export0, all0 = receiver.received, cpu_seconds(server.exporters), cpu_seconds(server.pids)
+                    row = bench_server(server, mode, texts, args.concurrency, args.seconds)
+                    # the span export process' share of the server's CPU over the turn (its warm-up included)
+                    share = (cpu_seconds(server.exporters) - export0) / max(cpu_seconds(server.pids) - all0, 1e-9)
                     rates[mode].append(row["texts_per_s"])
                     cpu[mode].append(1000 * row["server_cpu"] * (os.cpu_count() or 1) / row["texts_per_s"])
                     spans = (receiver.received - spans0) if mode == "on" else 0
-                    turns.append({**row, "round": r, "mode": mode, "cpu_ms_text": cpu[mode][-1], "spans": spans})
+                    export_ms = share * cpu[mode][-1]
+                    turns.append({**row, "round": r, "mode": mode, "cpu_ms_text": cpu[mode][-1], "spans": spans,
+                                  "export_cpu_ms_text": export_ms})
                     print(f"round {r + 1} {mode:6s} {row['texts_per_s']:8.1f} texts/s  p50 {row['p50_ms']:.1f} ms  "
                           f"p99 {row['p99_ms']:.1f} ms  errors {row['errors'] or 0}  server CPU "
-                          f"{100 * row['server_cpu']:.0f}% ({cpu[mode][-1]:.2f} ms a text)  spans received {spans}",
+                          f"{100 * row['server_cpu']:.0f}% ({cpu[mode][-1]:.2f} ms a text, {export_ms:.3f} ms of it "
+                          f"in the span export process)  spans received {spans}",
                           flush=True)
             # Every span "on" made, its queue flushed by the drain: fewer a call than the code makes = dropped spans.
             calls = sum(started["on"].codes().values())
@@ -102,21 +114,65 @@ def main() -> int:
     def ratio(values: dict[str, list[float]], a: str, b: str) -> float:
         return statistics.median(x / y for x, y in zip(values[a], values[b], strict=True))
 
+    def interval(a: str, b: str) -> tuple[float, float, float]:
+        """The mean of the rounds' texts/s ratios a / b and its 95% t-interval."""
+        from scipy import stats
+
+        r = [x / y for x, y in zip(rates[a], rates[b], strict=True)]
+        half = stats.t.ppf(0.975, len(r) - 1) * statistics.stdev(r) / len(r) ** 0.5
+        return statistics.mean(r), statistics.mean(r) - half, statistics.mean(r) + half
+
     print("\nmean texts/s: " + ", ".join(f"{m} {statistics.mean(rates[m]):.1f}" for m in MODES))
     print(f"texts/s, off / before: {ratio(rates, 'off', 'before'):.3f}, on / off: {ratio(rates, 'on', 'off'):.3f} "
           f"(medians over {args.rounds} rounds)")
     print(f"server CPU per text, off / before: {ratio(cpu, 'off', 'before'):.3f}, on / off: "
           f"{ratio(cpu, 'on', 'off'):.3f}")
+    intervals = {f"{a}_{b}": interval(a, b) for a, b in (("off", "before"), ("on", "off"))}
+    for name, (mean, low, high) in intervals.items():
+        print(f"texts/s {name.replace('_', ' / ')}: mean of the rounds {mean:.3f}, 95% interval {low:.3f} to "
+              f"{high:.3f}")
+    export_ms = statistics.median(t["export_cpu_ms_text"] for t in turns if t["mode"] == "on")
+    print(f"the span export process: {export_ms:.3f} ms of CPU a text (median of the on turns)")
+    hooks_us = off_hooks_us()
+    per_call_us = 1000 * statistics.median(cpu["off"])
+    print(f"tracing off: a call's telemetry hooks take {hooks_us:.2f} us here, {100 * hooks_us / per_call_us:.3f}% of "
+          f"the off server's CPU per call ({per_call_us:.0f} us)")
     end_load = _load()
     print(f"load average at start: {start_load}, at end: {end_load}")
     if args.json:
         ratios = {f"{v}_{a}_{b}": ratio(values, a, b) for v, values in (("texts_s", rates), ("cpu_ms_text", cpu))
                   for a, b in (("off", "before"), ("on", "off"))}
-        out = {"turns": turns, "ratios": ratios, "spans_per_call": spans_per_call, "concurrency": args.concurrency,
+        out = {"turns": turns, "ratios": ratios, "intervals": intervals, "off_hooks_us": hooks_us,
+               "export_cpu_ms_text": export_ms,
+               "spans_per_call": spans_per_call, "concurrency": args.concurrency,
                "seconds": args.seconds, "rounds": args.rounds, "loadavg_start": start_load, "loadavg_end": end_load,
                "cpus": os.cpu_count()}
         args.json.write_text(json.dumps(out, indent=1))
     return 0
+
+
+def off_hooks_us(n: int = 20_000) -> float:
+    """Microseconds one call spends in the telemetry hooks with tracing off, in this process: the call record and
+    its request id, the steps a call passes (auth, admission, tokenize), the batcher's link, the end (no access line
+    written: rate 0). What tracing off adds to a call is at most this."""
+    from serving.telemetry import calls, tracing
+
+    assert tracing.active() is None
+    log = calls.CallLog(rate=0)
+    headers = [("user-agent", "grpc-python/1"), ("x-request-id", "bench-1")]
+    attributes = {"rpc.system.name": "grpc", "rpc.method": "sentiment.v1.SentimentService/Classify"}
+
+    def one() -> None:
+        call = log.begin("grpc", "sentiment.v1.SentimentService/Classify", headers, attributes)
+        with call.step("auth"):
+            pass
+        with call.serving():
+            with call.step("admission"), calls.step("tokenize"):
+                pass
+            calls.current().link()  # type: ignore[union-attr]
+        call.finish("OK", failed=False)
+
+    return 1e6 * min(timeit.repeat(one, number=n, repeat=5)) / n
 
 
 if __name__ == "__main__":

@@ -3,12 +3,16 @@ Collector is not installable from the package registries): the gRPC TraceService
 `POST /v1/traces` (protobuf, gzip or not), each answering as a collector does. What arrives is kept as `Span`s;
 `tree()` draws a trace as text (docs/OBSERVABILITY.md's figure: bench/trace_example.py).
 
-Used by tests/test_telemetry_traces.py and bench/ (trace_example.py, telemetry_bench.py).
+Used by tests/test_telemetry_traces.py and bench/ (trace_example.py, telemetry_bench.py). As a process of its own
+(`python tests/otlp_receiver.py`, as a collector would be: not sharing a load generator's GIL), it counts spans:
+`ReceiverProcess`.
 """
 
 from __future__ import annotations
 
 import gzip
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -139,6 +143,35 @@ class OtlpReceiver:
         return found
 
 
+class ReceiverProcess:
+    """A counting receiver (keep=False) in a process of its own: `env` as OtlpReceiver's, `received` asks it for
+    its count. Use as a context manager."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        self.grpc_endpoint, self.http_endpoint = self.proc.stdout.readline().split()
+
+    def env(self, protocol: str = "grpc", **more: str) -> dict[str, str]:
+        return OtlpReceiver.env(self, protocol, **more)  # type: ignore[arg-type]  # reads the two endpoints only
+
+    @property
+    def received(self) -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("count\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+    def __enter__(self) -> ReceiverProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(30)
+
+
 class _TraceService(pb_grpc.TraceServiceServicer):
     def __init__(self, receiver: OtlpReceiver) -> None:
         self.receiver = receiver
@@ -214,3 +247,10 @@ def paired_calls(target: str, text: str, token: str | None = None) -> list[Any]:
 
         with futures.ThreadPoolExecutor(2) as pool:
             return list(pool.map(one, range(2)))
+
+
+if __name__ == "__main__":  # ReceiverProcess: the endpoints, then the count for each line read, until end of input
+    with OtlpReceiver(keep=False) as counting:
+        print(counting.grpc_endpoint, counting.http_endpoint, flush=True)
+        for _ in sys.stdin:
+            print(counting.received, flush=True)

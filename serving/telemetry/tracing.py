@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.errors import ServerConfigError
+
+if TYPE_CHECKING:
+    from serving.telemetry.export import SpanPipe
 
 log = logging.getLogger(__name__)
 
@@ -48,27 +50,27 @@ class ServerSpan:
 
 
 class Tracing:
-    """The process' sampler, ids, resource, span processors and propagator; made by `configure`.
+    """The process' sampler, ids and propagator, and the pipe its spans leave by; made by `configure`.
 
-    Spans are recorded as finished `ReadableSpan`s handed to the span processors, with their start and end times,
-    rather than opened and closed through the SDK's Tracer: every span here is timed by the code around it anyway,
-    so none needs the Tracer's per-span machinery (a lock per attribute set, the sampler asked again for every
-    child), which is CPU taken from the calls (docs/BENCHMARKS.md, "Tracing"). The sampler decides once per call;
-    the children of a sampled call are sampled, as a parent-based sampler would decide.
+    Spans are recorded finished, with their start and end times, rather than opened and closed through the SDK's
+    Tracer: every span here is timed by the code around it anyway, so none needs the Tracer's per-span machinery (a
+    lock per attribute set, the sampler asked again for every child). They leave as plain tuples for the span export
+    process (serving/telemetry/export.py), where the SDK's processors and exporters turn them into OTLP: that encoding
+    would otherwise take the calls' GIL (docs/BENCHMARKS.md, "Tracing"). The sampler decides once per call; the
+    children of a sampled call are sampled, as a parent-based sampler would decide.
     """
 
-    def __init__(self, provider: Any, processors: Sequence[Any], propagator: Any, version: str) -> None:
+    def __init__(self, sampler: Any, pipe: SpanPipe, propagator: Any) -> None:
         from opentelemetry import trace
-        from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, sampling
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.sdk.trace import SpanLimits, sampling
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
-        self.trace, self.ReadableSpan, self.RECORD_AND_SAMPLE = trace, ReadableSpan, sampling.Decision.RECORD_AND_SAMPLE
-        self.provider, self.processors, self.propagator = provider, tuple(processors), propagator
-        self.sampler, self.ids, self.resource = provider.sampler, provider.id_generator, provider.resource
-        self.scope = InstrumentationScope("serving", version)
+        self.trace, self.RECORD_AND_SAMPLE = trace, sampling.Decision.RECORD_AND_SAMPLE
+        self.sampler, self.ids = sampler, RandomIdGenerator()
+        self.pipe, self.propagator = pipe, propagator
         self.max_links = SpanLimits().max_links or 128  # OTEL_SPAN_LINK_COUNT_LIMIT
         self.fields = frozenset(propagator.fields)  # the headers it reads: traceparent, tracestate, baggage
-        self.unset = trace.Status(trace.StatusCode.UNSET)
+        self.internal, self.server = trace.SpanKind.INTERNAL.value, trace.SpanKind.SERVER.value
 
     def start(self, name: str, headers: Mapping[str, str], attributes: Mapping[str, Any]) -> ServerSpan:
         """A call's server span, the child of the client's span when the headers carry one, sampled as the sampler
@@ -84,26 +86,27 @@ class Tracing:
         return ServerSpan(own, parent if parent.is_valid else None, name, time.time_ns(),
                           {**attributes, **(decision.attributes or {})}, sampled)
 
-    def record(self, name: str, parent: Any, start_ns: int, end_ns: int, *, kind: Any = None,
-               attributes: Mapping[str, Any] | None = None, links: Sequence[Any] = (), status: Any = None,
-               events: Sequence[Any] = (), context: Any = None) -> Any:
-        """Export a finished span under `parent` (a span context); its own context (made unless given)."""
-        t = self.trace
+    def record(self, name: str, parent: Any, start_ns: int, end_ns: int, *, kind: int | None = None,
+               attributes: Mapping[str, Any] | None = None, links: Sequence[Any] = (),
+               status: tuple[int, str | None] | None = None, events: Sequence[tuple[str, dict[str, Any], int]] = (),
+               context: Any = None) -> Any:
+        """Export a finished span under `parent` (a span context; None: a root); its own context (made unless
+        given). kind: a SpanKind's value (INTERNAL unless given); status: (StatusCode's value, description)."""
         if context is None:
-            context = t.SpanContext(parent.trace_id, self.ids.generate_span_id(), False, parent.trace_flags,
-                                    parent.trace_state)
-        span = self.ReadableSpan(name, context, parent, self.resource, dict(attributes or {}), tuple(events),
-                                 [t.Link(c) for c in links[:self.max_links]], kind or t.SpanKind.INTERNAL, None,
-                                 status or self.unset, start_ns, end_ns, instrumentation_scope=self.scope)
-        for processor in self.processors:
-            processor.on_end(span)
+            context = self.trace.SpanContext(parent.trace_id, self.ids.generate_span_id(), False, parent.trace_flags,
+                                             parent.trace_state)
+        state = tuple(context.trace_state.items()) if context.trace_state else None
+        self.pipe.put((name, context.trace_id, context.span_id, int(context.trace_flags), state,
+                       parent.span_id if parent is not None else 0, parent is not None and parent.is_remote,
+                       self.internal if kind is None else kind, start_ns, end_ns, attributes or None,
+                       tuple((c.trace_id, c.span_id, int(c.trace_flags), c.is_remote) for c in links[:self.max_links]),
+                       status, tuple(events)))
         return context
 
     def end(self, span: ServerSpan, error: str | None = None) -> None:
         """Export a call's span, ended now; `error`: the description of a failure the server owns."""
-        t = self.trace
-        status = t.Status(t.StatusCode.ERROR, error) if error is not None else None
-        self.record(span.name, span.parent, span.start_ns, time.time_ns(), kind=t.SpanKind.SERVER,
+        status = (self.trace.StatusCode.ERROR.value, error) if error is not None else None
+        self.record(span.name, span.parent, span.start_ns, time.time_ns(), kind=self.server,
                     attributes=span.attributes, status=status, context=span.context)
 
     def batch(self, served: Sequence[tuple[Any, int]], start_ns: int, end_ns: int, attributes: Mapping[str, Any],
@@ -111,13 +114,11 @@ class Tracing:
         """One batch's onnxruntime run: a span under the first traced call it served, linked to every one of them
         (links hold span contexts, never the calls), and each call's queue wait up to the run, linked to it.
         served: (span context, time queued in ns) of each traced call, oldest first."""
-        t, status, events = self.trace, None, ()
+        status, events = None, ()
         if error is not None:
-            from opentelemetry.sdk.trace import Event
-
-            status = t.Status(t.StatusCode.ERROR, type(error).__name__)
-            events = (Event("exception", {"exception.type": type(error).__name__, "exception.message": str(error)},
-                            end_ns),)
+            status = (self.trace.StatusCode.ERROR.value, type(error).__name__)
+            events = (("exception", {"exception.type": type(error).__name__, "exception.message": str(error)},
+                       end_ns),)
         run = self.record("onnxruntime run", served[0][0], start_ns, end_ns, attributes=attributes,
                           links=[c for c, _ in served], status=status, events=events)
         for context, queued_ns in served:
@@ -125,12 +126,9 @@ class Tracing:
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Export what is queued and stop, waiting at most `timeout_s`: a collector that is down (its exporter retries
-        for up to OTEL_EXPORTER_OTLP_TIMEOUT) must not hold a draining server past its grace. The export threads are
-        daemons: what they still hold is lost when the process exits."""
-        stopping = threading.Thread(target=self.provider.shutdown, name="tracing-shutdown", daemon=True)
-        stopping.start()
-        stopping.join(timeout_s)
-        if stopping.is_alive():
+        for up to OTEL_EXPORTER_OTLP_TIMEOUT) must not hold a draining server past its grace. The export process is
+        then stopped: what it still holds is lost."""
+        if not self.pipe.close(timeout_s):
             log.warning("spans not exported within %.0f s of stopping (is the collector reachable?): dropped",
                         timeout_s)
 
@@ -158,6 +156,7 @@ def check(environ: Mapping[str, str] = os.environ) -> list[str]:
         if "otlp" in exporters:
             _protocol(environ)
         _sampler_choice(environ)
+        _queue(environ)
     return exporters
 
 
@@ -171,17 +170,15 @@ def configure(service_version: str, worker: int | None = None) -> Tracing | None
         _tracing = None
         return None
     from opentelemetry.propagate import get_global_textmap
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-    # shutdown_on_exit=False: `shutdown` below bounds the wait; the SDK's own exit hook would wait without bound.
-    provider = TracerProvider(resource=_resource(service_version, worker, environ), sampler=_sampler(environ),
-                              shutdown_on_exit=False)
-    processors = [BatchSpanProcessor(_otlp_exporter(environ) if name == "otlp" else ConsoleSpanExporter())
-                  for name in exporters]
-    for processor in processors:
-        provider.add_span_processor(processor)  # shut down (and flushed) with the provider
-    _tracing = Tracing(provider, processors, get_global_textmap(), service_version)
+    from serving.telemetry.export import SpanPipe
+
+    resource = _resource(service_version, worker, environ)
+    sampler = _sampler(environ)
+    max_queue, batch = _queue(environ)
+    pipe = SpanPipe({"resource": dict(resource.attributes), "schema_url": resource.schema_url,
+                     "scope": ("serving", service_version), "exporters": exporters}, max_queue, batch)
+    _tracing = Tracing(sampler, pipe, get_global_textmap())
     return _tracing
 
 
@@ -202,15 +199,16 @@ def _protocol(environ: Mapping[str, str]) -> str:
     return protocol
 
 
-def _otlp_exporter(environ: Mapping[str, str]) -> Any:
+def otlp_exporter(environ: Mapping[str, str]) -> Any:
+    """The SDK's OTLP span exporter for the protocol asked for; it reads its own OTEL_EXPORTER_OTLP_* variables."""
     if _protocol(environ) == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     try:
         return OTLPSpanExporter()
-    except ValueError as e:  # a malformed endpoint, header or timeout
-        raise ServerConfigError(f"OTLP exporter: {e}") from None
+    except Exception as e:  # a malformed timeout (ValueError), compression (the exporter's own exception), ...
+        raise ServerConfigError(f"OTLP exporter, from the OTEL_EXPORTER_OTLP_* variables: {e}") from None
 
 
 def _sampler_choice(environ: Mapping[str, str]) -> tuple[str, float]:
@@ -252,10 +250,15 @@ def _resource(service_version: str, worker: int | None, environ: Mapping[str, st
     if environ.get("OTEL_SERVICE_NAME"):
         given = {**given, "service.name": environ["OTEL_SERVICE_NAME"]}
 
-    class HashedOnce(Resource):
-        """The OTLP encoder hashes each span's resource to group the spans of an export, and Resource's hash is a
-        JSON dump of its attributes: a quarter of the encoding's time. A resource never changes: hashed once."""
+    return Resource.create({**ours, **given})
 
+
+def hashed_once(resource: Any) -> Any:
+    """`resource`, hashed once. The OTLP encoder hashes each span's resource to group the spans of an export, and
+    Resource's hash is a JSON dump of its attributes: a quarter of the encoding's time. A resource never changes."""
+    from opentelemetry.sdk.resources import Resource
+
+    class HashedOnce(Resource):
         def __init__(self, attributes: Any, schema_url: str | None = None) -> None:
             super().__init__(attributes, schema_url)
             self._hash = super().__hash__()
@@ -263,5 +266,24 @@ def _resource(service_version: str, worker: int | None, environ: Mapping[str, st
         def __hash__(self) -> int:
             return self._hash
 
-    made = Resource.create({**ours, **given})
-    return HashedOnce(made.attributes, made.schema_url)
+    return HashedOnce(resource.attributes, resource.schema_url)
+
+
+def _queue(environ: Mapping[str, str]) -> tuple[int, int]:
+    """(spans that may wait in the server, spans that wake its writer) from OTEL_BSP_MAX_QUEUE_SIZE and
+    OTEL_BSP_MAX_EXPORT_BATCH_SIZE, the SDK's own defaults otherwise (the export process' processors read them too)."""
+    return _int(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 2048), _int(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512)
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    """A positive whole number from variable `name`, else `default` when unset; ServerConfigError naming it."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ServerConfigError(f"{name}={raw!r}: a positive whole number")
+    return value
