@@ -2,18 +2,19 @@
 processor and exporters (OTLP over gRPC or HTTP/protobuf, console), as the OTEL_* variables configure them.
 
 Why a child: the SDK encodes each span to OTLP protobuf in Python, attribute by attribute (about 20 us a span on
-the 2-core VM), and in the server's process that ran under the GIL the calls need: a loaded server lost 9% of its
-texts/s to tracing, 13 points of its Python time being that encoding (docs/BENCHMARKS.md, "Tracing"). Here a span
-costs the server a tuple and its share of one pickled write a batch; the child turns the tuples back into the SDK's
-ReadableSpans and hands them to its processors, exactly what the SDK would have exported in the server itself.
+the 2-core VM), and in the server's process that ran under the GIL the calls need (13% of a loaded server's samples,
+docs/BENCHMARKS.md "Tracing"). Here a span costs the server a tuple and its share of one JSON write a batch; the
+child, at the lowest CPU priority, turns the tuples back into the SDK's ReadableSpans and hands them to its
+processors: what the SDK would have exported from the server itself.
 
     server process                                   child: python -m serving.telemetry.export STATUS_FD
     Tracing.record -> SpanPipe.put(tuple)            reads frames from stdin, ReadableSpan each span,
-    a thread: pickle the batch, write a frame  --->  BatchSpanProcessor(exporter).on_end (OTEL_BSP_*: its queue)
+    a thread: JSON of the batch, write a frame --->  BatchSpanProcessor(exporter).on_end (OTEL_BSP_*: its queue)
 
-- A frame: 4 bytes of length (big-endian), then a pickle of a list of `Record` tuples. The first frame is the
-  setup: the resource, the instrumentation scope and the exporters' names. The child says `ready` (or `error: ...`,
-  then exits 2) on STATUS_FD, so that a bad exporter variable stops the server before it serves, as before.
+- A frame: 4 bytes of length (big-endian), then a JSON array of `Record`s (not pickle: nothing of ours unpickles).
+  The first frame is the setup: the resource, the instrumentation scope and the exporters' names. The child says
+  `ready` (or `error: ...`, then exits 2) on STATUS_FD, so that a bad exporter variable stops the server before it
+  serves.
 - Bounded: at most OTEL_BSP_MAX_QUEUE_SIZE spans wait in the server; past that they are dropped, counted, and a
   warning says so (never waited for, as the SDK's own queue). A child that exited drops every span from then on,
   with one warning; the server goes on serving.
@@ -24,9 +25,9 @@ ReadableSpans and hands them to its processors, exactly what the SDK would have 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
-import pickle
 import select
 import signal
 import struct
@@ -47,7 +48,8 @@ FLUSH_S = 0.1  # the server's spans go down the pipe this often, or at a batch (
 START_S = 30.0  # how long the child may take to import the SDK and build its exporters
 WARN_EVERY_S = 10.0  # at most one warning of dropped spans in this time
 
-# One finished span, as the server records it: plain values, cheap to build and to pickle.
+# One finished span, as the server records it: plain values, cheap to build and to write as JSON (ids are ints of
+# up to 128 bits, which JSON numbers hold in Python's reader and writer).
 #   (name, trace_id, span_id, trace_flags, trace_state: ((key, value), ...) or None,
 #    parent_span_id (0: a root), parent_is_remote, kind (SpanKind's value), start_ns, end_ns,
 #    attributes: dict or None, links: ((trace_id, span_id, trace_flags, is_remote), ...),
@@ -70,7 +72,7 @@ class SpanPipe:
         finally:
             os.close(status_write)
         try:
-            self._write(pickle.dumps(dict(setup), protocol=pickle.HIGHEST_PROTOCOL))
+            self._write(_encode(dict(setup)))
             answer = _read_line(status_read, START_S)
         except OSError as e:  # the child exited before reading its setup
             answer = f"error: the span export process exited at start ({e})"
@@ -136,8 +138,8 @@ class SpanPipe:
         if not batch or self.broken:
             return
         try:
-            payload = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:  # an attribute value that is not a plain value: this batch only, and said
+            payload = _encode(batch)
+        except (TypeError, ValueError) as e:  # an attribute value that is not a plain value: this batch only, said
             log.warning("%d spans dropped: %s", len(batch), e)
             return
         try:
@@ -167,6 +169,10 @@ class SpanPipe:
             return False
 
 
+def _encode(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
 def _read_line(fd: int, timeout_s: float) -> str:
     """One line from `fd` within `timeout_s` ("" at end of file or timeout)."""
     end, got = time.monotonic() + timeout_s, b""
@@ -192,7 +198,7 @@ def _frames(stream: Any) -> Any:
         payload = stream.read(size)
         if len(payload) < size:
             return
-        yield pickle.loads(payload)  # from the server process that started this one, through its own pipe
+        yield json.loads(payload)
 
 
 def _spans(records: Sequence[Record], resource: Any, scope: Any) -> Any:
@@ -204,7 +210,7 @@ def _spans(records: Sequence[Record], resource: Any, scope: Any) -> Any:
     unset = t.Status(t.StatusCode.UNSET)
     for (name, trace_id, span_id, flags, state, parent_id, parent_remote, kind, start_ns, end_ns, attributes, links,
          status, events) in records:
-        trace_state = t.TraceState(state) if state else None
+        trace_state = t.TraceState([(k, v) for k, v in state]) if state else None
         context = t.SpanContext(trace_id, span_id, False, t.TraceFlags(flags), trace_state)
         parent = t.SpanContext(trace_id, parent_id, parent_remote, t.TraceFlags(flags), trace_state) \
             if parent_id else None
@@ -228,6 +234,8 @@ def child_main(status_fd: int) -> int:
     # the server closes the pipe, having exported what it holds.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The lowest CPU priority: where the calls keep every core busy, the encoding takes what they leave; past that,
+    # spans wait in the server's bounded queue (docs/BENCHMARKS.md, "Tracing").
     os.nice(19)
     status = os.fdopen(status_fd, "w")
     frames = _frames(sys.stdin.buffer)
