@@ -99,6 +99,7 @@ def test_a_server_whose_export_process_died_serves_on_and_says_so_once(tiny_bund
                 receiver.wait_for(lambda s: s, what="the first call's spans")
                 child = _export_child(server)
                 assert child.nice() == 19  # the lowest priority: a loaded machine's CPU goes to the calls first
+                assert child.memory_full_info().uss < 64 * 2**20  # docs/OBSERVABILITY.md: about 25 MB of its own
                 child.kill()
                 _gone(child)
                 for _ in range(20):
