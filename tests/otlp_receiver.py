@@ -69,6 +69,13 @@ class Span:
         return (self.end_ns - self.start_ns) / 1e6
 
 
+def _env(grpc_endpoint: str, http_endpoint: str, protocol: str, more: dict[str, str]) -> dict[str, str]:
+    """The standard variables that send a server's spans to a receiver, exported every 50 ms."""
+    endpoint = grpc_endpoint if protocol == "grpc" else http_endpoint
+    return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50", **more}
+
+
 class OtlpReceiver:
     """Both OTLP transports on free ports of 127.0.0.1; `spans` fills as exports arrive. Use as a context manager."""
 
@@ -95,10 +102,7 @@ class OtlpReceiver:
         return f"http://127.0.0.1:{self.http_port}"
 
     def env(self, protocol: str = "grpc", **more: str) -> dict[str, str]:
-        """The standard variables that send a server's spans here, exported every 50 ms."""
-        endpoint = self.grpc_endpoint if protocol == "grpc" else self.http_endpoint
-        return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
-                "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "50", **more}
+        return _env(self.grpc_endpoint, self.http_endpoint, protocol, more)
 
     def __enter__(self) -> OtlpReceiver:
         self._grpc.start()
@@ -154,7 +158,7 @@ class ReceiverProcess:
         self.grpc_endpoint, self.http_endpoint = self.proc.stdout.readline().split()
 
     def env(self, protocol: str = "grpc", **more: str) -> dict[str, str]:
-        return OtlpReceiver.env(self, protocol, **more)  # type: ignore[arg-type]  # reads the two endpoints only
+        return _env(self.grpc_endpoint, self.http_endpoint, protocol, more)
 
     @property
     def received(self) -> int:
