@@ -20,7 +20,7 @@ import procs
 import psutil
 import pytest
 from procs import BIN, REPO, env, free_port
-from test_interrupt import started
+from test_interrupt import interrupted_at, started
 from train_pods import container, env_of, trainjob_pods
 
 from trainer.engine import checkpoint as ckpt
@@ -105,10 +105,8 @@ def test_deepspeed_run_stopped_by_sigterm_then_the_same_command_ends_as_uninterr
     os.killpg(p.pid, signal.SIGTERM)
     output = finish(p)
     assert p.returncode != 0 and not (out / "artifact").exists(), output[-3000:]
-    line = next(x for x in output.splitlines() if x.startswith("interrupted by SIGTERM after step "))
-    step = int(line.split(" after step ")[1].split(":")[0])
-    assert line.endswith(f"checkpoint {out / 'checkpoints' / ckpt.tag_for(step)}; run the same command again to "
-                         "continue (--resume auto)"), line
+    step, folder = interrupted_at(output, "SIGTERM", "run the same command again to continue (--resume auto)")
+    assert folder == str(out / "checkpoints" / ckpt.tag_for(step)), folder
     again = procs.run(cmd, 300, cwd=REPO, env=env())
     assert again.returncode == 0 and f"resumed at step {step}" in again.stderr, again.stderr[-3000:]
     assert sha256(out) == reference

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,15 +41,24 @@ def finish(proc: subprocess.Popen[str], timeout: float = 180) -> str:
         procs.kill_group(proc)
 
 
+def interrupted_at(output: str, signame: str, how: str) -> tuple[int, str]:
+    """(step, checkpoint folder) of the run's `interrupted by SIGNAME after step N: checkpoint DIR; HOW` line.
+
+    Found anywhere in a line: under the launcher, DeepSpeed's runner prints its own KeyboardInterrupt traceback in
+    pieces at the same moment (`KeyboardInterrupt`, then the newline), so our line may follow one of its pieces."""
+    found = re.findall(rf"interrupted by {signame} after step (\d+): checkpoint (\S+); {re.escape(how)}$", output,
+                       re.MULTILINE)
+    assert len(found) == 1, output[-6000:]
+    return int(found[0][0]), found[0][1]
+
+
 def checkpoint_named(output: str, out: Path, signame: str) -> str:
     """The tag the run said it saved: it is `latest`, complete, and every rank's files are in it."""
     from trainer.engine import checkpoint as ckpt
 
-    line = next(x for x in output.splitlines() if x.startswith(f"interrupted by {signame} after step "))
-    step = int(line.split(" after step ")[1].split(":")[0])
+    step, folder = interrupted_at(output, signame, "continue with the same command and --out plus --resume")
     tag = ckpt.tag_for(step)
-    assert line.endswith(f"checkpoint {out / 'checkpoints' / tag}; continue with the same command and --out plus "
-                         "--resume"), line
+    assert folder == str(out / "checkpoints" / tag), folder
     assert ckpt.read_latest(out / "checkpoints") == tag and ckpt.find(out / "checkpoints") == tag
     return tag
 

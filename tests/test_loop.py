@@ -80,3 +80,29 @@ def test_without_a_terminal_each_row_is_a_line_with_the_share_done_and_the_time_
     assert lines == ["finetune scratch: step 200/1,500 (13%, 0:12, about 2:36 left) loss=0.5",
                      "finetune scratch: step 400/1,500 (27%, 0:30, about 1:50 left) loss=0.5"]
     assert (tmp_path / "metrics.csv").read_text().splitlines() == ["step,loss", "200,0.5", "400,0.5"]
+
+
+def test_every_line_is_one_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the launcher the ranks run `python -u`, where print() writes a line and its newline apart: DeepSpeed's
+    runner, printing its KeyboardInterrupt traceback at the same moment, once landed between them, and the
+    `interrupted by SIGINT` line was no longer a line of its own (tests/test_interrupt.py)."""
+    import io
+
+    import trainer.engine.monitor as monitor
+
+    class Writes(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def write(self, s: str) -> int:
+            self.calls.append(s)
+            return len(s)
+
+    err = Writes()
+    monkeypatch.setattr(monitor.sys, "stderr", err)
+    log = monitor.RunLog(tmp_path, total=10, initial=0, desc="pretrain clm", columns=["loss"])
+    log.log(2, loss=0.5)
+    log.print("interrupted by SIGINT after step 2: checkpoint x; continue")
+    log.close()
+    assert len(err.calls) == 2 and all(c.endswith("\n") and c.count("\n") == 1 for c in err.calls), err.calls

@@ -135,8 +135,8 @@ class RunLog:
         if self.bar is not None:
             self.bar.set_postfix(shown, refresh=False)
         elif not self.tty:
-            print(f"{self.progress(step)} " + " ".join(f"{k}={v}" for k, v in shown.items()), file=sys.stderr,
-                  flush=True)
+            sys.stderr.write(f"{self.progress(step)} " + " ".join(f"{k}={v}" for k, v in shown.items()) + "\n")
+            sys.stderr.flush()
 
     def progress(self, step: int) -> str:
         """"finetune scratch: step 300/1,500 (20%, 0:12, about 0:48 left)": the ETA from this process's mean step
@@ -153,7 +153,9 @@ class RunLog:
         if self.bar is not None:
             self.bar.write(text, file=sys.stderr)
         else:
-            print(text, file=sys.stderr)
+            # One write, newline included: under the launcher (python -u) print's two writes let another process's
+            # output land between a line and its newline.
+            sys.stderr.write(text + "\n")
 
     def close(self) -> None:
         if self.bar is not None:
