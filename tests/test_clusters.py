@@ -94,6 +94,7 @@ def reference(references: Callable[[str], str]) -> str:
 # ------------------------------------------------------------------------------------------ --resume auto
 
 
+@pytest.mark.slow  # in CI's slow suite: the default suite keeps to its 10 minutes
 def test_deepspeed_run_stopped_by_sigterm_then_the_same_command_ends_as_uninterrupted(volumes: Path,
                                                                                      reference: str) -> None:
     """SIGTERM to every process of the job (a node shutting down, a spot instance reclaimed), then the identical

@@ -202,6 +202,7 @@ def test_gradual_unfreezing_leaves_a_frozen_group_exactly_as_it_was(zero: int) -
 # ---------------------------------------------------------------------------------------------- task-text LM stage
 
 
+@pytest.mark.slow  # in CI's slow suite: the default suite keeps to its 10 minutes
 def test_the_task_text_stage_reads_the_training_texts_only(base: list[str], pretrained: Path, data_dir: Path,
                                                           tmp_path: Path) -> None:
     """Two runs that differ only in their validation and test files adapt the encoder to the same weights, bit for

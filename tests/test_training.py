@@ -123,6 +123,7 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(runs: dict[str, Path], ba
     assert json.loads((runs[f"two{zero}"] / "env.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.slow  # in CI's slow suite: the default suite keeps to its 10 minutes
 def test_zero3_partitions_every_weight_and_trains_like_zero2(runs: dict[str, Path], base: list[str],
                                                             tmp_path: Path) -> None:
     """ZeRO 3 on 2 ranks with every weight partitioned (persistence threshold 0: at this size DeepSpeed would keep them
@@ -396,6 +397,7 @@ def test_bf16_is_autocast_over_fp32_weights_and_deepspeeds_bf16_mode_stays_a_jso
         "(DeepSpeed's own bf16 mode, which wrote it) to resume it"), p.stderr
 
 
+@pytest.mark.slow  # in CI's slow suite: the default suite keeps to its 10 minutes
 def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> None:
     from trainer import artifact
     from trainer.data.batching import bucket_batches
