@@ -1,7 +1,8 @@
 """What tracing costs the server: texts/s at concurrency c (64 by default, one review per call, closed loop) of three
 servers of one bundle, measured in turns within one run (the order rotates every round), so that a shared machine's
 load falls on all three alike:
-  - before: the code before tracing (`--before`, a tree of it: `git archive COMMIT | tar -x -C DIR`);
+  - before: the code before tracing (`--before`, a tree of it: `git archive COMMIT | tar -x -C DIR`; without it,
+    only off and on take turns, so that more rounds fit the same time);
   - off: this tree without OTEL_* variables (tracing off; request ids and access lines on, as by default);
   - on: this tree exporting every call's spans (OTEL_TRACES_SAMPLER=always_on) over OTLP/gRPC to a receiver that
     counts them, in a process of its own as a collector would be (tests/otlp_receiver.py, ReceiverProcess).
@@ -9,7 +10,7 @@ Prints each round's rows, the ratios off/before and on/off of texts/s and of the
 median over rounds: on a shared machine the CPU per text moves less than the rate), spans received, and the load
 average at the start and the end (docs/BENCHMARKS.md, Tracing).
 
-    python bench/telemetry_bench.py --bundle /tmp/lab-bundle --before /tmp/before [--rounds 5] [--seconds 5]
+    python bench/telemetry_bench.py --bundle /tmp/lab-bundle [--before /tmp/before] [--rounds 5] [--seconds 5]
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _load() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, required=True, help="bundle folder all three servers serve")
-    ap.add_argument("--before", type=Path, required=True, help="a tree of the code before tracing")
+    ap.add_argument("--before", type=Path, help="a tree of the code before tracing (without it: off and on only)")
     ap.add_argument("--data", type=Path, default=Path(os.environ.get("TS_DATA") or REPO.parent / "shared" / "data"),
                     help="folder holding cls-books-fr/ (its test reviews are the texts)")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop callers")
@@ -67,6 +68,8 @@ def main() -> int:
     ap.add_argument("--texts", type=int, default=256, help="distinct reviews drawn from the test split")
     ap.add_argument("--json", type=Path, help="write every turn's row, the ratios and the load averages to this file")
     args = ap.parse_args()
+    modes = MODES if args.before else MODES[1:]
+    pairs = [("off", "before"), ("on", "off")] if args.before else [("on", "off")]
     texts = reviews(args.data, args.texts)
     for k in [k for k in os.environ if k.startswith("OTEL_")]:  # only "on" traces: none left from the shell
         del os.environ[k]
@@ -78,14 +81,14 @@ def main() -> int:
                "on": {"PYTHONPATH": str(REPO), **receiver.env("grpc", OTEL_TRACES_SAMPLER="always_on",
                                                               OTEL_BSP_SCHEDULE_DELAY="5000")}}
         started = {m: ServerProcess(args.bundle, "--device", "cpu", "--metrics-port", "0",
-                                    repo=args.before if m == "before" else REPO, env=env[m]) for m in MODES}
+                                    repo=args.before if m == "before" else REPO, env=env[m]) for m in modes}
         try:
             servers = {m: _Measured(s) for m, s in started.items()}
-            rates: dict[str, list[float]] = {m: [] for m in MODES}
-            cpu: dict[str, list[float]] = {m: [] for m in MODES}  # server CPU ms per text
+            rates: dict[str, list[float]] = {m: [] for m in modes}
+            cpu: dict[str, list[float]] = {m: [] for m in modes}  # server CPU ms per text
             turns: list[dict] = []
             for r in range(args.rounds):
-                order = MODES[r % 3:] + MODES[:r % 3]
+                order = modes[r % len(modes):] + modes[:r % len(modes)]
                 for mode in order:
                     server = servers[mode]
                     spans0, export0, all0 = receiver.received, cpu_seconds(server.exporters), cpu_seconds(server.pids)
@@ -122,12 +125,11 @@ def main() -> int:
         half = stats.t.ppf(0.975, len(r) - 1) * statistics.stdev(r) / len(r) ** 0.5
         return statistics.mean(r), statistics.mean(r) - half, statistics.mean(r) + half
 
-    print("\nmean texts/s: " + ", ".join(f"{m} {statistics.mean(rates[m]):.1f}" for m in MODES))
-    print(f"texts/s, off / before: {ratio(rates, 'off', 'before'):.3f}, on / off: {ratio(rates, 'on', 'off'):.3f} "
-          f"(medians over {args.rounds} rounds)")
-    print(f"server CPU per text, off / before: {ratio(cpu, 'off', 'before'):.3f}, on / off: "
-          f"{ratio(cpu, 'on', 'off'):.3f}")
-    intervals = {f"{a}_{b}": interval(a, b) for a, b in (("off", "before"), ("on", "off"))}
+    print("\nmean texts/s: " + ", ".join(f"{m} {statistics.mean(rates[m]):.1f}" for m in modes))
+    print("texts/s, " + ", ".join(f"{a} / {b}: {ratio(rates, a, b):.3f}" for a, b in pairs)
+          + f" (medians over {args.rounds} rounds)")
+    print("server CPU per text, " + ", ".join(f"{a} / {b}: {ratio(cpu, a, b):.3f}" for a, b in pairs))
+    intervals = {f"{a}_{b}": interval(a, b) for a, b in pairs}
     for name, (mean, low, high) in intervals.items():
         print(f"texts/s {name.replace('_', ' / ')}: mean of the rounds {mean:.3f}, 95% interval {low:.3f} to "
               f"{high:.3f}")
@@ -141,7 +143,7 @@ def main() -> int:
     print(f"load average at start: {start_load}, at end: {end_load}")
     if args.json:
         ratios = {f"{v}_{a}_{b}": ratio(values, a, b) for v, values in (("texts_s", rates), ("cpu_ms_text", cpu))
-                  for a, b in (("off", "before"), ("on", "off"))}
+                  for a, b in pairs}
         out = {"turns": turns, "ratios": ratios, "intervals": intervals, "off_hooks_us": hooks_us,
                "export_cpu_ms_text": export_ms,
                "spans_per_call": spans_per_call, "concurrency": args.concurrency,
