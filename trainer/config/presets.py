@@ -81,12 +81,13 @@ def demo() -> RunConfig:
             pretrain_eval_lines=400,
         ),
         # windows as long as a fine-tuning review (256 ids), so that every position the classifier averages was
-        # pretrained: 16 a step, the ids a step of 32 x 128 windows held
+        # pretrained: 16 a step, the ids a step of 32 x 128 windows held; 1,500 steps keep `make demo` inside its
+        # 20 minutes on 2 cores (2,000 took 21 min 40 s: docs/BENCHMARKS.md)
         pretrain=PretrainConfig(
             micro_batch=16,
             seq_len=256,
             epochs=1,
-            max_steps=2000,
+            max_steps=1500,
             optim=OptimConfig(lr=1e-3, warmup_steps=100, schedule="cosine"),
         ),
         # 100 steps an epoch: the lr rises over the first 60 steps, then falls linearly to a tenth (BERT's recipe)
