@@ -102,6 +102,21 @@ def test_malformed_http_gets_400_and_a_close(server: SentimentServer) -> None:
     assert _status(reply) == 400 and b"connection: close" in reply
 
 
+def test_malformed_requests_cannot_flood_the_log(tiny_bundle: Path) -> None:
+    """uvicorn writes a warning for every invalid request: 50 of them wrote 50 lines. Now at most 3 a minute, the rest
+    counted (serving/telemetry/logs.py, ClientCausedLines); every one still gets its 400."""
+    server = ServerProcess(tiny_bundle, "--device", "cpu", "--http-port", "0")
+    try:
+        server.wait_listening()
+        assert server.http_port is not None
+        replies = [raw_exchange(server.http_port, b"NOT HTTP AT ALL\r\n\r\n") for _ in range(50)]
+        assert server.stop() == 0
+    finally:
+        server.close()
+    assert all(_status(reply) == 400 for reply in replies)
+    assert sum("Invalid HTTP request received." in line for line in server.log.splitlines()) == 3, server.log
+
+
 def test_pipelined_calls_are_answered_in_order(server: SentimentServer) -> None:
     texts = [f"Livre numéro {i}." for i in range(40)]
     requests = b""

@@ -48,6 +48,35 @@ class LogThrottle:
             return False, 0
 
 
+class ClientCausedLines(logging.Filter):
+    """A library's log lines that a client causes, one per call or connection (OpenTelemetry's warnings about a
+    malformed trace header, uvicorn's about an invalid HTTP request): at most 3 a minute for each line of the library's
+    code that writes one (a LogThrottle keyed by logger and line number: a bounded set of keys), the rest counted and
+    the count given with the next; the text cut to `max_chars`. So a client can neither flood the log nor write its
+    own text into it at length. Attach it to the library's logger, once: `attach(name)`."""
+
+    def __init__(self, prefix: str = "", max_chars: int = 200) -> None:
+        super().__init__()
+        self.prefix, self.max_chars = prefix, max_chars
+        self.throttle = LogThrottle()
+
+    def attach(self, *loggers: str) -> None:
+        for name in loggers:
+            if self not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        allowed, suppressed = self.throttle.allow(f"{record.name}:{record.lineno}")
+        if not allowed:
+            return False
+        text = record.getMessage()
+        if len(text) > self.max_chars:
+            text = f"{text[:self.max_chars]}... ({len(text):,} characters)"
+        more = f" ({suppressed} more like it not logged)" if suppressed else ""
+        record.msg, record.args = f"{self.prefix}{text}{more}", None
+        return True
+
+
 class _CallFields(logging.Filter):
     """Gives every record request_id and trace_id: its own (the access line's), else the current call's."""
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from serving.errors import ServerConfigError
-from serving.telemetry.logs import LogThrottle
+from serving.telemetry.logs import ClientCausedLines
 
 if TYPE_CHECKING:
     from serving.telemetry.export import SpanPipe
@@ -37,7 +37,6 @@ PROTOCOLS = ("grpc", "http/protobuf")
 # per bad list member (up to 180 a baggage header), some of them with the whole header in the line.
 PROPAGATION_LOGGERS = ("opentelemetry.trace.propagation.tracecontext", "opentelemetry.trace.span",
                        "opentelemetry.baggage.propagation", "opentelemetry.baggage")
-HEADER_WARNING_CHARS = 200  # what such a line keeps of the client's text
 SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
             "parentbased_traceidratio")
 
@@ -139,28 +138,8 @@ class Tracing:
                         timeout_s)
 
 
-class ClientHeaderWarnings(logging.Filter):
-    """The propagators' warnings about a client's trace headers are per-call lines: rate-limited like the server's own
-    (LogThrottle: 3 a minute for each of the warnings, the rest counted) and cut to HEADER_WARNING_CHARS, so that a
-    client cannot flood the log or write its own text into it at length."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.throttle = LogThrottle()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        allowed, suppressed = self.throttle.allow(f"{record.name}:{record.lineno}")  # a bounded set of keys
-        if not allowed:
-            return False
-        text = record.getMessage()
-        if len(text) > HEADER_WARNING_CHARS:
-            text = f"{text[:HEADER_WARNING_CHARS]}... ({len(text):,} characters)"
-        more = f" ({suppressed} more like it not logged)" if suppressed else ""
-        record.msg, record.args = f"a client's trace header: {text}{more}", None
-        return True
-
-
-_header_warnings = ClientHeaderWarnings()
+# The propagators' warnings are per-call lines: rate-limited and cut like the server's own (docs/RELIABILITY.md).
+_header_warnings = ClientCausedLines("a client's trace header: ")
 _tracing: Tracing | None = None
 
 
@@ -201,9 +180,7 @@ def configure(service_version: str, worker: int | None = None) -> Tracing | None
 
     from serving.telemetry.export import SpanPipe
 
-    for name in PROPAGATION_LOGGERS:
-        if _header_warnings not in logging.getLogger(name).filters:
-            logging.getLogger(name).addFilter(_header_warnings)
+    _header_warnings.attach(*PROPAGATION_LOGGERS)
     resource = _resource(service_version, worker, environ)
     sampler = _sampler(environ)
     max_queue, batch = _queue(environ)

@@ -7,7 +7,8 @@ Bounds of its own, before a call reaches serving/protocols/http/calls.py (uvicor
 first three): a request's line and headers at most MAX_HEAD_BYTES and MAX_HEADERS headers (else 431, connection
 closed), arriving within body_timeout_s of their first byte, or of the connection's start (else 408, closed); a
 connection idle for max_connection_idle_s is closed; past max_connections connections or calls in progress, uvicorn
-answers 503. Per-address limits are the front proxy's (deploy/proxy/).
+answers 503. Per-address limits are the front proxy's (deploy/proxy/). uvicorn's own lines (one warning per invalid
+request) are rate-limited like the server's per-call lines (serving/telemetry/logs.py, ClientCausedLines).
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from serving.config import ServerConfig
 from serving.errors import ServerConfigError
+from serving.telemetry.logs import ClientCausedLines
 
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 16 * 1024  # request line + header names and values (a long bearer token fits many times)
 MAX_HEADERS = 100
+_uvicorn_lines = ClientCausedLines()  # "Invalid HTTP request received." for every malformed request
 
 
 class _HeadTooLarge(Exception):
@@ -143,6 +146,7 @@ class HttpServer:
             self._socket.close()
             raise ServerConfigError(f"HTTP TLS: {e}") from None
         self._server = uvicorn.Server(config)
+        _uvicorn_lines.attach("uvicorn.error")
         self._thread = threading.Thread(target=self._run, name="http", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
 
