@@ -311,8 +311,9 @@ def test_a_model_dropout_that_finetune_dropout_replaces_is_refused() -> None:
     from trainer.config.schema import ConfigError
     from trainer.tasks.finetune import resolve_config
 
-    assert resolve_config(Choice("demo"), None).model.dropout == 0.1  # finetune.dropout while fine-tuning
-    with pytest.raises(ConfigError, match=r"--set model.dropout=0.2 would be ignored: finetune.dropout=0.1"):
+    assert resolve_config(Choice("demo"), None).model.dropout == 0.3  # finetune.dropout while fine-tuning
+    assert resolve_config(Choice("english"), None).model.dropout == 0.1  # what its results were measured with
+    with pytest.raises(ConfigError, match=r"--set model.dropout=0.2 would be ignored: finetune.dropout=0.3"):
         resolve_config(Choice("demo", None, ("model.dropout=0.2",)), None)
     assert resolve_config(Choice("demo", None, ("model.dropout=0.2", "finetune.dropout=none")), None).model.dropout \
         == 0.2
