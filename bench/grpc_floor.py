@@ -78,7 +78,10 @@ def main() -> int:
           flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
-    done.wait()
+    # A timed wait, as serving/server.py's: the kernel may hand SIGTERM to one of grpc's threads, and Python runs its
+    # handler only when the main thread runs again, which an untimed wait never did (a stop that hung 60 s).
+    while not done.wait(0.5):
+        pass
     server.stop(5).wait()
     metrics_server.shutdown()
     return 0
