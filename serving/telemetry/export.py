@@ -2,7 +2,7 @@
 processor and exporters (OTLP over gRPC or HTTP/protobuf, console), as the OTEL_* variables configure them.
 
 Why a child: the SDK encodes each span to OTLP protobuf in Python, attribute by attribute, and in the server's
-process that ran under the GIL the calls need (13% of a loaded server's samples, docs/BENCHMARKS.md "Tracing").
+process that ran under the GIL the calls need (docs/BENCHMARKS.md, "Tracing").
 Here a span costs the server a tuple and its share of one JSON write a batch; the child, at the lowest CPU
 priority, turns the tuples back into the SDK's ReadableSpans and hands them to its processors: what the SDK would
 have exported from the server itself.
