@@ -91,7 +91,8 @@ def demo() -> RunConfig:
             optim=OptimConfig(lr=1e-3, warmup_steps=100, schedule="cosine"),
         ),
         # 100 steps an epoch: the lr rises over the first 60 steps, then falls linearly to a tenth (BERT's recipe)
-        # dropout 0.3: the best pretrained mean of 0, 0.1, 0.2 and 0.3 over 3 seeds (docs/RESULTS.md, recipes)
+        # dropout 0.3 and 6 epochs: the best pretrained mean of dropout 0 to 0.4, and of 6 or 8 epochs, over 3 seeds
+        # (docs/RESULTS.md, recipes)
         finetune=FinetuneConfig(micro_batch=16, epochs=6, dropout=0.3,
                                 optim=OptimConfig(lr=4e-4, warmup_steps=60, schedule="linear")),
         engine=EngineConfig(checkpoint_every=500),
