@@ -10,7 +10,12 @@ Prints each round's rows, the ratios off/before and on/off of texts/s and of the
 median over rounds: on a shared machine the CPU per text moves less than the rate), spans received, and the load
 average at the start and the end (docs/BENCHMARKS.md, Tracing).
 
+With --server-cpus (a taskset list), the servers run on those cores and everything else (this load generator, the
+receiver, the span export processes) on the others: a machine with cores to spare beside the server's, where the
+export's CPU is not the calls' (it is still counted in the CPU per text).
+
     python bench/telemetry_bench.py --bundle /tmp/lab-bundle [--before /tmp/before] [--rounds 5] [--seconds 5]
+        [--server-cpus 0]
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import timeit
 from pathlib import Path
 
@@ -52,6 +58,27 @@ class _Measured:
         return float("nan") if value is None else value
 
 
+def _cpus(spec: str) -> set[int]:
+    """taskset's list: 0,2-3 -> {0, 2, 3}."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` (sched_setaffinity moves one thread; those made later inherit its set)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+def _cores(pids: list[int]) -> list[int]:
+    """The cores any thread of these processes may run on."""
+    return sorted(set().union(*(os.sched_getaffinity(int(tid)) for pid in pids
+                                for tid in os.listdir(f"/proc/{pid}/task"))))
+
+
 def _load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -67,7 +94,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="turns of each server")
     ap.add_argument("--texts", type=int, default=256, help="distinct reviews drawn from the test split")
     ap.add_argument("--json", type=Path, help="write every turn's row, the ratios and the load averages to this file")
+    ap.add_argument("--server-cpus", help="cores the servers run on (taskset's list, e.g. 0); the load generator, "
+                    "the receiver and the span export processes then run on the others")
     args = ap.parse_args()
+    try:
+        server_cpus = _cpus(args.server_cpus) if args.server_cpus else None
+    except ValueError:
+        ap.error(f"--server-cpus {args.server_cpus}: not a list of cores (taskset's: 0 or 0,2-3)")
+    other_cpus = os.sched_getaffinity(0) - (server_cpus or set())
+    if server_cpus is not None and (not other_cpus or not server_cpus <= os.sched_getaffinity(0)):
+        ap.error(f"--server-cpus {args.server_cpus}: must name some but not all of the cores this process may use "
+                 f"{sorted(os.sched_getaffinity(0))}")
     modes = MODES if args.before else MODES[1:]
     pairs = [("off", "before"), ("on", "off")] if args.before else [("on", "off")]
     texts = reviews(args.data, args.texts)
@@ -76,14 +113,21 @@ def main() -> int:
     start_load = _load()
     print(f"load average at start: {start_load}", flush=True)
     with ReceiverProcess() as receiver:
+        if server_cpus is not None:
+            _pin(os.getpid(), other_cpus)  # the callers' threads, made later, inherit it
+            _pin(receiver.proc.pid, other_cpus)
         # The SDK's own export settings (OTEL_BSP_*: every 5 s or 512 spans, a queue of 2,048), every call sampled.
         env = {"before": {"PYTHONPATH": str(args.before)}, "off": {"PYTHONPATH": str(REPO)},
                "on": {"PYTHONPATH": str(REPO), **receiver.env("grpc", OTEL_TRACES_SAMPLER="always_on",
                                                               OTEL_BSP_SCHEDULE_DELAY="5000")}}
         started = {m: ServerProcess(args.bundle, "--device", "cpu", "--metrics-port", "0",
-                                    repo=args.before if m == "before" else REPO, env=env[m]) for m in modes}
+                                    repo=args.before if m == "before" else REPO, env=env[m], cpus=args.server_cpus)
+                   for m in modes}
         try:
             servers = {m: _Measured(s) for m, s in started.items()}
+            for server in servers.values():
+                for pid in server.exporters if server_cpus is not None else ():
+                    _pin(pid, other_cpus)  # started by the server, on its cores
             rates: dict[str, list[float]] = {m: [] for m in modes}
             cpu: dict[str, list[float]] = {m: [] for m in modes}  # server CPU ms per text
             turns: list[dict] = []
@@ -106,6 +150,10 @@ def main() -> int:
                           f"{100 * row['server_cpu']:.0f}% ({cpu[mode][-1]:.2f} ms a text, {export_ms:.3f} ms of it "
                           f"in the span export process)  spans received {spans}",
                           flush=True)
+            on = servers["on"]
+            affinity = {"server": _cores([on.server.proc.pid]), "span export": _cores(on.exporters),
+                        "load generator": _cores([os.getpid()])}
+            print(f"cores: {affinity}", flush=True)
             # Every span "on" made, its queue flushed by the drain: fewer a call than the code makes = dropped spans.
             calls = sum(started["on"].codes().values())
             started["on"].stop()
@@ -135,20 +183,23 @@ def main() -> int:
               f"{high:.3f}")
     export_ms = statistics.median(t["export_cpu_ms_text"] for t in turns if t["mode"] == "on")
     print(f"the span export process: {export_ms:.3f} ms of CPU a text (median of the on turns)")
-    hooks_us = off_hooks_us()
+    hooks_us, traced_us = off_hooks_us(), on_hooks_us()
     per_call_us = 1000 * statistics.median(cpu["off"])
     print(f"tracing off: a call's telemetry hooks take {hooks_us:.2f} us here, {100 * hooks_us / per_call_us:.3f}% of "
           f"the off server's CPU per call ({per_call_us:.0f} us)")
+    print(f"tracing on: a sampled call's hooks, its records and their JSON take {traced_us:.1f} us here, "
+          f"{100 * traced_us / per_call_us:.2f}% of the off server's CPU per call")
     end_load = _load()
     print(f"load average at start: {start_load}, at end: {end_load}")
     if args.json:
         ratios = {f"{v}_{a}_{b}": ratio(values, a, b) for v, values in (("texts_s", rates), ("cpu_ms_text", cpu))
                   for a, b in pairs}
         out = {"turns": turns, "ratios": ratios, "intervals": intervals, "off_hooks_us": hooks_us,
+               "on_hooks_us": traced_us,
                "export_cpu_ms_text": export_ms,
                "spans_per_call": spans_per_call, "concurrency": args.concurrency,
                "seconds": args.seconds, "rounds": args.rounds, "loadavg_start": start_load, "loadavg_end": end_load,
-               "cpus": os.cpu_count()}
+               "cpus": os.cpu_count(), "server_cpus": args.server_cpus, "affinity": affinity}
         args.json.write_text(json.dumps(out, indent=1))
     return 0
 
@@ -175,6 +226,56 @@ def off_hooks_us(n: int = 20_000) -> float:
         call.finish("OK", failed=False)
 
     return 1e6 * min(timeit.repeat(one, number=n, repeat=5)) / n
+
+
+def on_hooks_us(n: int = 20_000, batch: int = 7) -> float:
+    """Microseconds one sampled call costs the server's process with tracing on, timed in this process: the hooks of
+    off_hooks_us with every call sampled, its records made (its span, auth, admission, tokenize, its queue wait and
+    its share of a batch's span, `batch` calls a run) and written as JSON for the pipe (SpanPipe's writer thread, a
+    frame of 512 records). The records go to a list, not to the span export process, whose CPU the turns count."""
+    from opentelemetry.propagate import get_global_textmap
+    from opentelemetry.sdk.trace import sampling
+
+    from serving.telemetry import calls, export, tracing
+
+    records: list[tuple] = []
+
+    class _Kept:  # SpanPipe.put's side, into a list
+        def put(self, record: tuple) -> None:
+            records.append(record)
+
+    log = calls.CallLog(rate=0)
+    headers = [("user-agent", "grpc-python/1"), ("x-request-id", "bench-1")]
+    attributes = {"rpc.system.name": "grpc", "rpc.method": "sentiment.v1.SentimentService/Classify"}
+    batch_attributes = {"sentiment.graph": "model.int8.onnx", "sentiment.precision": "int8",  # as the batcher's
+                        "sentiment.provider": "CPUExecutionProvider", "sentiment.per_row": False,
+                        "sentiment.batch.texts": batch,
+                        "sentiment.batch.calls": batch, "sentiment.batch.tokens": 900,
+                        "sentiment.batch.padded_tokens": 1792}
+    served: list = []
+
+    def one() -> None:
+        call = log.begin("grpc", "sentiment.v1.SentimentService/Classify", headers, attributes)
+        with call.step("auth"):
+            pass
+        with call.serving():
+            with call.step("admission"), calls.step("tokenize"):
+                pass
+            served.append((calls.current().link(), time.time_ns()))  # type: ignore[union-attr]
+        if len(served) == batch:
+            tracer.batch(served, time.time_ns(), time.time_ns(), batch_attributes, None)
+            served.clear()
+        call.finish("OK", failed=False)
+        if len(records) >= 512:
+            export._encode(records)
+            records.clear()
+
+    tracer, was = tracing.Tracing(sampling.ALWAYS_ON, _Kept(), get_global_textmap()), tracing._tracing
+    tracing._tracing = tracer  # the process' tracing, as configure() sets it
+    try:
+        return 1e6 * min(timeit.repeat(one, number=n, repeat=5)) / n
+    finally:
+        tracing._tracing = was
 
 
 if __name__ == "__main__":
