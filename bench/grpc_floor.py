@@ -73,11 +73,12 @@ def main() -> int:
     server = grpc.server(futures.ThreadPoolExecutor(args.max_workers))
     pb_grpc.add_SentimentServiceServicer_to_server(FloorServicer(predictor, registry), server)
     port = server.add_insecure_port(f"127.0.0.1:{args.port}")
+    done = threading.Event()
+    # before the line that says it is up: a SIGTERM sent as soon as it is read must stop it cleanly, not kill it
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
     server.start()
     print(f"bare grpcio floor: listening on 127.0.0.1:{port}, metrics on 127.0.0.1:{metrics_server.server_port}",
           flush=True)
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
     # A timed wait, as serving/server.py's: the kernel may hand SIGTERM to one of grpc's threads, and Python runs its
     # handler only when the main thread runs again, which an untimed wait never did (a stop that hung 60 s).
     while not done.wait(0.5):

@@ -25,6 +25,10 @@ def test_sigterm_to_a_grpc_thread_stops_the_floor_server(tiny_bundle: Path) -> N
     try:
         assert proc.stdout is not None
         assert "listening on" in proc.stdout.readline()
+        # its handler is in place once it says it is up (before, SIGTERM could still kill it then: exit -15)
+        caught = next(int(line.split()[1], 16) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                      if line.startswith("SigCgt:"))
+        assert caught & (1 << (signal.SIGTERM - 1)), f"SigCgt {caught:x}: no SIGTERM handler yet"
         other = next(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
         libc = ctypes.CDLL(None, use_errno=True)
         assert libc.syscall(234, proc.pid, other, signal.SIGTERM) == 0  # 234: tgkill on x86_64
