@@ -28,6 +28,7 @@ import sys
 import time
 import timeit
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -41,6 +42,9 @@ from serve_bench import bench_server, cpu_seconds  # noqa: E402
 from serving_fixtures import ServerProcess, reviews  # noqa: E402
 
 MODES = ("before", "off", "on")
+# what the hooks' timings send as a call's headers and span attributes
+_HEADERS = [("user-agent", "grpc-python/1"), ("x-request-id", "bench-1")]
+_ATTRIBUTES = {"rpc.system.name": "grpc", "rpc.method": "sentiment.v1.SentimentService/Classify"}
 
 
 class _Measured:
@@ -212,20 +216,24 @@ def off_hooks_us(n: int = 20_000) -> float:
 
     assert tracing.active() is None
     log = calls.CallLog(rate=0)
-    headers = [("user-agent", "grpc-python/1"), ("x-request-id", "bench-1")]
-    attributes = {"rpc.system.name": "grpc", "rpc.method": "sentiment.v1.SentimentService/Classify"}
+    return 1e6 * min(timeit.repeat(lambda: _one_call(log, None), number=n, repeat=5)) / n
 
-    def one() -> None:
-        call = log.begin("grpc", "sentiment.v1.SentimentService/Classify", headers, attributes)
-        with call.step("auth"):
+
+def _one_call(log: Any, served: list | None) -> None:
+    """One gRPC call through every telemetry hook: its record and request id, auth, admission, tokenize, the
+    batcher's link (with the time it was queued, into `served`), the end."""
+    from serving.telemetry import calls
+
+    call = log.begin("grpc", "sentiment.v1.SentimentService/Classify", _HEADERS, _ATTRIBUTES)
+    with call.step("auth"):
+        pass
+    with call.serving():
+        with call.step("admission"), calls.step("tokenize"):
             pass
-        with call.serving():
-            with call.step("admission"), calls.step("tokenize"):
-                pass
-            calls.current().link()  # type: ignore[union-attr]
-        call.finish("OK", failed=False)
-
-    return 1e6 * min(timeit.repeat(one, number=n, repeat=5)) / n
+        link = calls.current().link()  # type: ignore[union-attr]
+        if served is not None:
+            served.append((link, time.time_ns()))
+    call.finish("OK", failed=False)
 
 
 def on_hooks_us(n: int = 20_000, batch: int = 7) -> float:
@@ -245,8 +253,6 @@ def on_hooks_us(n: int = 20_000, batch: int = 7) -> float:
             records.append(record)
 
     log = calls.CallLog(rate=0)
-    headers = [("user-agent", "grpc-python/1"), ("x-request-id", "bench-1")]
-    attributes = {"rpc.system.name": "grpc", "rpc.method": "sentiment.v1.SentimentService/Classify"}
     batch_attributes = {"sentiment.graph": "model.int8.onnx", "sentiment.precision": "int8",  # as the batcher's
                         "sentiment.provider": "CPUExecutionProvider", "sentiment.per_row": False,
                         "sentiment.batch.texts": batch,
@@ -255,17 +261,10 @@ def on_hooks_us(n: int = 20_000, batch: int = 7) -> float:
     served: list = []
 
     def one() -> None:
-        call = log.begin("grpc", "sentiment.v1.SentimentService/Classify", headers, attributes)
-        with call.step("auth"):
-            pass
-        with call.serving():
-            with call.step("admission"), calls.step("tokenize"):
-                pass
-            served.append((calls.current().link(), time.time_ns()))  # type: ignore[union-attr]
+        _one_call(log, served)
         if len(served) == batch:
             tracer.batch(served, time.time_ns(), time.time_ns(), batch_attributes, None)
             served.clear()
-        call.finish("OK", failed=False)
         if len(records) >= 512:
             export._encode(records)
             records.clear()
