@@ -7,8 +7,9 @@ load falls on all three alike:
   - on: this tree exporting every call's spans (OTEL_TRACES_SAMPLER=always_on) over OTLP/gRPC to a receiver that
     counts them, in a process of its own as a collector would be (tests/otlp_receiver.py, ReceiverProcess).
 Prints each round's rows, the ratios off/before and on/off of texts/s and of the server's CPU time per text (the
-median over rounds: on a shared machine the CPU per text moves less than the rate), spans received, and the load
-average at the start and the end (docs/BENCHMARKS.md, Tracing).
+median over rounds: on a shared machine the CPU per text moves less than the rate), spans received, a call's
+telemetry hooks timed in this process with tracing off and on, and the load average at the start and the end
+(docs/BENCHMARKS.md, Tracing).
 
 With --server-cpus (a taskset list), the servers run on those cores and everything else (this load generator, the
 receiver, the span export processes) on the others: a machine with cores to spare beside the server's, where the
@@ -71,16 +72,35 @@ def _cpus(spec: str) -> set[int]:
     return out
 
 
+def _threads(pid: int) -> dict[int, set[int]]:
+    """The cores each live thread of process `pid` may run on (a thread that ends meanwhile is left out)."""
+    cores = {}
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        try:
+            cores[tid] = os.sched_getaffinity(tid)
+        except ProcessLookupError:
+            pass
+    return cores
+
+
 def _pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of process `pid` (sched_setaffinity moves one thread; those made later inherit its set)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), cpus)
+    """Every thread of process `pid` (sched_setaffinity moves one thread; those made later inherit its set), again
+    until none is left on other cores: a thread started meanwhile by one not yet moved has the old set."""
+    for _ in range(10):
+        stray = [tid for tid, cores in _threads(pid).items() if cores != cpus]
+        if not stray:
+            return
+        for tid in stray:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                pass
+    raise RuntimeError(f"process {pid}: threads still outside cores {sorted(cpus)}")
 
 
 def _cores(pids: list[int]) -> list[int]:
     """The cores any thread of these processes may run on."""
-    return sorted(set().union(*(os.sched_getaffinity(int(tid)) for pid in pids
-                                for tid in os.listdir(f"/proc/{pid}/task"))))
+    return sorted(set().union(*(cores for pid in pids for cores in _threads(pid).values())))
 
 
 def _load() -> str:
@@ -106,7 +126,8 @@ def main() -> int:
     except ValueError:
         ap.error(f"--server-cpus {args.server_cpus}: not a list of cores (taskset's: 0 or 0,2-3)")
     other_cpus = os.sched_getaffinity(0) - (server_cpus or set())
-    if server_cpus is not None and (not other_cpus or not server_cpus <= os.sched_getaffinity(0)):
+    if server_cpus is not None and (not server_cpus or not other_cpus
+                                    or not server_cpus <= os.sched_getaffinity(0)):
         ap.error(f"--server-cpus {args.server_cpus}: must name some but not all of the cores this process may use "
                  f"{sorted(os.sched_getaffinity(0))}")
     modes = MODES if args.before else MODES[1:]
