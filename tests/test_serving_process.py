@@ -18,7 +18,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from serving_fixtures import REPO_ROOT, ServerProcess, reviews, running_server, target, wait_until
+from serving_fixtures import (
+    REPO_ROOT,
+    ServerProcess,
+    reviews,
+    running_server,
+    target,
+    wait_until,
+    waited_out_the_server,
+)
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
@@ -73,9 +81,12 @@ def test_sigterm_under_load_completes_accepted_requests_and_exits_0(tiny_bundle:
     assert "they are cancelled" not in server.log, server.log
     drained_at = max(o[1] for o in outcomes if o[2] == "OK")
     before = {o[2] for o in outcomes if o[0] < sigterm_at and not (o[2] == "CANCELLED" and o[1] >= drained_at)}
-    after = {o[2] for o in outcomes if o[0] >= sigterm_at}
-    assert before <= {"OK", "UNAVAILABLE"}, [o for o in outcomes if o[0] < sigterm_at and o[2] != "OK"][:3]
-    assert after <= {"OK", "UNAVAILABLE", "CANCELLED"}, [o for o in outcomes if o[2] != "OK"][:3]
+    client_waits = {id(o) for o in waited_out_the_server(outcomes, sigterm_at, server)}  # gRPC's, rarely
+    after = {o[2] for o in outcomes if o[0] >= sigterm_at and id(o) not in client_waits}
+    failed = [(round(o[0] - sigterm_at, 3), round(o[1] - sigterm_at, 3), o[2], o[3]) for o in outcomes
+              if o[2] != "OK"]
+    assert before <= {"OK", "UNAVAILABLE"}, failed
+    assert after <= {"OK", "UNAVAILABLE", "CANCELLED"}, failed
     across = [o for o in outcomes if o[0] < sigterm_at < o[1] and o[2] == "OK"]
     assert across, "no request was in flight at SIGTERM"  # accepted before, answered after
     for o in outcomes:
