@@ -20,7 +20,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from otlp_receiver import BATCH_PAIRS, OtlpReceiver, Span, paired_calls
 from procs import REPO
-from serving_fixtures import ServerProcess, running_server
+from serving_fixtures import HeldRuns, ServerProcess, flood_and_one_more_are_refused, running_server, wait_until
 
 from serving.client import SentimentClient
 from serving.errors import ServerConfigError
@@ -354,3 +354,50 @@ def test_a_clients_bad_trace_headers_cannot_flood_the_log(tiny_bundle: Path) -> 
     lines = [line for line in server.log.splitlines() if "opentelemetry" in line]
     assert all("a client's trace header: " in line and len(line) < 500 for line in lines), lines[:3]
     assert 4 <= len(lines) <= 4 * 3, lines  # each of the 4 warnings, at most 3 times
+
+
+def test_an_overloaded_traced_server_refuses_at_admission_and_keeps_no_call(tiny_bundle: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A traced server under an overload made here, as tests/test_reliability_protocol.py makes it (the one batch
+    worker held inside a run, the queue behind it without room for a request of max_texts): 201 calls refused
+    RESOURCE_EXHAUSTED. Each refusal is one server span with its code, not an error of the server's (OpenTelemetry's
+    gRPC conventions: the client's to retry), whose only child is its admission: its trace shows that it was refused
+    before its body was read or tokenized. Once all are answered no call record is left, and the two calls held
+    behind the model are traced as any other."""
+    with OtlpReceiver() as receiver:
+        for key, value in receiver.env("grpc").items():
+            monkeypatch.setenv(key, value)
+        tracing.configure("test")
+        try:
+            with running_server(tiny_bundle, device="cpu", batch_workers=1, max_queue=6, max_texts=4) as server:
+                channels = [grpc.insecure_channel(f"127.0.0.1:{server.port}",
+                                                  options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(5)]
+                try:
+                    stubs = [pb_grpc.SentimentServiceStub(c) for c in channels]
+                    stubs[0].Classify(pb.ClassifyRequest(texts=[TEXT]), timeout=30)
+                    with HeldRuns(server) as held:
+                        running = stubs[0].Classify.future(pb.ClassifyRequest(texts=[TEXT]), timeout=60)
+                        assert held.wait_entered()
+                        queued = stubs[0].Classify.future(pb.ClassifyRequest(texts=["a", "b", "c", "d"]), timeout=60)
+                        wait_until(lambda: server.batcher.queued == 4, what="4 texts queued")
+                        flood_and_one_more_are_refused(stubs, pb.ClassifyRequest(texts=[TEXT] * 4), [],
+                                                       pb.ClassifyRequest(texts=["un"]),
+                                                       "no room for a request of up to 4 texts")
+                    assert len(running.result().results) == 1 and len(queued.result().results) == 4
+                finally:
+                    for c in channels:
+                        c.close()
+                gc.collect()
+                assert [o for o in gc.get_objects() if isinstance(o, calls.Call)] == []
+        finally:
+            tracing.shutdown()
+    spans = receiver.wait_for(lambda spans: len([s for s in spans if s.name == CLASSIFY]) == 1 + 2 + 201 and spans,
+                              what="every call's server span")
+    server_spans = [s for s in spans if s.name == CLASSIFY]
+    codes = sorted(s.attributes["rpc.response.status_code"] for s in server_spans)
+    assert codes == ["OK"] * 3 + ["RESOURCE_EXHAUSTED"] * 201, codes
+    for refused in [s for s in server_spans if s.attributes["rpc.response.status_code"] == "RESOURCE_EXHAUSTED"]:
+        assert refused.status != 2, refused  # not the server's error
+        assert [k.name for k in spans if k.parent_id == refused.span_id] == ["admission"]
+    runs = [s for s in spans if s.name == "onnxruntime run"]
+    assert sum(r.attributes["sentiment.batch.texts"] for r in runs) == 1 + 1 + 4  # the three calls answered
