@@ -43,9 +43,9 @@ def free_port() -> int:
 
 def quiet_port() -> int:
     """A free port below the kernel's ephemeral range (32768-60999 by default), for a listener that binds it long
-    after it was chosen (a container started by podman-compose): a port from `free_port` comes from the ephemeral
-    range, where any test's outgoing connection or port-0 bind may take it meanwhile (CI 2026-11-28: compose's proxy
-    found its port 47685 taken)."""
+    after it was chosen (a container started by podman-compose or `buildah run`): a port from `free_port` comes from
+    the ephemeral range, where any test's outgoing connection or port-0 bind may take it meanwhile (CI 2026-11-28:
+    compose's proxy found its port 47685 taken)."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(200):
         port = random.randrange(20000, low)
