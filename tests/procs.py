@@ -35,20 +35,17 @@ def env() -> dict[str, str]:
     return e
 
 
+_PORTS = random.SystemRandom()  # not the global generator: a test may seed that, and two workers then agree
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def quiet_port() -> int:
-    """A free port below the kernel's ephemeral range (32768-60999 by default), for a listener that binds it long
-    after it was chosen (a container started by podman-compose or `buildah run`): a port from `free_port` comes from
-    the ephemeral range, where any test's outgoing connection or port-0 bind may take it meanwhile (CI 2026-11-28:
-    compose's proxy found its port 47685 taken)."""
+    """A free port for a listener that another process binds later (a server, a DeepSpeed rank, a container started
+    by podman-compose or `buildah run`), below the kernel's ephemeral range (32768-60999 by default). A port of that
+    range may be taken meanwhile by any test's outgoing connection or port-0 bind: CI 2026-11-28, compose's proxy
+    found its port 47685 taken, and the front proxy of tests/test_edge.py did not start."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(200):
-        port = random.randrange(20000, low)
+        port = _PORTS.randrange(20000, low)
         with socket.socket() as s:
             try:
                 s.bind(("0.0.0.0", port))

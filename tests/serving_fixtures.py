@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from images import PROXY_NOFILE, config, ok, proxy_image
 from procs import REPO as REPO_ROOT
-from procs import kill_group, popen, quiet_port, run
+from procs import free_port, kill_group, popen, run
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.config import ServerConfig
@@ -279,13 +279,10 @@ class FrontProxy:
     def __init__(self, backend: int, settings: dict[str, object] | None = None, cpus: str | None = None,
                  http_backend: int | None = None) -> None:
         image = proxy_image()
-        # Quiet ports (tests/procs.py): haproxy binds them seconds after they were chosen, and a port of the
-        # ephemeral range may be taken meanwhile (CI 2026-11-28: "haproxy did not start"); a backend nobody serves
-        # must not be a port that another test's server may then take.
-        self.port, self.http_port = quiet_port(), quiet_port()
+        self.port, self.http_port = free_port(), free_port()
         settings = {"PROXY_BIND": f"127.0.0.1:{self.port}", "SERVER_ADDR": f"127.0.0.1:{backend}",
                     "HTTP_BIND": f"127.0.0.1:{self.http_port}",
-                    "HTTP_SERVER_ADDR": f"127.0.0.1:{http_backend or quiet_port()}", **(settings or {})}
+                    "HTTP_SERVER_ADDR": f"127.0.0.1:{http_backend or free_port()}", **(settings or {})}
         mounts = [a for v in settings.values() if isinstance(v, Path) for a in ("--volume", f"{v}:{v}:ro")]
         env = [a for k, v in settings.items() for a in ("--env", f"{k}={v}")]
         self.container = ok(["buildah", "from", "--pull-never", "--ulimit", f"nofile={PROXY_NOFILE}:{PROXY_NOFILE}",

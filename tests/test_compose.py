@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from http_fixtures import classify
 from images import need, ok, proxy_image, unavailable, wait_serving
-from procs import REPO, quiet_port, run
+from procs import REPO, free_port, run
 from serving_fixtures import reviews
 from test_container import TOKEN, _tritonclient, base_image, build, image, wheelhouse  # noqa: F401 (fixtures)
 
@@ -54,9 +54,9 @@ def compose(image: str, tiny_bundle: Path,  # noqa: F811 (image: test_container'
     token.write_text(TOKEN, encoding="utf-8")
     token.chmod(0o644)  # the server's user reads it
     env = {**os.environ, "CONTAINERS_CONF": str(_containers_conf(tmp_path / "containers.conf")),
-           "BUNDLE": str(tiny_bundle), "TOKEN_FILE": str(token), "SENTIMENT_PORT": str(quiet_port()),
-           "HTTP_PORT": str(quiet_port()),
-           "METRICS_PORT": str(quiet_port())}
+           "BUNDLE": str(tiny_bundle), "TOKEN_FILE": str(token), "SENTIMENT_PORT": str(free_port()),
+           "HTTP_PORT": str(free_port()),
+           "METRICS_PORT": str(free_port())}
     for name, built in (("SERVER_IMAGE", image), ("PROXY_IMAGE", proxy_image())):  # by id: a tag may move meanwhile
         env[name] = ok(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", built],
                        timeout=60).stdout.strip()

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hostile import _Connection
 from http_fixtures import call, classify
 from images import config, ok, proxy_image
-from procs import quiet_port, run
+from procs import free_port, run
 from serving_fixtures import FrontProxy, HeldRuns, certs, flood_and_one_more_are_refused, running_server, wait_until
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
@@ -76,7 +76,7 @@ def test_with_a_certificate_tls_ends_at_the_proxy(tiny_bundle: Path, certs: dict
     text on a port of its own (kubelet's probes), and nothing else there."""
     pem = tmp_path / "proxy.pem"
     pem.write_bytes(certs["server"].read_bytes() + certs["server_key"].read_bytes())
-    health_port = quiet_port()  # bound by haproxy seconds later: tests/procs.py
+    health_port = free_port()
     with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN) as s, \
             proxy(s, PROXY_TLS_CERT=pem, HEALTH_BIND=f"127.0.0.1:{health_port}") as port:
         with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain:
@@ -136,7 +136,7 @@ def test_a_server_that_cannot_be_reached_is_unavailable_not_overloaded() -> None
     """Nothing listens behind the proxy: once its check (every second) has seen it, a model call is answered
     UNAVAILABLE by the proxy at once; before, the backend's 503 said RESOURCE_EXHAUSTED "every model slot is busy",
     after 3 s of retries, to a client that should try another replica."""
-    with proxy(quiet_port()) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with proxy(free_port()) as port, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.SentimentServiceStub(channel)
         time.sleep(2.5)  # two failed checks
         start = time.perf_counter()
@@ -156,7 +156,7 @@ def test_a_call_answered_before_its_request_ends_is_reset_with_no_error(answered
     directly (RFC 9113, 8.1), so a gRPC client keeps the answer. Debian bookworm's HAProxy 2.6.12 reset it with
     CANCEL, which a client that reads the reset first reports as CANCELLED (HAProxy's issue 1219;
     docs/RELIABILITY.md, "A front proxy")."""
-    health_port = quiet_port()  # bound by haproxy seconds later: tests/procs.py
+    health_port = free_port()
     with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN) as s, \
             proxy(s, HEALTH_BIND=f"127.0.0.1:{health_port}") as port:
         conn = _Connection(health_port if answered_by == "proxy" else port)
@@ -199,7 +199,7 @@ def test_http_calls_pass_through_the_proxy_under_the_same_rules(tiny_bundle: Pat
 def test_http_calls_to_a_server_that_cannot_be_reached_are_503() -> None:
     """Nothing behind the proxy's HTTP port: once its check has seen it, a call is answered 503 UNAVAILABLE by the
     proxy, in the server's JSON shape."""
-    with FrontProxy(quiet_port(), http_backend=quiet_port()) as front:
+    with FrontProxy(free_port(), http_backend=free_port()) as front:
         time.sleep(2.5)  # two failed checks
         reply = classify(front.http_port, ["prêt"], {"Authorization": f"Bearer {TOKEN}"})
         assert reply.status == 503 and reply.json["code"] == "UNAVAILABLE" and "(proxy)" in reply.json["error"]
