@@ -44,6 +44,10 @@ def free_port() -> int:
     range may be taken meanwhile by any test's outgoing connection or port-0 bind: CI 2026-11-28, compose's proxy
     found its port 47685 taken, and the front proxy of tests/test_edge.py did not start."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if low < 21000:  # a machine whose ephemeral range starts low has no quiet ports: any free one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
     for _ in range(200):
         port = _PORTS.randrange(20000, low)
         with socket.socket() as s:
