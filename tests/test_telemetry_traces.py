@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import subprocess
 import sys
 from concurrent import futures
@@ -19,7 +18,7 @@ import psutil
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from otlp_receiver import BATCH_PAIRS, OtlpReceiver, Span, paired_calls
-from procs import REPO
+from procs import REPO, free_port
 from serving_fixtures import HeldRuns, ServerProcess, flood_and_one_more_are_refused, running_server, wait_until
 
 from serving.client import SentimentClient
@@ -249,9 +248,7 @@ print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
 def test_a_collector_that_is_down_holds_the_exit_only_a_bounded_while(tiny_bundle: Path) -> None:
     """Spans for an unreachable collector: the calls are answered, and on SIGTERM the server gives up on them after
     its bound (a warning says so) rather than after the exporter's retries (which the SDK's exit hook waited for)."""
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = free_port()  # nothing listens there, and no server's port 0 lands there meanwhile (tests/procs.py)
     env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{dead}", "OTEL_BSP_SCHEDULE_DELAY": "60000"}
     server = ServerProcess(tiny_bundle, "--device", "cpu", "--grace-s", "1", env=env)
