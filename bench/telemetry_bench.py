@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from otlp_receiver import ReceiverProcess  # noqa: E402
 from serve_bench import bench_server, cpu_seconds  # noqa: E402
 from serving_fixtures import ServerProcess, reviews  # noqa: E402
+from workers_bench import cores, cpu_list  # noqa: E402
 
 MODES = ("before", "off", "on")
 # what the hooks' timings send as a call's headers and span attributes
@@ -61,15 +62,6 @@ class _Measured:
     def metric(self, name: str) -> float:
         value = self.server.metric(name)
         return float("nan") if value is None else value
-
-
-def _cpus(spec: str) -> set[int]:
-    """taskset's list: 0,2-3 -> {0, 2, 3}."""
-    out: set[int] = set()
-    for part in spec.split(","):
-        low, _, high = part.partition("-")
-        out.update(range(int(low), int(high or low) + 1))
-    return out
 
 
 def _threads(pid: int) -> dict[int, set[int]]:
@@ -98,7 +90,7 @@ def _pin(pid: int, cpus: set[int]) -> None:
     raise RuntimeError(f"process {pid}: threads still outside cores {sorted(cpus)}")
 
 
-def _cores(pids: list[int]) -> list[int]:
+def _cores_of(pids: list[int]) -> list[int]:
     """The cores any thread of these processes may run on."""
     return sorted(set().union(*(cores for pid in pids for cores in _threads(pid).values())))
 
@@ -118,16 +110,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="turns of each server")
     ap.add_argument("--texts", type=int, default=256, help="distinct reviews drawn from the test split")
     ap.add_argument("--json", type=Path, help="write every turn's row, the ratios and the load averages to this file")
-    ap.add_argument("--server-cpus", help="cores the servers run on (taskset's list, e.g. 0); the load generator, "
-                    "the receiver and the span export processes then run on the others")
+    ap.add_argument("--server-cpus", type=cpu_list, help="cores the servers run on (taskset's list, e.g. 0); the "
+                    "load generator, the receiver and the span export processes then run on the others")
     args = ap.parse_args()
-    try:
-        server_cpus = _cpus(args.server_cpus) if args.server_cpus else None
-    except ValueError:
-        ap.error(f"--server-cpus {args.server_cpus}: not a list of cores (taskset's: 0 or 0,2-3)")
+    server_cpus = set(cores(args.server_cpus)) if args.server_cpus else None
     other_cpus = os.sched_getaffinity(0) - (server_cpus or set())
-    if server_cpus is not None and (not server_cpus or not other_cpus
-                                    or not server_cpus <= os.sched_getaffinity(0)):
+    if server_cpus is not None and (not server_cpus or not other_cpus):
         ap.error(f"--server-cpus {args.server_cpus}: must name some but not all of the cores this process may use "
                  f"{sorted(os.sched_getaffinity(0))}")
     modes = MODES if args.before else MODES[1:]
@@ -176,8 +164,8 @@ def main() -> int:
                           f"in the span export process)  spans received {spans}",
                           flush=True)
             on = servers["on"]
-            affinity = {"server": _cores([on.server.proc.pid]), "span export": _cores(on.exporters),
-                        "load generator": _cores([os.getpid()])}
+            affinity = {"server": _cores_of([on.server.proc.pid]), "span export": _cores_of(on.exporters),
+                        "load generator": _cores_of([os.getpid()])}
             print(f"cores: {affinity}", flush=True)
             # Every span "on" made, its queue flushed by the drain: fewer a call than the code makes = dropped spans.
             calls = sum(started["on"].codes().values())
