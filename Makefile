@@ -4,11 +4,14 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The data sets: where this project's CI keeps its copy (../shared/data) when it exists; elsewhere TS_DATA is left as
+# the user set it, and unset means the user's cache, where `python -m trainer data fetch` (run by `make demo`) puts them.
+export TS_DATA ?= $(wildcard $(abspath ../shared/data))
 # DeepSpeed JIT-compiles its shared-memory comm op on first use; keep the cache in the project.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-carry deploy-venv \
-	container-deps browser-deps image image-proxy gpu-serve-carry image-train image-train-cuda
+.PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-offline deploy-venv \
+	container-deps browser-deps image image-proxy gpu-serve-offline image-train image-train-cuda
 
 # torch's build comes from this package index, given to pip as an extra index: the CPU build by default. A CUDA
 # node picks its build on purpose: TORCH_INDEX=https://download.pytorch.org/whl/cu130 (a CUDA 13.0 build), or
@@ -37,8 +40,8 @@ help:
 	@echo "make test-slow the long suites (soak, large fuzz)"
 	@echo "make lint      ruff"
 	@echo "make proto     regenerate the gRPC code from proto/"
-	@echo "make gpu-carry wheels + data for bench/gpu_check.sh on a bare GPU image"
-	@echo "make gpu-serve-carry  wheels (onnxruntime-gpu in parts) + data + h2load for bench/gpu_serve_check.sh"
+	@echo "make gpu-offline   wheels + data for bench/gpu_check.sh on a GPU node without internet"
+	@echo "make gpu-serve-offline  wheels (onnxruntime-gpu in parts) + data + h2load for bench/gpu_serve_check.sh"
 	@echo "make image     build the server's container image (Containerfile; IMAGE=, CONTAINER_BUILD=, BUILD_ARGS=)"
 	@echo "make image-proxy  the front proxy's image (Containerfile.proxy; PROXY_IMAGE=)"
 	@echo "make image-train, image-train-cuda   the training image, CPU or CUDA 13 (Containerfile.train)"
@@ -152,15 +155,16 @@ demo: setup
 	bash launch/demo.sh
 
 proto: setup
-	$(BIN)/python -m serving.gen_proto
+	$(BIN)/python proto/gen.py
 
-# For a bare GPU image that has python3.12 and a CUDA torch but not our other packages: the wheels it lacks in
-# .whl/ and what bench/gpu_check.sh reads in .data/: cls-books-fr, the lab's pretraining corpus prepared with the
-# lab's tokenizer, and the gpu preset's tokenizer trained on its corpus (both made on the CPU, a few minutes on 2
-# cores, so that the GPU's time goes to measuring); carry both folders there.
+# For a GPU node without internet that has python3.12 and a CUDA torch but not our other packages, prepared on a
+# machine with a network and copied to the node with this checkout: the wheels it lacks in .whl/ and what
+# bench/gpu_check.sh reads in .data/: cls-books-fr, the lab's pretraining corpus prepared with the lab's tokenizer,
+# and the gpu preset's tokenizer trained on its corpus (both made on the CPU, a few minutes on 2 cores, so that the
+# GPU's time goes to measuring).
 GPU_PY ?= 3.12
 GPU_DATA ?= $(or $(TS_DATA),../shared/data)
-gpu-carry: setup
+gpu-offline: setup
 	rm -rf .whl .data && mkdir -p .whl .data
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w .whl -c requirements.lock deepspeed
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
@@ -172,14 +176,15 @@ gpu-carry: setup
 	TS_DATA=$(abspath $(GPU_DATA)) $(BIN)/python -m trainer tokenizer --preset gpu --out .data/gpu-tokenizer
 	du -sh .whl .data
 
-# For bench/gpu_serve_check.sh on a bare GPU machine (python3.12, a CUDA 13 torch, numpy, sentencepiece, onnx): what it
-# lacks, in .gpu-serve/ (ignored): ort/ onnxruntime-gpu split into $(GPU_SERVE_PART) parts with SHA256SUMS (each
-# part fits a 64 MiB copy beside this checkout), whl/ the other wheels, data/ cls-books-fr, h2load/ h2load and its
-# libraries from Debian's packages (its load generator). Copy each part on its own, then the rest.
+# For bench/gpu_serve_check.sh on a GPU node without internet (python3.12, a CUDA 13 torch, numpy, sentencepiece,
+# onnx), prepared on a machine with a network and copied to the node with this checkout: what the node lacks, in
+# .gpu-serve/ (ignored): ort/ onnxruntime-gpu split into $(GPU_SERVE_PART) parts with SHA256SUMS (for a transfer that
+# limits the size of a file; the script joins and checks them), whl/ the other wheels, data/ cls-books-fr, h2load/
+# h2load and its libraries from Debian's packages (its load generator).
 GPU_SERVE_PART ?= 61M
 GPU_WHEEL_TAGS = --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
   $(foreach v,$(shell seq 17 39),--platform manylinux_2_$(v)_x86_64) --platform manylinux2014_x86_64
-gpu-serve-carry: setup
+gpu-serve-offline: setup
 	rm -rf .gpu-serve && mkdir -p .gpu-serve/ort .gpu-serve/whl .gpu-serve/data/cls-books-fr .gpu-serve/h2load
 	$(BIN)/pip download -q --no-deps $(GPU_WHEEL_TAGS) -d .gpu-serve/ort -c requirements.lock onnxruntime-gpu
 	cd .gpu-serve/ort && wheel=$$(ls onnxruntime_gpu-*.whl) && split -b $(GPU_SERVE_PART) "$$wheel" "$$wheel.part-" \

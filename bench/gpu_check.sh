@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU training checks in one call of under 9 minutes, for a CUDA node or a bare GPU machine. Parts, each in its
+# The GPU training checks in under 9 minutes, for a CUDA node or a GPU node without internet. Parts, each in its
 # own time box, all within --budget seconds (a part that no longer fits is skipped, and says so); tests and lab run
 # side by side on the GPU first (neither is timed, and neither fills the GPU), then the timed parts one at a time:
 #   tests  the GPU tests, 3 at a time: bf16 ZeRO 1, 2 and 3 on NCCL, checkpoint, resume == uninterrupted, compiled
@@ -20,9 +20,10 @@
 #   bash bench/gpu_check.sh --dry-run             # the plan: parts, time boxes, commands; runs nothing (any machine)
 #   bash bench/gpu_check.sh --smoke               # every part's plumbing on a CPU at tiny sizes (minutes)
 #
-# A bare image with python3, a CUDA torch, numpy, sentencepiece and onnx: `make gpu-carry` here writes .whl/ (the
-# packages such an image lacks: deepspeed, pydantic, grpcio...) and .data/ (cls-books-fr, the lab's corpus prepared
-# with the lab tokenizer, the gpu preset's tokenizer); carry both, and this script installs and uses them.
+# A GPU node without internet, with python3, a CUDA torch, numpy, sentencepiece and onnx: `make gpu-offline`, on a
+# machine with a network, writes .whl/ (the packages such a node lacks: deepspeed, pydantic, grpcio...) and .data/
+# (cls-books-fr, the lab's corpus prepared with the lab tokenizer, the gpu preset's tokenizer); copied to the node
+# with this checkout, this script installs and uses them.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -132,7 +133,7 @@ if [ "$dry" = 1 ]; then
   done
   echo "the stages' time boxes add up to $total s (budget $budget s: a part that no longer fits is skipped)"
   for f in .whl .data/cls-books-fr "$lab_data" "$gpu_tok"; do
-    [ -e "$f" ] && echo "found $f" || echo "missing $f (make gpu-carry)"
+    [ -e "$f" ] && echo "found $f" || echo "missing $f (make gpu-offline)"
   done
   exit 0
 fi
@@ -144,7 +145,7 @@ if [ "$smoke" = 0 ] && ! $py -c 'import sys, torch; sys.exit(not torch.cuda.is_a
   exit 2
 fi
 
-# Setup: carried wheels (where DeepSpeed is missing), carried data, the environment every part shares.
+# Setup: the prepared wheels (where DeepSpeed is missing) and data, the environment every part shares.
 if compgen -G ".whl/*.whl" >/dev/null && ! $py -c 'import deepspeed, pydantic, grpc' >/dev/null 2>&1; then
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ts-site .whl/*.whl \
     >"$out/setup.txt" 2>&1 || echo "wheel install failed: $out/setup.txt"
@@ -159,8 +160,8 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions
 data=${TS_DATA:-$PWD/../shared/data}
 if [ "$smoke" = 0 ]; then
   gpus=$($py -c 'import torch; print(torch.cuda.device_count())')
-  # DeepSpeed 0.19.8 JIT-builds FusedAdam for TORCH_CUDA_ARCH_LIST and cannot parse an arch such as "9.0a" (the
-  # device image sets that): name the GPU's own arch, plain.
+  # DeepSpeed 0.19.8 JIT-builds FusedAdam for TORCH_CUDA_ARCH_LIST and cannot parse an arch such as "9.0a", which
+  # an image's environment may set: name the GPU's own arch, plain.
   TORCH_CUDA_ARCH_LIST=$($py -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
   export TORCH_CUDA_ARCH_LIST
   # FusedAdam's JIT build (about a minute, once per machine) starts now, beside the first part's imports.
@@ -174,8 +175,8 @@ else
     --set model.vocab_size=260 --set tokenizer.train_lines=3000 --set data.pretrain=cls-books-fr/train.review.txt \
     --out "$gpu_tok" >>"$out/smoke-setup.txt" 2>&1
 fi
-[ -d "$lab_data" ] || echo "note: $lab_data not found: the lab part prepares the corpus itself (make gpu-carry)"
-[ -d "$gpu_tok" ] || echo "note: $gpu_tok not found: the mfu part trains the gpu tokenizer itself (make gpu-carry)"
+[ -d "$lab_data" ] || echo "note: $lab_data not found: the lab part prepares the corpus itself (make gpu-offline)"
+[ -d "$gpu_tok" ] || echo "note: $gpu_tok not found: the mfu part trains the gpu tokenizer itself (make gpu-offline)"
 printf 'part\tstatus\tseconds\n' >"$out/parts.tsv"
 
 # run_part NAME LEFT: the part's commands in its time box, cut to LEFT seconds; its status into parts.tsv.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU serving checks in one command, for a CUDA node or a bare GPU machine:
-#   setup      install the carried wheels (.gpu-serve/, `make gpu-serve-carry`) and point onnxruntime at the CUDA 13
+# The GPU serving checks in one command, for a CUDA node or a GPU node without internet:
+#   setup      install the prepared wheels (.gpu-serve/, `make gpu-serve-offline`) and point onnxruntime at the CUDA 13
 #              libraries that torch brought (LD_LIBRARY_PATH)
 #   machine    record the machine, the versions, and whether onnxruntime's CUDA provider and its libraries load
 #   tests      the CUDA tests (pytest -m gpu: the predictor on the CUDA provider, the CUDA graph and the fp16 bundle
@@ -23,10 +23,10 @@
 #   bash bench/gpu_serve_check.sh --quick --out /tmp/q  # the tests' tiny model and short points: the path, not figures
 #   bash bench/gpu_serve_check.sh --pack                # $OUT keeps summary.md and logs.tar.gz only
 #
-# A bare machine with python3.12, a CUDA 13 torch, numpy, sentencepiece and onnx (no onnxruntime-gpu, no grpcio):
-# `make gpu-serve-carry` here writes .gpu-serve/: ort/ (onnxruntime-gpu in 61 MiB parts and SHA256SUMS), whl/ (the
-# other wheels it lacks), data/ (cls-books-fr) and h2load/ (h2load and its libraries from Debian's packages). Where
-# files reach that machine in copies of at most 64 MiB, copy each part on its own, then the rest with this checkout;
+# A GPU node without internet, with python3.12, a CUDA 13 torch, numpy, sentencepiece and onnx (no onnxruntime-gpu, no
+# grpcio): `make gpu-serve-offline`, on a machine with a network, writes .gpu-serve/: ort/ (onnxruntime-gpu in 61 MiB
+# parts, for a transfer that limits the size of a file, and SHA256SUMS), whl/ (the other wheels the node lacks), data/
+# (cls-books-fr) and h2load/ (h2load and its libraries from Debian's packages). Copied to the node with this checkout,
 # the script joins the parts, checks every sha256, and installs the wheels with `pip install --no-deps --target`.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -35,8 +35,8 @@ usage() {
   sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
   echo "options: --out DIR (default \$OUT, else runs/gpu-serve-check)  --quick  --device auto|cuda|cpu"
   echo "         --only STEP,STEP (of: $STEPS)  --deadline SECONDS"
-  echo "         --carry DIR (default .gpu-serve)  --seconds S (per benchmark point)"
-  echo "         --pack (leave in DIR only summary.md and logs.tar.gz: for a machine that returns few files)"
+  echo "         --carry DIR (the prepared folder, default .gpu-serve)  --seconds S (per benchmark point)"
+  echo "         --pack (leave in DIR only summary.md and logs.tar.gz: an output that is quick to copy off the node)"
 }
 die() { echo "gpu_serve_check: $*" >&2; exit 2; }
 
@@ -107,15 +107,15 @@ skip() { printf '%s\tskipped: %s\t0\n' "$1" "$2" >>"$out/steps.tsv"; }
 
 # ------------------------------------------------------------------------------------------------------ setup
 # Joins .gpu-serve/ort's parts into the wheel, each part and the whole checked against SHA256SUMS; a part missing or
-# altered is named. Then every carried wheel goes into $work/site, ahead of the machine's own packages.
+# altered is named. Then every prepared wheel goes into $work/site, ahead of the machine's own packages.
 join_wheel() {
   local sums=$carry/ort/SHA256SUMS wheel="" sum name
-  [ -f "$sums" ] || { echo "$sums missing: carry it with the parts (make gpu-serve-carry)"; return 2; }
+  [ -f "$sums" ] || { echo "$sums missing: copy it with the parts (make gpu-serve-offline writes both)"; return 2; }
   while read -r sum name; do
     case $name in
       *.whl) wheel=$name ;;
       *)
-        [ -f "$carry/ort/$name" ] || { echo "$carry/ort/$name missing: carry every part SHA256SUMS lists"; return 2; }
+        [ -f "$carry/ort/$name" ] || { echo "$carry/ort/$name missing: copy every part SHA256SUMS lists"; return 2; }
         echo "$sum  $carry/ort/$name" | sha256sum --quiet -c - \
           || { echo "$carry/ort/$name: sha256 differs from SHA256SUMS (a partial or altered copy)"; return 2; } ;;
     esac
@@ -141,7 +141,7 @@ setup() {
   if [ ${#wheels[@]} -gt 0 ]; then
     rm -rf "$work/site"
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" "${wheels[@]}" \
-      || { echo "pip could not install the carried wheels"; return 2; }
+      || { echo "pip could not install the prepared wheels"; return 2; }
     echo "installed: ${wheels[*]##*/}"
   fi
   echo "python: $("$py" -c 'import sys; print(sys.version.split()[0], sys.executable)')"
@@ -255,7 +255,7 @@ fi
 # ---------------------------------------------------------------------------------------------------- workers
 if wanted workers; then
   if ! command -v h2load >/dev/null; then
-    skip workers "h2load not found (Debian: nghttp2-client; or carry .gpu-serve/h2load)"
+    skip workers "h2load not found (Debian: nghttp2-client; or .gpu-serve/h2load from make gpu-serve-offline)"
   else
     pin=()
     if [ "$cores" -ge 4 ]; then

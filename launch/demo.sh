@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make demo`: the whole pipeline on the default data, on this machine, end to end:
-#   tokenizer + pretrain (DeepSpeed launcher) -> fine-tune pretrained vs scratch -> ONNX export (validated)
+#   data (fetched when missing) -> tokenizer + pretrain (DeepSpeed launcher) -> fine-tune pretrained vs scratch -> ONNX export (validated)
 #   -> bundle check on the test split -> gRPC server -> client sends real test reviews -> clean stop.
 # PRESET (default demo) and RUN (default runs/demo-<time>, never an existing folder) can be set.
 set -euo pipefail
@@ -9,13 +9,17 @@ cd "$ROOT"
 PY="${PY:-$ROOT/.venv/bin/python}"
 PRESET="${PRESET:-demo}"
 RUN="${RUN:-runs/$PRESET-$(date +%Y%m%d-%H%M%S)}"
-DATA="${TS_DATA:-$(cd "$ROOT/.." && pwd)/shared/data}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}"
 [ -e "$RUN" ] && { echo "error: $RUN exists; set RUN to a new folder" >&2; exit 2; }
 step() { printf '\n=== %s  [%s]\n' "$1" "$(date +%T)"; }
 # A free port for each launcher's rendezvous and for the server: DeepSpeed's default (29500) is taken while another
 # run trains on this machine.
 free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# The data sets the preset reads: $TS_DATA, else the user's cache; fetched from their public sources when missing.
+DATA="$("$PY" -c 'from trainer.config.presets import data_sets; print(data_sets())')"
+step "0/5 data for the $PRESET preset -> $DATA"
+"$PY" -m trainer data fetch --preset "$PRESET"
 
 step "1/5 pretrain ($PRESET) -> $RUN/pretrain"
 "$ROOT/.venv/bin/deepspeed" --master_port "$(free_port)" launch/pretrain.sh --preset "$PRESET" \

@@ -25,11 +25,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
-
+from contract.extras import missing_extra
 from contract.version import version_line
-from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
-from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
+
+try:
+    import grpc
+
+    from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
+    from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
+except ModuleNotFoundError as e:  # grpcio, protobuf: the command says which extra it needs, an import raises
+    if __name__ != "__main__" and Path(sys.argv[0]).stem != "sentiment-client":
+        raise
+    sys.exit(missing_extra("sentiment-client", "client", e))
 
 T = TypeVar("T")
 

@@ -15,6 +15,11 @@ import pytest
 import torch
 from procs import REPO
 
+# The data sets of the tests: $TS_DATA, else this project's CI copy beside the checkout, for the tests' own reads and
+# for every CLI and launcher they start (the presets read $TS_DATA, else the user's cache).
+if not os.environ.get("TS_DATA") and (REPO.parent / "shared" / "data").is_dir():
+    os.environ["TS_DATA"] = str((REPO.parent / "shared" / "data").resolve())
+
 # The tiny classifier's short training run: enough steps that its logits leave zero (validation then compares
 # decided predictions, not coin flips), few enough to stay around 3 s.
 TINY_TRAIN_EXAMPLES = 104

@@ -18,8 +18,8 @@ from procs import REPO, env
 
 SCRIPT = REPO / "bench" / "gpu_check.sh"
 PARTS = ["tests", "ratio", "mfu", "lab", "sdpa"]  # as the summary lists them
-LIMIT_S = 540  # one call on a lent machine: under 9 minutes
-SETUP_S = 30  # before the first part: the machine's lines, installing the carried wheels (~20 s on the H200)
+LIMIT_S = 540  # the script's promise: all of it in under 9 minutes
+SETUP_S = 30  # before the first part: the machine's lines, installing the prepared wheels (~20 s on the H200)
 
 
 def check(*args: str, out: Path | None = None, timeout: int = 120) -> subprocess.CompletedProcess[str]:

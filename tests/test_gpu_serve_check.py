@@ -1,4 +1,4 @@
-"""bench/gpu_serve_check.sh off a GPU: its options, the carried onnxruntime-gpu's parts (joined, each checked, a
+"""bench/gpu_serve_check.sh off a GPU: its options, the prepared onnxruntime-gpu's parts (joined, each checked, a
 missing or altered one named; shellcheck: test_shell_scripts.py), and (slow) the whole CPU path on the tiny model
 with its summary."""
 
@@ -56,8 +56,8 @@ def test_bad_options_exit_2_naming_the_problem(args: list[str], message: str, tm
     assert not (tmp_path / "ts-gpu-serve").exists(), "nothing runs before the options are checked"
 
 
-def _carry(tmp_path: Path, parts: int = 3) -> tuple[Path, str]:
-    """A carry folder as `make gpu-serve-carry` writes it, around a small real wheel: ort/ with the wheel split by
+def _prepared(tmp_path: Path, parts: int = 3) -> tuple[Path, str]:
+    """A folder as `make gpu-serve-offline` writes it, around a small real wheel: ort/ with the wheel split by
     `split` and SHA256SUMS (parts, then the wheel)."""
     name = "ts_probe-1.0-py3-none-any.whl"
     wheel = tmp_path / name
@@ -67,7 +67,7 @@ def _carry(tmp_path: Path, parts: int = 3) -> tuple[Path, str]:
         z.writestr("ts_probe-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                                                    "Tag: py3-none-any\n")
         z.writestr("ts_probe-1.0.dist-info/RECORD", "")
-    ort = tmp_path / "carry" / "ort"
+    ort = tmp_path / "prepared" / "ort"
     ort.mkdir(parents=True)
     size = wheel.stat().st_size // parts + 1
     subprocess.run(["split", "-b", str(size), str(wheel), str(ort / f"{name}.part-")], check=True, timeout=60)
@@ -75,14 +75,14 @@ def _carry(tmp_path: Path, parts: int = 3) -> tuple[Path, str]:
     lines.append(f"{hashlib.sha256(wheel.read_bytes()).hexdigest()}  {name}")
     (ort / "SHA256SUMS").write_text("\n".join(lines) + "\n")
     wheel.unlink()
-    return tmp_path / "carry", name
+    return tmp_path / "prepared", name
 
 
 def test_setup_joins_the_checked_parts_and_installs_the_wheel(tmp_path: Path) -> None:
-    carry, _ = _carry(tmp_path)
-    assert len(list((carry / "ort").glob("*.part-*"))) == 3
+    prepared, _ = _prepared(tmp_path)
+    assert len(list((prepared / "ort").glob("*.part-*"))) == 3
     out = tmp_path / "out"
-    run = _run("--only", "setup", "--device", "cpu", "--carry", str(carry), "--out", str(out), tmp_path=tmp_path)
+    run = _run("--only", "setup", "--device", "cpu", "--carry", str(prepared), "--out", str(out), tmp_path=tmp_path)
     assert run.returncode == 0, run.stderr
     assert _steps(out)["setup"] == "ok", (out / "setup.txt").read_text()
     site = tmp_path / "ts-gpu-serve" / "site"
@@ -94,27 +94,27 @@ def test_setup_joins_the_checked_parts_and_installs_the_wheel(tmp_path: Path) ->
 
 @pytest.mark.parametrize("damage", ["missing", "altered", "sums missing"])
 def test_a_missing_or_altered_part_is_named_and_nothing_is_installed(damage: str, tmp_path: Path) -> None:
-    carry, name = _carry(tmp_path)
-    part = carry / "ort" / f"{name}.part-ab"
+    prepared, name = _prepared(tmp_path)
+    part = prepared / "ort" / f"{name}.part-ab"
     if damage == "missing":
         part.unlink()
     elif damage == "altered":
         part.write_bytes(part.read_bytes()[:-1])  # a copy cut short
     else:
-        (carry / "ort" / "SHA256SUMS").unlink()
+        (prepared / "ort" / "SHA256SUMS").unlink()
     out = tmp_path / "out"
-    run = _run("--only", "setup", "--device", "cpu", "--carry", str(carry), "--out", str(out), tmp_path=tmp_path)
+    run = _run("--only", "setup", "--device", "cpu", "--carry", str(prepared), "--out", str(out), tmp_path=tmp_path)
     assert run.returncode == 0  # a failed step is recorded, the script goes on
     assert _steps(out)["setup"] == "failed (exit 2)"
     log = (out / "setup.txt").read_text()
     expected = {"missing": f"{part} missing", "altered": f"{part}: sha256 differs",
-                "sums missing": f"{carry}/ort/SHA256SUMS missing"}[damage]
+                "sums missing": f"{prepared}/ort/SHA256SUMS missing"}[damage]
     assert expected in log, log
     assert not (tmp_path / "ts-gpu-serve" / "site").exists()
 
 
 def test_pack_leaves_the_summary_and_one_archive_of_what_it_wrote(tmp_path: Path) -> None:
-    """--pack: for a machine that returns few files. The script's own files go into logs.tar.gz; a file of the
+    """--pack: an output that is quick to copy off the node. The script's own files go into logs.tar.gz; a file of the
     user's in the same folder stays."""
     out = tmp_path / "out"
     out.mkdir()
@@ -154,7 +154,7 @@ def test_the_cpu_path_runs_every_step_it_can_and_summarizes(data_dir: Path, tmp_
     """No GPU here: the tiny model, short points; the CUDA-only steps are skipped with their reason, the rest run
     (workers only where h2load is installed) and the summary holds their tables."""
     out = tmp_path / "out"
-    run = _run("--quick", "--device", "cpu", "--carry", str(tmp_path / "no-carry"), "--out", str(out),
+    run = _run("--quick", "--device", "cpu", "--carry", str(tmp_path / "none"), "--out", str(out),
                tmp_path=tmp_path, timeout=600, env={"TS_DATA": str(data_dir)})
     assert run.returncode == 0, run.stderr
     steps = _steps(out)

@@ -103,7 +103,7 @@ def test_preset_data_come_from_ts_data_or_the_working_directory(tmp_path: Path,
 def test_an_installed_package_reads_the_data_named_by_ts_data(tmp_path: Path, data_dir: Path) -> None:
     """A non-editable install (the wheel's files, not the checkout) run from elsewhere finds the data sets."""
     src, site = tmp_path / "src", tmp_path / "site"  # a copy: setuptools writes build/ beside the sources
-    for name in ("contract", "trainer", "serving"):
+    for name in ("contract", "trainer", "serving", "proto"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)

@@ -1,4 +1,4 @@
-"""A user's own labelled files, second pass: what used to become a silent extra class (an empty label, a typo, two
+"""A user's own labelled files, the harder cases: what used to become a silent extra class (an empty label, a typo, two
 spellings of one value), a .tsv whose quotes were kept as text, and blank texts kept by one reader and dropped by
 another."""
 

@@ -1,5 +1,5 @@
 """Packaging off this machine: the onnxruntime package each platform gets, the torch build `make` installs, and the
-package as a user installs it (the wheel's license and Python, the `client` extra alone in a fresh virtualenv).
+Python the package claims. The wheel itself, built and installed one extra at a time: tests/test_wheel.py.
 
 pip runs against PyPI with this machine's own pip configuration switched off (no pip.conf, no PIP_FIND_LINKS), as on
 a stock machine: here, that configuration supplies torch's CPU build from local disk and would hide the question.
@@ -8,11 +8,9 @@ a stock machine: here, that configuration supplies torch's CPU build from local 
 from __future__ import annotations
 
 import ast
-import email
 import importlib.metadata
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -24,7 +22,7 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from serving_fixtures import REPO_ROOT, running_server
+from serving_fixtures import REPO_ROOT
 
 ORT = ("onnxruntime", "onnxruntime-gpu")
 # (pip platform tag, marker environment, the package it must get). PyPI has onnxruntime-gpu wheels for Linux
@@ -257,36 +255,6 @@ SOURCES = ("contract", "trainer", "serving", "tests", "bench", "deploy")  # ever
 HEAVY = {"torch", "deepspeed", "onnxruntime", "onnxruntime-gpu", "onnx", "numpy", "sentencepiece"}
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The project's wheel, built (no network, the venv's setuptools) from a copy of what it packages: building in
-    the repo would write build/ and *.egg-info there, under other tests reading the tree."""
-    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
-    project = _pyproject()["project"]
-    for name in ("pyproject.toml", project["readme"], *project["license-files"]):
-        shutil.copy(REPO_ROOT / name, src / name)
-    for package in _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]:
-        shutil.copytree(REPO_ROOT / package.rstrip("*"), src / package.rstrip("*"),
-                        ignore=shutil.ignore_patterns("__pycache__"))
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                            "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr
-    (whl,) = out.glob("*.whl")
-    return whl
-
-
-def test_the_wheel_carries_the_license_and_the_python_it_needs(wheel: Path) -> None:
-    with zipfile.ZipFile(wheel) as z:
-        info = f"transfer_sentiment-{_pyproject()['project']['version']}.dist-info"
-        meta = email.message_from_bytes(z.read(f"{info}/METADATA"))
-        assert z.read(f"{info}/licenses/LICENSE") == (REPO_ROOT / "LICENSE").read_bytes()
-    assert meta["License-Expression"] == "Apache-2.0" and meta.get_all("License-File") == ["LICENSE"]
-    assert meta["Requires-Python"] == _pyproject()["project"]["requires-python"]
-    client = [r for r in map(Requirement, meta.get_all("Requires-Dist")) if r.marker is not None
-              and r.marker.evaluate({**default_environment(), "extra": "client"})]
-    assert sorted(r.name for r in client) == ["grpcio", "protobuf"]
-
-
 def test_requires_python_is_the_lowest_python_the_code_and_its_pins_run_on() -> None:
     """requires-python's floor is ruff's target, parses every file of the repo, and is exactly what the code's
     imports of newer stdlib modules and the pinned dependencies' own Requires-Python need: lower, and pip installs
@@ -328,43 +296,11 @@ def test_requires_python_is_the_lowest_python_the_code_and_its_pins_run_on() -> 
 
 def test_the_client_imports_no_numpy_onnxruntime_or_torch() -> None:
     """What the `client` extra leaves out, serving.client must not import (checked here in the full venv, fast;
-    the fresh virtualenv below proves it installs and runs without them)."""
+    tests/test_wheel.py's fresh virtualenv proves it installs and runs without them)."""
     out = subprocess.run([sys.executable, "-c", "import sys, serving.client; print(' '.join(sys.modules))"],
                          capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr
     assert not {m.split(".")[0] for m in out.stdout.split()} & {m.replace("-", "_") for m in HEAVY}
-
-
-def test_the_client_extra_alone_classifies_with_a_real_server(wheel: Path, tiny_bundle: Path, predictor,
-                                                              tmp_path: Path) -> None:
-    """`pip install 'transfer-sentiment[client]'` into a fresh virtualenv, from PyPI as a stock machine has it:
-    grpcio and protobuf, none of torch, onnxruntime or numpy; its `sentiment-client` classifies with a server of
-    the full install, and gets the server's own answers."""
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    install = _stock_pip("install", "--quiet", f"{wheel}[client]", python=python)
-    assert install.returncode == 0, install.stderr
-    listed = _stock_pip("list", "--format", "json", python=python)
-    installed = {d["name"].lower() for d in json.loads(listed.stdout)}
-    assert {"transfer-sentiment", "grpcio", "protobuf"} <= installed and not installed & HEAVY, installed
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}  # the venv's package, not the repo's
-    def client(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(venv / "bin" / "sentiment-client"), *args], capture_output=True, text=True,
-                              timeout=120, env=env, cwd=tmp_path)
-
-    helped = client("--help")
-    assert helped.returncode == 0 and helped.stdout.startswith("usage: "), helped.stderr
-    assert client("--version").stdout == f"sentiment-client {_pyproject()['project']['version']}\n"
-    texts = ["Un livre magnifique.", "Ennuyeux, je n'ai pas fini."]
-    with running_server(tiny_bundle, device="cpu") as server:
-        answered = client("--target", f"127.0.0.1:{server.port}", "--json", *texts)
-    assert answered.returncode == 0, answered.stderr
-    got = [json.loads(line) for line in answered.stdout.splitlines()]
-    for g, text, want in zip(got, texts, predictor.predict(texts), strict=True):
-        assert g["text"] == text and g["label"] == want.label
-        assert g["probabilities"] == pytest.approx(list(want.probabilities), abs=1e-5)
 
 
 def test_the_citation_names_the_packages_version_and_license() -> None:

@@ -10,13 +10,14 @@ import argparse
 import importlib
 import sys
 
+from contract.extras import missing_extra
 from contract.version import version_line
-from trainer.cli import INPUT_ERRORS, one_line_errors
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "params": ("trainer.model.params", "print the trainable-parameter table of a preset (the lab's question 3)"),
     "tokenizer": ("trainer.data.tokenizer_cli", "build the tokenizer of a config (load the lab's, or train one)"),
+    "data": ("trainer.data.fetch", "fetch the public data sets the presets read (data fetch --list: their sources)"),
     "prepare": ("trainer.data.prepare", "tokenize data.pretrain once, in parallel, into shards (pretrain --set "
                                    "data.prepared=DIR)"),
     "pretrain": ("trainer.tasks.pretrain", "pretrain the encoder as a language model (DeepSpeed)"),
@@ -47,11 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         _parser().parse_args(argv[:1] or ["--help"])
     name, rest = argv[0], argv[1:]
+    try:  # pydantic here, the subcommand's torch, DeepSpeed, onnx below: the `train` extra, absent from the others
+        from trainer.cli import INPUT_ERRORS, one_line_errors
+    except ModuleNotFoundError as e:
+        return missing_extra("transfer-sentiment", "train", e)
     try:
         module = importlib.import_module(SUBCOMMANDS[name][0])
     except INPUT_ERRORS as e:  # a setting read while importing (DS_ACCELERATOR, by DeepSpeed)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        return missing_extra("transfer-sentiment", "train", e)
     sub = argparse.ArgumentParser(
         prog=f"python -m trainer {name}",
         description=(module.__doc__ or "").strip(),

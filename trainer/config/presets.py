@@ -1,8 +1,9 @@
 """Named presets: functions that build a RunConfig (`--preset tiny|demo|english|lab|gpu`).
 
-Every preset reads the project's data sets (../shared/data/README.md says what each is) from `data_sets()`: the
-folder `TS_DATA` names, else `../shared/data` from the working directory (beside a checkout, run from its root).
-Never from where the package is installed: a wheel installed into a virtualenv has no data beside it.
+Every preset reads the project's public data sets (trainer/data/sources.py says what each is and where it comes
+from; `python -m trainer data fetch` downloads them) from `data_sets()`: the folder `TS_DATA` names, else the user's
+cache, $XDG_CACHE_HOME/transfer-sentiment/data (~/.cache/transfer-sentiment/data). Never from where the package is
+installed: a wheel installed into a virtualenv has no data beside it.
 A user's own data replaces the whole data section (trainer/config/choice.py, Choice.resolve): nothing of it leaks
 into their run.
 """
@@ -26,12 +27,14 @@ from trainer.config.schema import (
 )
 
 DATA_ENV = "TS_DATA"
-DATA_DEFAULT = "../shared/data"  # from the working directory
 
 
 def data_sets() -> str:
-    """The absolute folder of the project's data sets: $TS_DATA, else ../shared/data from the working directory."""
-    return os.path.abspath(os.environ.get(DATA_ENV) or DATA_DEFAULT)
+    """The absolute folder of the project's data sets: $TS_DATA, else the user's cache (XDG's base directories)."""
+    if os.environ.get(DATA_ENV):
+        return os.path.abspath(os.path.expanduser(os.environ[DATA_ENV]))
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.abspath(os.path.join(cache, "transfer-sentiment", "data"))
 
 
 def cls_books(**changes: typing.Any) -> DataConfig:

@@ -136,8 +136,8 @@ class DataConfig:
             return p
         if self.root and not Path(self.root).is_dir():
             raise ConfigError(f"data.root {self.root}: folder not found (it holds {name}); the presets read their "
-                              f"data sets from $TS_DATA, else ../shared/data from the working directory: set TS_DATA "
-                              "or --set data.root=FOLDER")
+                              "data sets from $TS_DATA, else the user's cache: fetch them with `python -m trainer "
+                              "data fetch --preset NAME`, or set TS_DATA or --set data.root=FOLDER")
         return Path(self.root) / p
 
 

@@ -13,7 +13,7 @@ from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
 from trainer.cli import add_field_arguments
 from trainer.export.check import check_bundle
 from trainer.export.errors import ExportError
-from trainer.export.precision import INT8_CPU_BOUND, Tolerance
+from trainer.export.quantize import INT8_CPU_BOUND, Tolerance
 from trainer.export.thresholds import (
     EXIT_BELOW_THRESHOLD,
     EXIT_PASSED,
@@ -28,11 +28,11 @@ from trainer.export.write import AUTO, ExportOptions, export_bundle
 
 EXAMPLES = """examples:
   python -m trainer export runs/finetune/artifact --out runs/bundle
-  python -m trainer export runs/finetune/artifact --out runs/bundle --data ../shared/data/cls-books-fr/test.review.spm
+  python -m trainer export runs/finetune/artifact --out runs/bundle --data test.review.spm
   python -m trainer export runs/finetune/artifact --out runs/bundle-fp32 --precision fp32
   python -m trainer export runs/finetune/artifact --out runs/bundle --gpu-precision fp16
   python -m trainer export runs/finetune/artifact --out runs/bundle --triton-repo runs/triton
-  python -m trainer export --check runs/bundle --data ../shared/data/cls-books-fr/test.review.spm
+  python -m trainer export --check runs/bundle --data test.review.spm
   python -m trainer export --check runs/bundle --data test.tsv --min-accuracy 70 --min-agreement 99 \\
       --baseline runs/previous-bundle --max-drop 0.5 --json check.json --junit check.xml
 

@@ -317,12 +317,13 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
     trackers.prepare(ds, run_dir)
     engine = eng.initialize(model, ds, fc.optim, task.total, cfg.engine, groups)
     trackers.log_run(engine, {"config": cfg.to_dict(), **(facts or {})})
-    state = ckpt.LoopState()
+    state, t0 = ckpt.LoopState(), time.perf_counter()
     if resume_tag:
         state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
         best_step = state.history[task.best(state)]["step"] if state.history else None
         if best_step == state.step and kept_step(task.kept_path) != state.step:  # killed between the two
             task.store_best(engine, ckpt_dir, resume_tag, state)
+    start_step = state.step
     task.log = log = monitor.RunLog(run_dir, task.total, state.step, f"finetune {name}",
                                     ["epoch", "loss", "lr", "examples_per_s", "valid_accuracy", "valid_macro_f1",
                                      "test_accuracy", "elapsed_s"], engine)
@@ -376,12 +377,15 @@ def train_classifier(cfg: RunConfig, name: str, pretrained: artifact.Artifact | 
             "extra_accuracy": {f: m["accuracy"] for f, m in final["extra"].items()},
             "metrics": final, "history": state.history, "tfidf_baseline": summary["tfidf_baseline"],
             "calibration": cal,
+            "compute": provenance.compute(info.device, info.world_size, info.local_size, time.perf_counter() - t0,
+                                          state.step - start_step),
             **(about or {}),
             "pretrained_from": None if pretrained is None else {
                 "path": str(pretrained.path), "weights_sha256": pretrained.meta.get("weights_sha256"),
                 "objective": pretrained.meta.get("objective"), "preset": pretrained.cfg.preset,
                 "overrides": presets.overrides(pretrained.cfg), "steps": pretrained.meta.get("steps"),
                 "tokens": pretrained.meta.get("tokens"), "eval_loss": pretrained.meta.get("eval_loss"),
+                "corpus": pretrained.meta.get("corpus"), "compute": pretrained.meta.get("compute"),
                 "task_lm": str(run_dir / task_lm.FOLDER / "artifact") if fc.task_lm.epochs else None},
         })
     eng.barrier()

@@ -56,6 +56,7 @@ from trainer.engine import loop, monitor, trackers
 from trainer.engine.distributed import all_gather_bytes, file_lock
 from trainer.engine.stage import on_every_rank
 from trainer.model.encoder import LanguageModel
+from trainer.tasks import provenance
 from trainer.tasks.tokenizer_folder import run_tokenizer
 
 EXAMPLES = """examples:
@@ -287,6 +288,7 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
                                      plan.global_batch)
     ds = trackers.with_monitor(ds, cfg.monitor, run_dir)
     facts = trackers.run_facts([folder / MANIFEST]) if eng.is_main() else {}
+    corpus_record = provenance.corpus(folder) if eng.is_main() else {}  # the model card's pretraining data
     monitor.write_run_info(run_dir, cfg, ds, {"stage": "pretrain", "prepared": str(folder),
                                               "documents": corpus.n_docs, "tokens": corpus.n_tokens,
                                               "train_windows": len(train_w), "eval_windows": len(eval_w),
@@ -299,6 +301,7 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     state = ckpt.LoopState()
     if resume_tag:
         state, _ = ckpt.load(engine, ckpt_dir, resume_tag)
+    start_step = state.step
     log = monitor.RunLog(run_dir, total, state.step, f"pretrain {pc.objective}",
                          ["epoch", "loss", "ppl", "lr", "tokens_per_s", "eval_loss", "eval_ppl", "elapsed_s"], engine)
     log.print(f"pretrain {pc.objective}: {corpus.n_docs:,} documents ({n_eval:,} held out for the eval loss), "
@@ -323,6 +326,8 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     out = artifact.save(run_dir / "artifact", lm, cfg, "lm", tok, extra={
         "objective": pc.objective, "steps": state.step, "tokens": state.tokens,
         "train_loss": final.get("loss"), "eval_loss": final.get("eval_loss"), "world_size": info.world_size,
+        "corpus": corpus_record, "compute": provenance.compute(info.device, info.world_size, info.local_size,
+                                                               time.perf_counter() - t0, state.step - start_step),
     })
     print(f"pretrain {pc.objective}: {state.step} steps, loss {final['loss']:.4f}, eval loss "
           f"{final['eval_loss']:.4f} (perplexity {_ppl(final['eval_loss']):.1f}), "

@@ -1,0 +1,268 @@
+"""`python -m trainer data fetch`: the public data sets from their pinned sources, verified, resumable, atomic,
+against a mirror on 127.0.0.1 (tests/data_mirror.py; this machine has no internet).
+
+cls-books-fr is served from this project's copy of the lab's files, which are byte for byte the lab's repository's
+at the pinned commit (their sha256 are the pinned ones): what the user's fetch builds must equal that copy, the
+detokenized `*.review.txt` included. The archive sources (IMDB, the SST treebank) and ELTeC's TEI novels are served
+as small synthetic files of the same layout, under a catalogue whose hashes are theirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from data_mirror import Mirror
+from procs import REPO
+
+from trainer.data import fetch as fetch_mod
+from trainer.data.download import FetchError
+from trainer.data.sources import SETS, DataSet, Remote
+
+CLS = SETS["cls-books-fr"]
+
+
+def _run(*args: str, root: Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    e = {k: v for k, v in os.environ.items() if k not in ("TS_DATA", "TS_DATA_MIRROR")}
+    e.update(TS_DATA=str(root), **env)
+    return subprocess.run([sys.executable, "-m", "trainer", "data", "fetch", *args], cwd=REPO, env=e,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _lab_mirror(m: Mirror, data_dir: Path) -> dict[str, str]:
+    """The lab's files at their source paths; returns {file name: mirror path}."""
+    return {r.filename: m.add(r.url, (data_dir / "cls-books-fr" / r.filename).read_bytes()) for r in CLS.remotes}
+
+
+def _one_error_line(p: subprocess.CompletedProcess[str]) -> str:
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr
+    return errors[0]
+
+
+def test_cls_books_fetched_from_a_mirror_equal_the_labs_files_and_a_second_fetch_downloads_nothing(
+        data_dir: Path, tmp_path: Path) -> None:
+    with Mirror() as m:
+        paths = _lab_mirror(m, data_dir)
+        p = _run("cls-books-fr", "--mirror", m.url, root=tmp_path)
+        assert p.returncode == 0, p.stderr
+        got = tmp_path / "cls-books-fr"
+        for name in CLS.files:  # the lab's 8 files and the 3 detokenized splits, byte for byte
+            assert (got / name).read_bytes() == (data_dir / "cls-books-fr" / name).read_bytes(), name
+        record = json.loads((got / "SOURCE.json").read_text(encoding="utf-8"))
+        assert record["revision"] == "b14c34637f62e5c6ebf86401be0f6aba1099e8ba" and record["license"]
+        text = (got / "train.review.txt").read_bytes()
+        assert record["files"]["train.review.txt"] == hashlib.sha256(text).hexdigest()
+        assert not (tmp_path / ".downloads" / "cls-books-fr").exists()  # the downloads go once the set is built
+        asked = len(m.log)
+        assert asked == len(paths)
+        again = _run("cls-books-fr", "--mirror", m.url, root=tmp_path)
+        assert again.returncode == 0 and "complete" in again.stdout, again.stderr
+        assert len(m.log) == asked  # nothing asked of the mirror
+
+
+def test_a_flipped_byte_is_refused_naming_the_file_both_hashes_and_the_url_and_leaves_nothing(
+        data_dir: Path, tmp_path: Path) -> None:
+    with Mirror() as m:
+        paths = _lab_mirror(m, data_dir)
+        bad = bytearray(m.files[paths["train.label"]])
+        bad[100] ^= 1
+        m.files[paths["train.label"]] = bytes(bad)
+        line = _one_error_line(_run("cls-books-fr", "--mirror", m.url, root=tmp_path))
+    pinned = next(r for r in CLS.remotes if r.filename == "train.label")
+    assert "train.label" in line and pinned.sha256 in line and hashlib.sha256(bad).hexdigest() in line
+    assert m.url + paths["train.label"] in line
+    assert not (tmp_path / "cls-books-fr").exists()
+    left = [p.name for p in (tmp_path / ".downloads" / "cls-books-fr").iterdir()]
+    assert not [n for n in left if n.startswith("train.label")], left  # neither the file nor its part
+
+
+def test_a_transfer_cut_halfway_resumes_from_where_it_stopped(data_dir: Path, tmp_path: Path) -> None:
+    with Mirror() as m:
+        paths = _lab_mirror(m, data_dir)
+        spm = paths["test.review.spm"]
+        m.cut_once.add(spm)
+        line = _one_error_line(_run("cls-books-fr", "--mirror", m.url, root=tmp_path))
+        assert "test.review.spm" in line and "resumes" in line, line
+        part = tmp_path / ".downloads" / "cls-books-fr" / "test.review.spm.part"
+        half = part.stat().st_size
+        assert 0 < half < len(m.files[spm])
+        p = _run("cls-books-fr", "--mirror", m.url, root=tmp_path)
+        assert p.returncode == 0, p.stderr
+        assert m.requests_for(spm) == [None, f"bytes={half}-"]  # the second asked only for the rest
+    assert (tmp_path / "cls-books-fr" / "test.review.spm").read_bytes() == m.files[spm]
+
+
+def test_a_missing_file_a_stalled_server_and_no_server_each_give_one_line_with_the_remedies(
+        data_dir: Path, tmp_path: Path) -> None:
+    with Mirror() as m:
+        paths = _lab_mirror(m, data_dir)
+        del m.files[paths["dict.txt"]]
+        line = _one_error_line(_run("cls-books-fr", "--mirror", m.url, root=tmp_path / "a"))
+        assert "HTTP 404" in line and m.url + paths["dict.txt"] in line and "TS_DATA" in line and "--mirror" in line
+        m.files[paths["dict.txt"]] = (data_dir / "cls-books-fr" / "dict.txt").read_bytes()
+        m.stall.add(paths["test.review.spm"])
+        t0 = time.monotonic()
+        line = _one_error_line(_run("cls-books-fr", "--mirror", m.url, "--timeout", "1", root=tmp_path / "b"))
+        assert time.monotonic() - t0 < 25
+        assert "stopped sending" in line and "test.review.spm" in line and "resumes" in line, line
+    line = _one_error_line(_run("cls-books-fr", "--mirror", m.url, root=tmp_path / "c"))  # the mirror is gone
+    assert "connection refused" in line and "TS_DATA" in line, line
+
+
+def test_the_proxy_of_the_environment_is_used(data_dir: Path, tmp_path: Path) -> None:
+    """A mirror host that no resolver knows, reached through HTTP_PROXY (requests honours HTTPS_PROXY the same way
+    for https sources)."""
+    with Mirror() as proxy:
+        _lab_mirror(proxy, data_dir)
+        p = _run("cls-books-fr", "--mirror", "http://mirror.invalid", root=tmp_path, HTTP_PROXY=proxy.url,
+                 NO_PROXY="", no_proxy="")
+        assert p.returncode == 0, p.stderr
+        assert len(proxy.log) == len(CLS.remotes)
+
+
+def test_list_names_every_sets_source_and_license(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "trainer", "data", "fetch", "--list"], cwd=REPO, capture_output=True,
+                       text=True, env={**os.environ, "TS_DATA": str(tmp_path)}, timeout=60)
+    assert p.returncode == 0, p.stderr
+    for ds in SETS.values():
+        assert ds.name in p.stdout and ds.source in p.stdout and ds.license in p.stdout and ds.revision in p.stdout
+
+
+def test_an_unknown_set_and_an_unwritable_folder_are_one_line(tmp_path: Path) -> None:
+    assert "unknown data set" in _one_error_line(_run("cls-books", root=tmp_path))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert "cannot write" in _one_error_line(_run("cls-books-fr", root=blocker / "data"))
+
+
+def test_a_folder_of_the_sets_name_that_is_not_whole_is_left_alone(data_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "cls-books-fr").mkdir()
+    mine = tmp_path / "cls-books-fr" / "train.label"
+    mine.write_text("the user's own\n")
+    line = _one_error_line(_run("cls-books-fr", "--mirror", "http://127.0.0.1:9", root=tmp_path))
+    assert "exists but lacks" in line and mine.read_text() == "the user's own\n"
+
+
+# ------------------------------------------------------------------------------------------------ converters
+
+
+def _served(m: Mirror, ds: DataSet, files: dict[str, bytes]) -> DataSet:
+    """`ds` with its remotes replaced by `files` (name -> bytes), served by `m` at made-up source URLs."""
+    remotes = []
+    for name, data in files.items():
+        url = f"https://example.org/{ds.name}/{name}"
+        m.add(url, data)
+        remotes.append(Remote(url, hashlib.sha256(data).hexdigest(), len(data)))
+    return dataclasses.replace(ds, remotes=tuple(remotes))
+
+
+TEI = """<?xml version="1.0" encoding="UTF-8"?>
+<TEI xmlns="http://www.tei-c.org/ns/1.0"><teiHeader><fileDesc><titleStmt><title>T</title></titleStmt>
+</fileDesc></teiHeader><text><front><p>Préface, left out.</p></front><body><div type="chapter">
+<head>I</head>
+<p>Il dit\u00a0: « Bonjour »
+   <hi rend="italic">à tous</hi>.<ref target="#n1">[1]</ref> Fin.</p>
+<p>   </p>
+<div type="poem"><l>Un vers,</l><l>un autre.</l></div>
+<p>Dernier <l>vers inclus</l> ici.</p>
+</div></body><back><div type="notes"><note xml:id="n1">Une note.</note></div></back></text></TEI>"""
+
+
+def test_eltec_novels_become_one_paragraph_a_line(tmp_path: Path) -> None:
+    with Mirror() as m:
+        ds = _served(m, SETS["eltec-fr"], {"B.xml": TEI.encode(), "A.xml": TEI.replace("Bonjour", "Salut").encode(),
+                                           "ELTeC-fra_metadata.tsv": b"id\ttitle\n"})
+        fetch_mod.fetch(ds, tmp_path, mirror=m.url)
+    lines = gzip.open(tmp_path / "eltec-fr" / "eltec_fra.txt.gz", "rt", encoding="utf-8").read().splitlines()
+    one = ["I", "Il dit\u00a0: « Salut » à tous . [1] Fin.", "Un vers,", "un autre.", "Dernier vers inclus ici."]
+    assert lines == one + [x.replace("Salut", "Bonjour") for x in one]  # A before B; front and notes left out
+    assert (tmp_path / "eltec-fr" / "metadata.tsv").read_bytes() == b"id\ttitle\n"
+
+
+def _tar(members: dict[str, str]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_imdb_archive_becomes_labelled_jsonl_and_unlabelled_lines_the_readers_take(tmp_path: Path) -> None:
+    from trainer.data.labelled import read_labeled
+
+    members = {"aclImdb/README": "x"}
+    for split in ("train", "test"):
+        for kind, rating in (("pos", 9), ("neg", 2)):
+            for i in (10, 2):
+                members[f"aclImdb/{split}/{kind}/{i}_{rating}.txt"] = f"{split} {kind} {i}<br />second"
+    members["aclImdb/train/unsup/1_0.txt"] = "unlabelled one"
+    members["aclImdb/train/unsup/0_0.txt"] = "unlabelled zero"
+    with Mirror() as m:
+        ds = _served(m, SETS["imdb"], {"aclImdb_v1.tar.gz": _tar(members)})
+        fetch_mod.fetch(ds, tmp_path, mirror=m.url)
+    rows = [json.loads(x) for x in gzip.open(tmp_path / "imdb" / "train.jsonl.gz", "rt", encoding="utf-8")]
+    assert [(r["label"], r["id"], r["rating"]) for r in rows] == [(0, 2, 2), (0, 10, 2), (1, 2, 9), (1, 10, 9)]
+    assert rows[0]["text"] == "train neg 2<br />second" and rows[0]["orig_dir"] == "train"
+    assert gzip.open(tmp_path / "imdb" / "unsup.txt.gz", "rt").read() == "unlabelled zero\nunlabelled one\n"
+    test = read_labeled(tmp_path / "imdb" / "test.jsonl.gz", ["0", "1"])
+    assert sorted(e.label for e in test) == [0, 0, 1, 1]
+
+
+def test_sst_treebank_becomes_binary_sentences_without_the_neutral_ones(tmp_path: Path) -> None:
+    from trainer.data.labelled import read_labeled
+
+    trees = {"train": "(3 (2 A) (4 (3 good) (2 film)))\n(2 (2 So) (2 so))\n"
+                      "(0 (1 Bad) (2 (2 -LRB-) (2 (2 x) (2 -RRB-))))\n",
+             "dev": "(1 (2 Dull) (2 .))\n", "test": "(4 (4 Great) (2 .))\n(2 (2 meh))\n"}
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for split, text in trees.items():
+            z.writestr(f"trees/{split}.txt", text)
+    with Mirror() as m:
+        ds = _served(m, SETS["sst2"], {"trainDevTestTrees_PTB.zip": buf.getvalue()})
+        fetch_mod.fetch(ds, tmp_path, mirror=m.url)
+    assert (tmp_path / "sst2" / "train.tsv").read_text() == "label\tsentence\n1\ta good film\n0\tbad -lrb- x -rrb-\n"
+    test = read_labeled(tmp_path / "sst2" / "test.tsv", ["0", "1"])
+    assert [(e.text, e.label) for e in test] == [("great .", 1)]
+
+
+def test_fetch_refuses_a_download_larger_than_pinned(tmp_path: Path) -> None:
+    with Mirror() as m:
+        ds = _served(m, SETS["sst2"], {"trainDevTestTrees_PTB.zip": b"x" * 100})
+        m.files[next(iter(m.files))] = b"x" * 1000
+        with pytest.raises(FetchError, match="more than the pinned 100 bytes"):
+            fetch_mod.fetch(ds, tmp_path, mirror=m.url)
+    assert not list((tmp_path / ".downloads" / "sst2").iterdir()) and not (tmp_path / "sst2").exists()
+
+
+@pytest.mark.slow  # the whole pipeline, DeepSpeed launcher starts included: minutes
+def test_a_stranger_runs_the_demo_script_from_fetch_to_served_answers(data_dir: Path, tmp_path: Path) -> None:
+    """launch/demo.sh (what `make demo` runs) on the tiny preset, with no TS_DATA and an empty home: it fetches
+    cls-books-fr into the user's cache from the mirror, then trains, exports, serves and classifies."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("TS_DATA", "XDG_CACHE_HOME")}
+    with Mirror() as m:
+        _lab_mirror(m, data_dir)
+        env.update(HOME=str(home), TS_DATA_MIRROR=m.url, PRESET="tiny", RUN=str(tmp_path / "run"))
+        p = subprocess.run(["bash", "launch/demo.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    cache = home / ".cache" / "transfer-sentiment" / "data" / "cls-books-fr"
+    assert (cache / "SOURCE.json").is_file() and "server stopped cleanly" in p.stdout
+    assert (tmp_path / "run" / "bundle" / "manifest.json").is_file()
