@@ -88,7 +88,7 @@ def quantize_static(fp32: Path, out: Path, calibration: list[list[int]]) -> None
             return next(self.batches, None)
 
     model = onnx.load(str(fp32))
-    del model.graph.value_info[:]  # as trainer/export/precision.py: the quantiser re-infers shapes
+    del model.graph.value_info[:]  # as trainer/export/quantize.py: the quantiser re-infers shapes
     staged = out.with_suffix(".in.onnx")
     onnx.save(model, str(staged))
     root = logging.getLogger()
@@ -156,10 +156,10 @@ def main() -> None:
     tok = art.tokenizer()
     d = art.cfg.data
     examples = read_labeled(args.data, d.labels, d.text_field, d.label_field)
-    seqs = [tok.encode_example(ex, tok.max_len) for ex in examples]
+    seqs = [tok.encode_example(ex) for ex in examples]
     labels = np.array([ex.label for ex in examples])
     train = labelled.load(art.cfg).train.examples
-    calib = [tok.encode_example(train[i], tok.max_len) for i in
+    calib = [tok.encode_example(train[i]) for i in
              np.random.default_rng(0).permutation(len(train))[:args.calibration]]
     work = Path(args.work or tempfile.mkdtemp(prefix="batch-invariance-"))
     bundle = work / "bundle"

@@ -1,4 +1,4 @@
-"""What giving memory back after a burst costs (serving/limits/memory.py, `--memory-reclaim-idle-s`).
+"""What giving memory back after a burst costs (serving/process/memory.py, `--memory-reclaim-idle-s`).
 
     python bench/memory_reclaim.py --bundle BUNDLE [--rounds 10] [--burst 2000] [--concurrency 32] [--gap 6]
     python bench/soak.py --make-bundle DIR --size tiny       # once: a bundle (random weights)

@@ -221,25 +221,25 @@ def off_hooks_us(n: int = 20_000) -> float:
     """Microseconds one call spends in the telemetry hooks with tracing off, in this process: the call record and
     its request id, the steps a call passes (auth, admission, tokenize), the batcher's link, the end (no access line
     written: rate 0). What tracing off adds to a call is at most this."""
-    from serving.telemetry import calls, tracing
+    from serving.telemetry import call_log, tracing
 
     assert tracing.active() is None
-    log = calls.CallLog(rate=0)
+    log = call_log.CallLog(rate=0)
     return 1e6 * min(timeit.repeat(lambda: _one_call(log, None), number=n, repeat=5)) / n
 
 
 def _one_call(log: Any, served: list | None) -> None:
     """One gRPC call through every telemetry hook: its record and request id, auth, admission, tokenize, the
     batcher's link (with the time it was queued, into `served`), the end."""
-    from serving.telemetry import calls
+    from serving.telemetry import call_log
 
     call = log.begin("grpc", "sentiment.v1.SentimentService/Classify", _HEADERS, _ATTRIBUTES)
     with call.step("auth"):
         pass
     with call.serving():
-        with call.step("admission"), calls.step("tokenize"):
+        with call.step("admission"), call_log.step("tokenize"):
             pass
-        link = calls.current().link()  # type: ignore[union-attr]
+        link = call_log.current().link()  # type: ignore[union-attr]
         if served is not None:
             served.append((link, time.time_ns()))
     call.finish("OK", failed=False)
@@ -253,7 +253,7 @@ def on_hooks_us(n: int = 20_000, batch: int = 7) -> float:
     from opentelemetry.propagate import get_global_textmap
     from opentelemetry.sdk.trace import sampling
 
-    from serving.telemetry import calls, export, tracing
+    from serving.telemetry import call_log, export, tracing
 
     records: list[tuple] = []
 
@@ -261,7 +261,7 @@ def on_hooks_us(n: int = 20_000, batch: int = 7) -> float:
         def put(self, record: tuple) -> None:
             records.append(record)
 
-    log = calls.CallLog(rate=0)
+    log = call_log.CallLog(rate=0)
     batch_attributes = {"sentiment.graph": "model.int8.onnx", "sentiment.precision": "int8",  # as the batcher's
                         "sentiment.provider": "CPUExecutionProvider", "sentiment.per_row": False,
                         "sentiment.batch.texts": batch,

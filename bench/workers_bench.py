@@ -87,12 +87,14 @@ def h2load(port: int, body: Path, seconds: float, args: argparse.Namespace) -> t
 AREAS = [  # (area, substring of a frame's file), first match wins
     ("onnxruntime run", "onnxruntime"), ("tokenizer (sentencepiece, contract/tokens.py)", "sentencepiece"),
     ("tokenizer (sentencepiece, contract/tokens.py)", "contract/tokens.py"), ("protobuf", "protobuf"),
-    ("prometheus_client", "prometheus_client"), ("gRPC Python (grpc/)", "grpc/"),
-    ("batcher", "serving/model/batcher.py"), ("gate", "serving/limits/gate.py"),
-    ("servicer", "serving/protocols/sentiment.py"), ("core", "serving/model/core.py"),
-    ("predictor", "serving/model/predictor.py"),
+    ("prometheus_client", "prometheus_client"),
+    ("batcher", "serving/model/batcher.py"), ("gate", "serving/protocols/grpc/interceptor.py"),
+    ("gate", "serving/limits/"), ("servicer", "serving/protocols/grpc/sentiment.py"),
+    ("core", "serving/model/core.py"), ("predictor", "serving/model/predictor.py"),
+    ("HTTP (serving/protocols/http/)", "serving/protocols/http/"), ("servicer", "serving/protocols/"),
+    ("gRPC Python (grpc/)", "grpc/"),  # after ours: serving/protocols/grpc/ holds "grpc/" too
     ("numpy", "numpy"), ("threading / futures", "threading.py"), ("threading / futures", "concurrent/futures"),
-    ("HTTP (serving/protocols/http/)", "serving/protocols/http/"), ("uvicorn + httptools", "uvicorn/"),
+    ("uvicorn + httptools", "uvicorn/"),
     ("uvicorn + httptools", "httptools"), ("Starlette", "starlette/"), ("JSON", "orjson"), ("JSON", "json/"),
     ("telemetry", "serving/telemetry/"), ("event loop", "asyncio/"),
 ]

@@ -15,6 +15,7 @@ takes it.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import numbers
@@ -223,26 +224,32 @@ class TokenEncoder:
                     ids[h] = self.piece_to_id.get(surface[h - starts[d]], OOV)
         return ids, lengths
 
+    def with_max_len(self, max_len: int) -> TokenEncoder:
+        """This vocabulary cutting at `max_len` instead (sharing the sentencepiece model and the tables)."""
+        other = copy.copy(self)
+        other.max_len = check_max_len(max_len)
+        return other
+
+    def wrap(self, ids: np.ndarray) -> Encoded:
+        """Piece ids (int64 (n,), no specials) -> [<sos>] + ids + [<eos>], the ids cut to max_len - 2: the one place
+        the cut is made."""
+        keep = min(len(ids), self.max_len - 2)
+        row = np.empty(keep + 2, dtype=np.int64)  # (t,) <sos> ids <eos>
+        row[0], row[-1] = SOS, EOS
+        row[1:-1] = ids[:keep]
+        return Encoded(row, truncated=len(ids) > keep)
+
     def encode(self, text: str) -> Encoded:
         """One text -> [<sos>] + ids + [<eos>], at most `max_len` ids."""
-        ids, _ = self.piece_ids([text])
-        keep = self.max_len - 2
-        out = np.concatenate([[SOS], ids[:keep], [EOS]]).astype(np.int64)
-        return Encoded(out, truncated=len(ids) > keep)
+        return self.wrap(self.piece_ids([text])[0])
 
-    def encode_many(self, texts: Sequence[str]) -> list[Encoded]:
-        """`encode` of each text, in one sentencepiece call on one thread and one gather: the server's request path,
-        where every moment the interpreter lock is held is one that gRPC's polling thread waits for."""
+    def encode_many(self, texts: Sequence[str], threads: int | None = 1) -> list[Encoded]:
+        """`encode` of each text, in one sentencepiece call and one gather. One thread by default: the server's
+        request path, where every moment the interpreter lock is held is one that gRPC's polling thread waits for;
+        threads=None: the cores, at most 8 (a batch of a data set)."""
         if len(texts) <= 1:
             return [self.encode(t) for t in texts]
-        ids, lengths = self.piece_ids(texts, threads=1)
-        keep = self.max_len - 2
-        out = []
-        start = 0
-        for n in lengths.tolist():
-            row = np.empty(min(n, keep) + 2, dtype=np.int64)  # (t,) <sos> ids <eos>
-            row[0], row[-1] = SOS, EOS
-            row[1:-1] = ids[start:start + min(n, keep)]
-            out.append(Encoded(row, truncated=n > keep))
-            start += n
-        return out
+        ids, lengths = self.piece_ids(texts, threads=threads)
+        ends = np.cumsum(lengths).tolist()
+        return [self.wrap(ids[end - n:end]) for n, end in zip(lengths.tolist(), ends, strict=True)]
+

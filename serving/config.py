@@ -104,7 +104,8 @@ class ServerConfig:
     tls_cert: str | None = None  # PEM server certificate (chain); with tls_key turns TLS on
     tls_key: str | None = None  # PEM private key of tls_cert
     tls_client_ca: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mutual TLS)
-    auth_token: str | None = None  # when set, every RPC but health needs "authorization: Bearer <token>"
+    # when set, every call but health's needs "authorization: Bearer <token>" (serving/limits/admission.py's rule)
+    auth_token: str | None = None
 
     def __post_init__(self) -> None:
         _in_range("port", self.port, 0, 65535)

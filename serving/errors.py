@@ -1,8 +1,9 @@
 """Named errors of the serving package and the gRPC status code each one maps to.
 
-Everything below raises these; the server maps them to status codes in one place (serving/limits/gate.py, `Gate`). The
-code is a name of `grpc.StatusCode` so that this module (imported by the predictor) needs no gRPC. Any other
-exception is a bug and becomes INTERNAL with a generic message (details in the log).
+Everything below raises these; each protocol maps them to its codes in one place (gRPC: `Gate` in
+serving/protocols/grpc/interceptor.py; HTTP: serving/protocols/http/errors.py gives each code its status). The code is
+a name of `grpc.StatusCode` so that this module (imported by the predictor) needs no gRPC. Any other exception is a
+bug and becomes INTERNAL with a generic message (details in the log).
 """
 
 from __future__ import annotations

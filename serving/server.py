@@ -6,8 +6,9 @@ HTTP (with a JSON /v1/classify), health, reflection, metrics. The server object 
 
 A threaded gRPC server: handlers block on the batcher's futures while onnxruntime runs in the batcher's threads (it
 releases the GIL); bench/grpc_mode_bench.py measured it faster than grpc.aio (docs/BENCHMARKS.md), and blocking code
-stays simple. What a thread-per-call server owes to hostile clients is in serving/limits/gate.py and the transport
-options of serving/process/app.py; per-address limits are the front proxy's (deploy/proxy/).
+stays simple. What a thread-per-call server owes to hostile clients is in serving/limits/admission.py (both protocols),
+serving/protocols/grpc/interceptor.py and the transport options of serving/process/app.py; per-address limits are the
+front proxy's (deploy/proxy/).
 
 Lifecycle: the bundle is loaded and verified, then every port (gRPC, health, metrics) is bound, each once, before
 anything is served: a bad bundle, an unreadable or mismatched TLS file or a taken port exits 2 with one line naming
@@ -29,6 +30,7 @@ import typing
 from pathlib import Path
 
 from contract.comments import comments
+from contract.extras import missing_extra
 from contract.version import version_line
 from serving.config import ServerConfig
 from serving.errors import BundleError, ServerConfigError
@@ -86,7 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-batching", action="store_true", help="run every request alone (benchmark baseline)")
     p.add_argument("--auth-token-file", type=Path,
                    help="require 'authorization: Bearer <token>' with the token in this file (also: the "
-                        "SENTIMENT_AUTH_TOKEN variable); never on the command line, where `ps` shows it")
+                        "SENTIMENT_AUTH_TOKEN variable) on every call but health's, gRPC and HTTP alike: the "
+                        "scheme in any case (RFC 6750), one space or more, then the token exactly; never on the "
+                        "command line, where `ps` shows it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="lowest level of the log lines written to stderr (default: INFO)")
     p.add_argument("--log-format", default="text", choices=logs.FORMATS,
@@ -118,7 +122,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from serving.process.app import SentimentServer, configure_process  # onnxruntime: after --help and --version
+    try:  # onnxruntime, numpy, uvicorn...: after --help and --version, and absent with the `client` extra alone
+        from serving.process.app import SentimentServer, configure_process
+    except ModuleNotFoundError as e:
+        return missing_extra("sentiment-server", "serve", e)
 
     logs.configure(args.log_level, args.log_format)
     try:

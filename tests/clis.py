@@ -1,5 +1,5 @@
 """Every command line of the project as its real argparse parser, built without running the command: the trainer's
-subcommands (as `python -m trainer` builds them), the server, the client, and the scripts under bench/ and deploy/
+subcommands (as `python -m trainer` builds them), the server, the client, and the scripts under bench/, deploy/, proto/
 (whose parsers are built inside their main(): caught at the moment they parse).
 
 Used by tests/test_help.py (every option's help reads right) and tests/test_doc_commands.py (every documented
@@ -21,8 +21,9 @@ from procs import REPO
 # Scripts with a command line of their own, run as `python SCRIPT ...` (their folders' other files are modules).
 # Every bench/ file that runs as a script (one without `__main__` is a module the scripts import: step_profile.py)
 SCRIPTS = sorted([*(p for p in (REPO / "bench").glob("*.py") if '__name__ == "__main__"' in p.read_text()),
-                  *(REPO / "deploy" / name for name in ("healthcheck.py", "measure_rss.py", "serve_requirements.py"))])
-MODULES = ("serving.server", "serving.client", "serving.gen_proto")
+                  *(REPO / "deploy" / name for name in ("healthcheck.py", "measure_rss.py", "serve_requirements.py")),
+                  REPO / "proto" / "gen.py"])
+MODULES = ("serving.server", "serving.client")
 
 
 def trainer_subcommands() -> list[str]:

@@ -142,6 +142,66 @@ def waited_out_the_server(outcomes: Iterable[tuple], sigterm_at: float, server: 
             and gone is not None and gone + 1 < o[1]]
 
 
+def sigterm_under_load(bundle: Path, args: list[str], texts: list[str], answers: int, own_connections: bool
+                       ) -> tuple[ServerProcess, list[tuple[float, float, str, object]], float, int]:
+    """`python -m serving.server BUNDLE --device cpu ARGS` sent SIGTERM while 12 callers send Classify(texts) back to
+    back, each until its first refusal: after a warm-up call, once `answers` answers came back. Each caller on a
+    connection of its own (`own_connections`: the kernel spreads them over the workers) or all on one. Returns the
+    server (stopped; its log kept), the calls (start, end, code, (n, C) probabilities or the refusal's details;
+    time.monotonic()), the time of SIGTERM and the server's exit code."""
+    server = ServerProcess(bundle, "--device", "cpu", *args)
+    try:
+        server.wait_listening()
+        return server, *_classify_until_sigterm(server, texts, answers, own_connections)
+    finally:
+        server.close()
+
+
+def _classify_until_sigterm(server: ServerProcess, texts: list[str], answers: int,
+                            own_connections: bool) -> tuple[list[tuple[float, float, str, object]], float, int]:
+    from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
+    from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
+
+    def connect() -> grpc.Channel:
+        return grpc.insecure_channel(f"127.0.0.1:{server.port}", options=[("grpc.use_local_subchannel_pool", 1)])
+
+    shared = None if own_connections else connect()
+    outcomes: list[tuple[float, float, str, object]] = []
+    lock = threading.Lock()
+
+    def caller() -> None:
+        channel = shared or connect()
+        stub = pb_grpc.SentimentServiceStub(channel)
+        while True:
+            start = time.monotonic()
+            try:
+                r = stub.Classify(pb.ClassifyRequest(texts=texts), timeout=30)
+                item = (start, time.monotonic(), "OK", np.array([x.probabilities for x in r.results]))
+            except grpc.RpcError as e:
+                item = (start, time.monotonic(), e.code().name, e.details() or "")
+            with lock:
+                outcomes.append(item)
+            if item[2] != "OK":
+                break
+        if channel is not shared:
+            channel.close()
+
+    with connect() as warm:
+        pb_grpc.SentimentServiceStub(warm).Classify(pb.ClassifyRequest(texts=["chauffe"]), timeout=30)
+    threads = [threading.Thread(target=caller) for _ in range(12)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(outcomes) >= answers, 60, what="answers to the callers")  # load is flowing
+    sigterm_at = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    rc = server.wait_exit(60)
+    if shared is not None:
+        shared.close()
+    return outcomes, sigterm_at, rc
+
+
 def target(server: SentimentServer) -> str:
     return f"127.0.0.1:{server.port}"
 

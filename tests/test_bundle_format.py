@@ -27,7 +27,7 @@ from serving.model.predictor import Predictor
 from trainer import artifact
 from trainer.__main__ import main as cli
 from trainer.export import ExportOptions, export_bundle
-from trainer.export.precision import INT8_CPU_BOUND, TOLERANCES
+from trainer.export.quantize import INT8_CPU_BOUND, TOLERANCES
 
 TEST_FILE = "cls-books-fr/test.review.txt"
 

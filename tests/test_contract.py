@@ -208,7 +208,7 @@ def test_a_max_len_under_3_is_refused_alike_by_every_reader(tiny_tokenizer_dir: 
             ("max_len", refusal(TokenizerError, lambda bad=bad: encoder_of(tiny_tokenizer_dir, bad))),
             (f"{tiny_tokenizer_dir}: max_len", refusal(TokenizerError,
                                                         lambda bad=bad: Tokenizer.load(tiny_tokenizer_dir, bad))),
-            ("max_len", refusal(TokenizerError, lambda bad=bad: tok.encode("Bien.", bad))),
+            ("max_len", refusal(TokenizerError, lambda bad=bad: tok.with_max_len(bad))),
             (f"{bundle / 'manifest.json'}: field 'max_len'", refusal(BundleError, lambda: verify_bundle(bundle))),
             ("max_len", refusal(ExportError, lambda bad=bad: ExportOptions(max_len=bad))),
         ]

@@ -202,7 +202,7 @@ def test_encode_documents_frames_each_document_uncut(data_dir: Path, lab: Tokeni
     for ex, doc in zip(spm[:3], docs, strict=False):  # the lab's pieces map directly: no re-encoding
         assert doc.tolist() == [Tokenizer.SOS, *[lab.piece_to_id(p) for p in ex.pieces or []], Tokenizer.EOS]
     assert lengths.max() > lab.max_len  # documents are not cut to max_len
-    assert [d.tolist() for d in docs[300:]] == lab.encode_batch([e.text or "" for e in imdb], 10**6)
+    assert [d.tolist() for d in docs[300:]] == lab.with_max_len(10**6).encode_batch([e.text or "" for e in imdb])
 
 
 def test_encode_documents_with_a_trained_tokenizer_detokenizes_spm(data_dir: Path, tiny_tokenizer) -> None:

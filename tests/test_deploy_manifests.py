@@ -53,6 +53,24 @@ def _run(cmd: list[str | Path], **kw: object) -> subprocess.CompletedProcess[str
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300, **kw)  # type: ignore[call-overload]
 
 
+def _checkov(files: list[Path], frameworks: list[str], cwd: Path) -> dict[str, dict]:
+    """checkov's reports on `files` by check type, once it has checked Kubernetes objects and a container file, failed
+    none and been given a reason for every check skipped."""
+    # --skip-download: no call home to the vendor's API (unreachable here, and not needed for the checks)
+    out = _run([_tool("checkov"), "--skip-download", "--output", "json", "--framework", *frameworks,
+                *[a for f in files for a in ("-f", f)]], cwd=cwd)
+    reports = json.loads(out.stdout)
+    reports = reports if isinstance(reports, list) else [reports]
+    by_type = {r["check_type"]: r for r in reports}
+    assert {"kubernetes", "dockerfile"} <= set(by_type), out.stderr[-2000:]
+    failed = [(c["check_id"], c["resource"], c["file_path"]) for r in reports for c in r["results"]["failed_checks"]]
+    assert not failed, failed
+    for r in reports:
+        for c in r["results"]["skipped_checks"]:
+            assert (c.get("check_result", {}).get("suppress_comment") or "").strip(), f"{c['check_id']}: no reason"
+    return by_type
+
+
 def _docs(path: Path) -> list[dict]:
     """The YAML documents of a file (PyYAML lives in .venv-deploy, not in the project's venv)."""
     to_json = "import json, sys, yaml; print(json.dumps(list(yaml.safe_load_all(sys.stdin))))"
@@ -153,19 +171,7 @@ def test_checkov_passes_or_each_skip_is_justified(rendered: dict[str, Path], tmp
         shutil.copy(containerfile, dockerfile)
     files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"],
              _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.yaml"), *EXAMPLES, *dockerfiles]
-    # --skip-download: no call home to the vendor's API (unreachable here, and not needed for the checks)
-    out = _run([_tool("checkov"), "--skip-download", "--output", "json",
-                "--framework", "kubernetes", "secrets", "dockerfile", *[a for f in files for a in ("-f", f)]],
-               cwd=tmp_path)
-    reports = json.loads(out.stdout)
-    reports = reports if isinstance(reports, list) else [reports]
-    by_type = {r["check_type"]: r for r in reports}
-    assert {"kubernetes", "dockerfile"} <= set(by_type), out.stderr[-2000:]
-    failed = [(c["check_id"], c["resource"], c["file_path"]) for r in reports for c in r["results"]["failed_checks"]]
-    assert not failed, failed
-    for r in reports:
-        for c in r["results"]["skipped_checks"]:
-            assert (c.get("check_result", {}).get("suppress_comment") or "").strip(), f"{c['check_id']}: no reason"
+    by_type = _checkov(files, ["kubernetes", "secrets", "dockerfile"], tmp_path)
     assert by_type["kubernetes"]["summary"]["passed"] >= 80  # it did check the Deployment and the Pods
 
 
@@ -242,6 +248,39 @@ def test_the_proxy_is_the_pods_edge_and_the_server_listens_behind_it(rendered: d
     hpa, pdb = _one(docs, "HorizontalPodAutoscaler"), _one(docs, "PodDisruptionBudget")
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
+
+
+def test_compose_and_the_deployment_keep_the_ports_and_model_calls_of_haproxy_cfg(tmp_path: Path) -> None:
+    """compose.yaml and deploy/deployment.yaml run the same pair, each file as written (no tool needed): the proxy
+    (haproxy.cfg's settings, as each overrides them) sends to the server's ports and admits MODEL_CALLS = the server's
+    max_queue / max_texts; both publish the same ports (the proxy's binds, the server's metrics) and the same
+    MODEL_CALLS as haproxy.cfg's default. A value changed in one place and not the others fails here."""
+    import yaml  # requirements.lock pins it (schemathesis, wandb): read here without .venv-deploy
+
+    presets = _presets()
+    compose = yaml.safe_load((REPO_ROOT / "compose.yaml").read_text(encoding="utf-8"))["services"]
+    (deployment,) = [d for d in yaml.safe_load_all((DEPLOY / "deployment.yaml").read_text(encoding="utf-8"))
+                     if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    server, proxy = ({c["name"]: c for c in pod["containers"]}[name] for name in ("server", "proxy"))
+    setups = {"compose.yaml": (compose["server"]["command"], compose["proxy"]["environment"], "server"),
+              "deploy/deployment.yaml": (server["args"], {e["name"]: e["value"] for e in proxy["env"]}, "127.0.0.1")}
+    seen = {}
+    for where, (args, overrides, host) in setups.items():
+        cfg, env = _server_config(args, tmp_path), {**presets, **overrides}
+        assert (env["SERVER_ADDR"], env["HTTP_SERVER_ADDR"]) == (f"{host}:{cfg.port}", f"{host}:{cfg.http_port}"), where
+        assert int(env["MODEL_CALLS"]) == cfg.max_queue // cfg.max_texts, where
+        seen[where] = {"MODEL_CALLS": int(env["MODEL_CALLS"]), "proxy": [int(env[bind].rsplit(":", 1)[1])
+                                                                          for bind in ("PROXY_BIND", "HTTP_BIND")],
+                       "server": [cfg.port, cfg.http_port, cfg.metrics_port]}
+    assert seen["compose.yaml"] == seen["deploy/deployment.yaml"], seen
+    assert seen["compose.yaml"]["MODEL_CALLS"] == int(presets["MODEL_CALLS"])
+    # What each publishes: compose's "host:container" ports (container side), the pod's containerPorts.
+    assert [int(p.rsplit(":", 1)[1]) for p in compose["proxy"]["ports"]] == seen["compose.yaml"]["proxy"]
+    assert [int(p.rsplit(":", 1)[1]) for p in compose["server"]["ports"]] == seen["compose.yaml"]["server"][2:]
+    assert compose["server"]["healthcheck"]["test"][-1] == f"127.0.0.1:{seen['compose.yaml']['server'][0]}"
+    assert [p["containerPort"] for p in proxy["ports"]] == seen["deploy/deployment.yaml"]["proxy"]
+    assert [p["containerPort"] for p in server["ports"]] == seen["deploy/deployment.yaml"]["server"][2:]
 
 
 def test_the_images_are_this_repositorys_builds_named_by_digest(rendered: dict[str, Path]) -> None:

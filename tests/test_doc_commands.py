@@ -280,7 +280,7 @@ def check_python(args: list[str]) -> str:
         args = args[1:]
     if args[:2] == ["-m", "trainer"]:
         return check_trainer(args[2] if len(args) > 2 else "", args[3:])
-    if args[:1] == ["-m"] and args[1] in ("serving.server", "serving.client", "serving.gen_proto"):
+    if args[:1] == ["-m"] and args[1] in ("serving.server", "serving.client"):
         return _parsed(module_parser(args[1]), args[2:], args[1])
     if args[:2] == ["-m", "pytest"]:
         return check_pytest(args[2:])

@@ -397,7 +397,7 @@ def test_answers_a_client_never_reads_are_dropped_with_their_streams(server: Sen
         finally:
             unread.close()
         assert server.metrics.requests.labels("grpc", CLASSIFY.lstrip("/"), "OK")._value.get() - answered == 3
-        assert server.gate.budget.used == 0
+        assert server.admission.answer_bytes == 0
         served(front.port)
 
 

@@ -33,7 +33,7 @@ from trainer import artifact
 from trainer.__main__ import main as cli
 from trainer.export import ExportError, ExportOptions, ExportValidationError, check_bundle, export_bundle
 from trainer.export.graph import STACK_TRACE, check_graph
-from trainer.export.precision import INT8_CPU_BOUND, TOLERANCES, Tolerance
+from trainer.export.quantize import INT8_CPU_BOUND, TOLERANCES, Tolerance
 from trainer.export.validate import compare, make_batch, ort_logits, torch_logits, validate
 
 TEST_FILE = "cls-books-fr/test.review.txt"

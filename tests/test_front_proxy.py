@@ -122,7 +122,7 @@ def test_an_overload_through_the_proxy_is_refused_by_the_proxy(tiny_bundle: Path
                 load = pb.ClassifyRequest(texts=[f"Un livre {i}, assez long pour compter." for i in range(64)])
                 flood_and_one_more_are_refused(stubs, load, AUTH, pb.ClassifyRequest(texts=["trop"]),
                                                "every model slot is busy (proxy)")
-                assert s.gate.model_slots.used == 2 and not running.done() and not queued.done()
+                assert s.admission.in_progress == 2 and not running.done() and not queued.done()
                 health = health_pb2_grpc.HealthStub(channels[0]).Check(health_pb2.HealthCheckRequest(), timeout=10)
                 assert health.status == health_pb2.HealthCheckResponse.SERVING
             assert len(running.result().results) == 1 and len(queued.result().results) == 1

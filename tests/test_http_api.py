@@ -27,9 +27,9 @@ from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 from serving.model.predictor import Predictor
 from serving.process.app import SentimentServer
-from serving.protocols.http.calls import OFFLOAD_CHARS
-from serving.protocols.kserve import decode_bytes, encode_bytes
-from serving.telemetry import calls
+from serving.protocols.http.exchange import OFFLOAD_CHARS
+from serving.protocols.kserve_v2 import decode_bytes, encode_bytes
+from serving.telemetry import call_log
 
 __all__ = ["certs"]
 TOKEN = "http-test-token-0123456789"
@@ -193,7 +193,7 @@ def test_a_long_call_is_tokenized_off_the_event_loop(tiny_bundle: Path, path: st
     """Texts of more than OFFLOAD_CHARS characters in all are checked and tokenized in a thread: while that call's
     tokenizer is held, the loop answers other calls (it used to wait), and the call is still the one its telemetry
     counts texts for."""
-    texts = [f"Critique numéro {i} : un roman dense, lent au début, puis haletant. " * 3 for i in range(20)]
+    texts = [f"Critique numéro {i} : un roman dense, lourd au début, puis haletant. " * 3 for i in range(20)]
     assert sum(map(len, texts)) > OFFLOAD_CHARS
     with running_server(tiny_bundle, device="cpu", http_port=0, max_texts=64) as server, \
             ThreadPoolExecutor(1) as pool:
@@ -202,7 +202,7 @@ def test_a_long_call_is_tokenized_off_the_event_loop(tiny_bundle: Path, path: st
 
         def held(batch: list[str]) -> list:
             if len(batch) > 1:
-                seen.append(calls.current())
+                seen.append(call_log.current())
                 entered.set()
                 release.wait(30)
             return encode(batch)

@@ -59,7 +59,7 @@ def test_a_slow_body_gets_408_and_the_connection_closed(server: SentimentServer)
         reply = read_all(s, 10)
     assert _status(reply) == 408 and b"connection: close" in reply
     assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["code"] == "CANCELLED"
-    assert server.metrics.body_timeouts._value.get() == 0  # the gRPC watchdog's count; HTTP's is the call's code
+    assert server.metrics.body_timeouts._value.get() >= 1  # counted as gRPC's are (serving/limits/admission.py)
     assert server.metrics.registry.get_sample_value("sentiment_requests_total", {
         "protocol": "http", "method": "POST /v1/classify", "code": "CANCELLED"}) >= 1
 

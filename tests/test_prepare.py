@@ -81,7 +81,7 @@ def test_documents_are_the_tokenizers_own_encoding(reference: Path, inputs: list
              for p in inputs for e in iter_texts(p)]
     assert corpus.n_docs == len(texts) == 1600 + 400 + 872 + 60 + 150 + 100
     stream = corpus.read(0, corpus.n_tokens)
-    want = tiny_tokenizer.encode_batch(texts, max_len=10**6)
+    want = tiny_tokenizer.with_max_len(10**6).encode_batch(texts)
     starts = [corpus.doc_start(d) for d in range(corpus.n_docs + 1)]
     assert [stream[a:b].tolist() for a, b in zip(starts, starts[1:], strict=False)] == want
     assert corpus.dtype == np.uint16 and corpus.n_tokens == len(stream) == sum(len(w) for w in want)

@@ -108,7 +108,7 @@ def test_without_a_token_the_body_timeout_frees_half_open_streams(tiny_bundle: P
             for a in attackers:  # past the per-connection limit, streams are reset at once
                 assert a.wait(lambda a=a: sum(v.startswith("RST") for v in a.ended.values()) >= 24, 20)
                 assert a.max_streams == 16
-            wait_until(lambda: s.gate.model_slots.used == 4, what="the 4 model slots taken by the attacker")
+            wait_until(lambda: s.admission.in_progress == 4, what="the 4 model slots taken by the attacker")
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
             assert status == health_pb2.HealthCheckResponse.SERVING
             for a in attackers:
@@ -253,7 +253,7 @@ def test_unread_answers_are_bounded_and_memory_returns_after_the_client_leaves(t
     (a 3.8 MB answer each before the fix: 92 -> 827 MiB RSS, 471 MiB after the client left), then 100 calls of 512
     texts (13 KB answers) against a 1 MiB budget of answers in flight. The first are refused before computing, the
     second are answered or refused past the budget; after the client has gone, RSS is back within 5% of the
-    baseline within 30 s, after the attack and again after a second one (20-27% above without serving/limits/memory.py;
+    baseline within 30 s, after the attack and again after a second one (20-27% above without serving/process/memory.py;
     10.5-10.8% with glibc's rising mmap threshold, --malloc-mmap-threshold-bytes 0)."""
     n = 512
     server = ServerProcess(tiny_bundle, "--device", "cpu", "--max-workers", "32", "--max-texts", str(n),

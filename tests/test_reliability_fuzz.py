@@ -53,6 +53,13 @@ settings.register_profile("fuzz-ci", max_examples=150, derandomize=True, **_COMM
 settings.register_profile("fuzz-slow", max_examples=1000, **_COMMON)  # x3 tests: 3,000 examples
 CI, SLOW = settings.get_profile("fuzz-ci"), settings.get_profile("fuzz-slow")
 
+
+def fuzz_tests(check: Callable[..., None], **strategies: st.SearchStrategy) -> tuple[Callable, Callable]:
+    """`check(server, reference, **drawn)` as the two tests of one property: under "fuzz-ci" in the default suite,
+    and under "fuzz-slow", marked slow (each its own @given: a settings profile belongs to one wrapped test)."""
+    return CI(given(**strategies)(check)), pytest.mark.slow(SLOW(given(**strategies)(check)))
+
+
 _REVIEWS: list[str] = []  # review-length real texts, filled by the `server` fixture from data_dir
 _PREDICTOR: list[Predictor] = []  # the reference predictor, set by its fixture: its tokenizer is part of the oracle
 
@@ -199,17 +206,7 @@ def check_classify(server: tuple[ServerProcess, grpc.Channel], reference: Predic
 classify_requests = st.lists(st.tuples(texts, deadline), min_size=1, max_size=4)
 
 
-@CI
-@given(requests=classify_requests)
-def test_classify_fuzz(server, reference, requests) -> None:
-    check_classify(server, reference, requests)
-
-
-@pytest.mark.slow
-@SLOW
-@given(requests=classify_requests)
-def test_classify_fuzz_slow(server, reference, requests) -> None:
-    check_classify(server, reference, requests)
+test_classify_fuzz, test_classify_fuzz_slow = fuzz_tests(check_classify, requests=classify_requests)
 
 
 def _varint(n: int) -> bytes:
@@ -246,17 +243,8 @@ raw_texts_payload = st.lists(st.one_of(text, surrogate_text), max_size=6).map(
 raw_payload = st.one_of(raw_texts_payload, raw_texts_payload, st.binary(max_size=64))
 
 
-@CI
-@given(payload=raw_payload, timeout=deadline)
-def test_classify_raw_wire_fuzz(server, reference, payload, timeout) -> None:
-    check_raw_classify(server, reference, payload, timeout)
-
-
-@pytest.mark.slow
-@SLOW
-@given(payload=raw_payload, timeout=deadline)
-def test_classify_raw_wire_fuzz_slow(server, reference, payload, timeout) -> None:
-    check_raw_classify(server, reference, payload, timeout)
+test_classify_raw_wire_fuzz, test_classify_raw_wire_fuzz_slow = fuzz_tests(check_raw_classify, payload=raw_payload,
+                                                                            timeout=deadline)
 
 
 # ------------------------------------------------------------------------------------- KServe v2 ModelInfer
@@ -324,7 +312,7 @@ def infer_requests(draw: st.DrawFn) -> kpb.ModelInferRequest:
 
 
 def kserve_status(req: kpb.ModelInferRequest) -> tuple[str, list[str] | None]:
-    """The contract's answer to a ModelInfer request, and its texts when it is valid (serving/protocols/kserve.py's
+    """The contract's answer to a ModelInfer request, and its texts when it is valid (serving/protocols/kserve_v2.py's
     docstring: input TEXT, BYTES, shape [n] or [n, 1], data once, raw framed or in bytes_contents, UTF-8)."""
     size = size_status(req.ByteSize())
     if size:
@@ -422,17 +410,7 @@ def check_infer(server: tuple[ServerProcess, grpc.Channel], reference: Predictor
 infer_batch = st.lists(st.tuples(infer_requests(), deadline), min_size=1, max_size=4)
 
 
-@CI
-@given(requests=infer_batch)
-def test_kserve_infer_fuzz(server, reference, requests) -> None:
-    check_infer(server, reference, requests)
-
-
-@pytest.mark.slow
-@SLOW
-@given(requests=infer_batch)
-def test_kserve_infer_fuzz_slow(server, reference, requests) -> None:
-    check_infer(server, reference, requests)
+test_kserve_infer_fuzz, test_kserve_infer_fuzz_slow = fuzz_tests(check_infer, requests=infer_batch)
 
 
 # ------------------------------------------------------------------------------------- the oracle itself

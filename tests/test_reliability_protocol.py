@@ -156,7 +156,7 @@ def test_a_call_the_queue_cannot_take_is_refused_before_its_texts_are_tokenized(
             assert held.wait_entered()
             late = HalfOpen(s.port, CLASSIFY, 1)  # admitted: no text waits yet
             try:
-                wait_until(lambda: s.gate.model_slots.used == 2, what="the late call admitted")
+                wait_until(lambda: s.admission.in_progress == 2, what="the late call admitted")
                 queued = [stub.Classify.future(pb.ClassifyRequest(texts=list(texts)), timeout=60)
                           for texts in ("abcd", "efg")]
                 wait_until(lambda: s.batcher.queued == 7, what="7 texts queued")
@@ -197,7 +197,7 @@ def test_an_overload_is_refused_at_admission_not_after_queueing(tiny_bundle: Pat
                 load = pb.ClassifyRequest(texts=["Un livre, assez long pour compter."] * 4)
                 flood_and_one_more_are_refused(stubs, load, GOOD, pb.ClassifyRequest(texts=["un"]),
                                                "no room for a request of up to 4 texts")
-                assert s.gate.model_slots.used == 2 and not running.done() and not queued.done()
+                assert s.admission.in_progress == 2 and not running.done() and not queued.done()
             assert len(running.result().results) == 1 and len(queued.result().results) == 4
         finally:
             for c in channels:

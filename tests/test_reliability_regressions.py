@@ -4,7 +4,7 @@
    which is after the client has its answer; with the limit equal to the number of callers, a caller that sent its
    next request at once found its previous one still counted and got RESOURCE_EXHAUSTED "Concurrent RPC limit
    exceeded!" (bench/soak.py: 184 of 159k requests at 128 callers, max_workers 128). The server now counts calls
-   itself (serving/limits/gate.py) and gives a call's slot back before its answer leaves.
+   itself (serving/limits/admission.py) and gives a call's slot back before its answer leaves.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 
 def test_callers_within_the_rpc_limit_are_served_back_to_back(tiny_bundle: Path) -> None:
     """4 callers = max_workers, each sending its next request as soon as the last is answered: never refused. The
-    model slot of a call is given back before its answer leaves the server (serving/limits/gate.py), so a caller cannot
-    find its own previous call still counted (what gRPC's own count, kept until the handler thread returned, did)."""
+    model slot of a call is given back before its answer leaves the server (serving/limits/admission.py's permit), so a
+    caller cannot find its own previous call still counted (what gRPC's own count, kept until the handler thread
+    returned, did)."""
     callers = 4
     with running_server(tiny_bundle, device="cpu", max_workers=callers) as s, \
             grpc.insecure_channel(target(s)) as channel:
@@ -58,7 +59,7 @@ def test_past_the_limit_calls_are_refused_at_once_and_a_freed_slot_serves_the_ne
         stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10)
         held = HeldRuns(s)
         accepted = [stub.Classify.future(pb.ClassifyRequest(texts=[f"retenu {i}"]), timeout=30) for i in range(4)]
-        wait_until(lambda: s.gate.model_slots.used == 4, what="4 calls in progress")
+        wait_until(lambda: s.admission.in_progress == 4, what="4 calls in progress")
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
             stub.Classify(pb.ClassifyRequest(texts=["de trop"]), timeout=10)

@@ -39,7 +39,7 @@ from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 from serving.model.predictor import Predictor
 from serving.process.app import SentimentServer
-from serving.protocols.kserve import decode_bytes, encode_bytes
+from serving.protocols.kserve_v2 import decode_bytes, encode_bytes
 
 __all__ = ["certs"]  # the session fixture of tests/serving_fixtures.py, used by the TLS tests
 
@@ -132,9 +132,9 @@ def test_token_missing_or_wrong_is_unauthenticated_and_nothing_is_computed(tiny_
                         tls_key=str(certs["server_key"])) as s, _secure(s, certs) as channel:
         runs, texts = s.predictor.runs, s.metrics.registry.get_sample_value("sentiment_texts_total")
         wrong = [None, [("authorization", "")], [("authorization", "Bearer")], [("authorization", "Bearer ")],
-                 [("authorization", TOKEN)], [("authorization", f"bearer {TOKEN}")],
+                 [("authorization", TOKEN)], [("authorization", f"Bearer{TOKEN}")],
                  [("authorization", f"Bearer {TOKEN[:-1]}")], [("authorization", f"Bearer {TOKEN}x")],
-                 [("authorization", f"Bearer  {TOKEN}")], [("authorization", f"Basic {TOKEN}")],
+                 [("authorization", f"Bearer: {TOKEN}")], [("authorization", f"Basic {TOKEN}")],
                  [("x-api-key", TOKEN)], [("authorization", f"Bearer {TOKEN.upper()}")]]
         for metadata in wrong:
             _refused(channel, grpc.StatusCode.UNAUTHENTICATED, metadata)
@@ -150,7 +150,9 @@ def test_token_missing_or_wrong_is_unauthenticated_and_nothing_is_computed(tiny_
         with pytest.raises(grpc.RpcError) as info:
             ProtoReflectionDescriptorDatabase(channel).get_services()
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        _both_protocols_answer(channel, reference, ["Avec le bon jeton."], [("authorization", f"Bearer {TOKEN}")])
+        # RFC 6750's scheme in any case, then one space or more (RFC 7235's 1*SP): the rule of both protocols
+        for right in (f"Bearer {TOKEN}", f"bearer {TOKEN}", f"BEARER  {TOKEN}"):
+            _both_protocols_answer(channel, reference, ["Avec le bon jeton."], [("authorization", right)])
         assert s.predictor.runs > runs
         with SentimentClient(target(s), token=TOKEN, tls_ca=certs["ca"]) as client:
             assert client.classify(["Bien."])[0].label in s.predictor.label_names

@@ -1,4 +1,4 @@
-"""Memory a call leaves behind (serving/limits/memory.py): a refused call frees its texts when it ends, without
+"""Memory a call leaves behind (serving/process/memory.py): a refused call frees its texts when it ends, without
 waiting for Python's cyclic collector, and the reclaimer gives memory back once a burst is over, never during it.
 
 The whole chain against a real server subprocess (RSS back within 5% after 100 unread answers, twice) is
@@ -18,10 +18,10 @@ import pytest
 
 from serving.config import ServerConfig
 from serving.errors import Cancelled
-from serving.limits.memory import Reclaimer, fix_mmap_threshold
 from serving.model.batcher import Batcher
 from serving.model.core import ServingCore
 from serving.model.predictor import Predictor
+from serving.process.memory import Reclaimer, fix_mmap_threshold
 
 
 @contextmanager

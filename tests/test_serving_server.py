@@ -29,7 +29,7 @@ from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 from serving.model.predictor import Predictor
 from serving.process.app import SentimentServer
-from serving.protocols.kserve import decode_bytes, encode_bytes
+from serving.protocols.kserve_v2 import decode_bytes, encode_bytes
 
 MAX_MESSAGE = 64 * 1024
 MAX_CHARS = 5000

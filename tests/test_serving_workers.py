@@ -16,8 +16,6 @@ import os
 import re
 import signal
 import socket
-import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -29,6 +27,7 @@ from serving_fixtures import (  # noqa: F401 (certs: a fixture)
     ServerProcess,
     certs,
     reviews,
+    sigterm_under_load,
     wait_until,
     waited_out_the_server,
 )
@@ -38,7 +37,7 @@ from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
 from serving.model.predictor import Predictor
 from serving.process.workers import _Parent
-from serving.protocols.health import Health
+from serving.protocols.grpc.health import Health
 
 CHANNELS = 16
 STARTED = re.compile(r"worker (\d+) started \(pid (\d+)\)")
@@ -192,38 +191,8 @@ def test_a_killed_worker_is_restarted_while_the_other_answers(tiny_bundle: Path,
 
 def test_sigterm_drains_every_worker_under_load_and_exits_0(tiny_bundle: Path, data_dir: Path) -> None:
     texts = reviews(data_dir, 16)
-    server = ServerProcess(tiny_bundle, "--device", "cpu", "--workers", "2", "--grace-s", "20")
-    try:
-        port = server.wait_listening()
-        outcomes: list[tuple[float, float, str]] = []
-        lock = threading.Lock()
-
-        def hammer() -> None:
-            with channel(port) as ch:
-                stub = pb_grpc.SentimentServiceStub(ch)
-                while True:
-                    start = time.monotonic()
-                    try:
-                        stub.Classify(pb.ClassifyRequest(texts=texts), timeout=30)
-                        code, details = "OK", ""
-                    except grpc.RpcError as e:
-                        code, details = e.code().name, e.details() or ""
-                    with lock:
-                        outcomes.append((start, time.monotonic(), code, details))
-                    if code != "OK":
-                        return
-
-        threads = [threading.Thread(target=hammer) for _ in range(12)]
-        for t in threads:
-            t.start()
-        wait_until(lambda: len(outcomes) >= 2 * len(threads), 60, what="answers to the callers")
-        sigterm_at = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
-        for t in threads:
-            t.join(60)
-        rc = server.wait_exit(60)
-    finally:
-        server.close()
+    server, outcomes, sigterm_at, rc = sigterm_under_load(tiny_bundle, ["--workers", "2", "--grace-s", "20"], texts,
+                                                          answers=24, own_connections=True)
     assert rc == 0, server.log
     assert server.log.count("]: stopped") == 2, server.log  # each worker's
     assert "stopped (2 workers)" in server.log

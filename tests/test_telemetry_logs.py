@@ -18,7 +18,7 @@ from serving.gen.inference import grpc_service_pb2 as kserve_pb
 from serving.gen.inference import grpc_service_pb2_grpc as kserve_grpc
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
-from serving.protocols.kserve import encode_bytes
+from serving.protocols.kserve_v2 import encode_bytes
 
 TEXT = "Un roman lumineux, des personnages attachants."
 CLASSIFY = "sentiment.v1.SentimentService/Classify"

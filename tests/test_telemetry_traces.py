@@ -25,7 +25,7 @@ from serving.client import SentimentClient
 from serving.errors import ServerConfigError
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc
-from serving.telemetry import calls, tracing
+from serving.telemetry import call_log, otlp, tracing
 
 CLASSIFY = "sentiment.v1.SentimentService/Classify"
 TEXT = "Un roman lumineux, des personnages attachants."
@@ -217,7 +217,7 @@ def test_the_resource_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(key)
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
     made = tracing._resource("9.9", 3, os.environ)
-    ours = tracing.hashed_once(made)
+    ours = otlp.hashed_once(made)
     assert ours == made and hash(ours) == hash(made)
     assert (ours.attributes["deployment.environment"], ours.attributes["sentiment.worker"]) == ("test", 3)
     monkeypatch.setattr(resources, "dumps", lambda *a, **k: pytest.fail("the resource was hashed again"))
@@ -272,7 +272,7 @@ def test_no_call_outlives_its_answer_when_traced(tiny_bundle: Path, monkeypatch:
             with running_server(tiny_bundle, device="cpu", max_queue_delay_ms=1000, batch_workers=1) as server:
                 paired_calls(f"127.0.0.1:{server.port}", TEXT)
                 gc.collect()
-                assert [o for o in gc.get_objects() if isinstance(o, calls.Call)] == []
+                assert [o for o in gc.get_objects() if isinstance(o, call_log.Call)] == []
         finally:
             tracing.shutdown()
     assert any(s.name == "onnxruntime run" and len(s.links) == 2 for s in receiver.spans)
@@ -385,7 +385,7 @@ def test_an_overloaded_traced_server_refuses_at_admission_and_keeps_no_call(tiny
                     for c in channels:
                         c.close()
                 gc.collect()
-                assert [o for o in gc.get_objects() if isinstance(o, calls.Call)] == []
+                assert [o for o in gc.get_objects() if isinstance(o, call_log.Call)] == []
         finally:
             tracing.shutdown()
     spans = receiver.wait_for(lambda spans: len([s for s in spans if s.name == CLASSIFY]) == 1 + 2 + 201 and spans,

@@ -47,15 +47,16 @@ def lab_ids(books: Path) -> list[list[int]]:
 def test_lab_ids_from_the_pieces_file(lab: Tokenizer, lab_ids: list[list[int]], books: Path) -> None:
     assert lab.vocab_size == 50_001
     lines = _head(books / "train.review.spm", N_LINES)
-    got = [lab.encode_pieces(line.split(" "), max_len=10_000) for line in lines]
+    got = [lab.with_max_len(10_000).encode_pieces(line.split(" ")) for line in lines]
     assert got == lab_ids
     assert max(len(ids) for ids in got) > 512  # some reviews are long enough to test the cut below
 
 
 def test_lab_ids_from_the_raw_text_file(lab: Tokenizer, lab_ids: list[list[int]], books: Path) -> None:
     texts = _head(books / "train.review.txt", N_LINES)
-    assert lab.encode_batch(texts, max_len=10_000) == lab_ids
-    assert [lab.encode(t, max_len=10_000) for t in texts[:10]] == lab_ids[:10]
+    uncut = lab.with_max_len(10_000)
+    assert uncut.encode_batch(texts) == lab_ids
+    assert [uncut.encode(t) for t in texts[:10]] == lab_ids[:10]
     known = [i for i, ids in enumerate(lab_ids) if Tokenizer.OOV not in ids]
     assert len(known) > 90  # decode gives the text back where no piece became <oov>
     assert [lab.decode(lab_ids[i]) for i in known] == [texts[i] for i in known]
@@ -67,10 +68,11 @@ def test_cut_to_max_len_keeps_sos_and_eos(lab: Tokenizer, lab_ids: list[list[int
     assert lab.encode_batch(texts) == cut
     lines = _head(books / "train.review.spm", N_LINES)
     assert [lab.encode_pieces(line.split(" ")) for line in lines] == cut
-    short = lab.encode(texts[0], max_len=7)
+    short = lab.with_max_len(7).encode(texts[0])
     assert short == lab_ids[0][:6] + [2] and len(short) == 7
+    assert lab.max_len == 512  # with_max_len gives another tokenizer; this one still cuts at 512
     with pytest.raises(TokenizerError, match=r"max_len must be an int >= 3 \(<sos>, one piece, <eos>\), got 2"):
-        lab.encode(texts[0], max_len=2)
+        lab.with_max_len(2)
 
 
 def test_unknown_characters_and_pieces_become_oov(lab: Tokenizer, books: Path) -> None:

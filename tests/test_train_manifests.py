@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from procs import REPO
-from test_deploy_manifests import K8S_VERSIONS, _docs, _kustomize, _run, _tool
+from test_deploy_manifests import K8S_VERSIONS, _checkov, _docs, _kustomize, _run, _tool
 from train_pods import container, one, trainjob_pods
 
 TRAIN = REPO / "deploy" / "train"
@@ -93,17 +93,7 @@ def test_checkov_passes_or_each_skip_is_justified(variants: dict[str, list[dict]
     for name, docs in variants.items():
         (tmp_path / name).mkdir()
         files += _native_and_pods(docs, tmp_path / name)
-    out = _run([_tool("checkov"), "--skip-download", "--output", "json",
-                "--framework", "kubernetes", "dockerfile", *[a for f in files for a in ("-f", f)]], cwd=tmp_path)
-    reports = json.loads(out.stdout)
-    reports = reports if isinstance(reports, list) else [reports]
-    by_type = {r["check_type"]: r for r in reports}
-    assert {"kubernetes", "dockerfile"} <= set(by_type), out.stderr[-2000:]
-    failed = [(c["check_id"], c["resource"], c["file_path"]) for r in reports for c in r["results"]["failed_checks"]]
-    assert not failed, failed
-    for r in reports:
-        for c in r["results"]["skipped_checks"]:
-            assert (c.get("check_result", {}).get("suppress_comment") or "").strip(), f"{c['check_id']}: no reason"
+    by_type = _checkov(files, ["kubernetes", "dockerfile"], tmp_path)
     assert by_type["kubernetes"]["summary"]["passed"] >= 100
 
 

@@ -1,2 +1,3 @@
-"""What bounds a call inside the server: the gRPC gate (authentication, admission, body timeout, answers' budget),
-its bounds, and memory given back after bursts. Per-address limits are the front proxy's (deploy/proxy/)."""
+"""What bounds a call inside the server, whatever its protocol: admission (the bearer token, model slots, the answers'
+budget, room in the batching queue, the body's time: admission.py) and the bounds it is made of (bounds.py).
+Per-address limits are the front proxy's (deploy/proxy/)."""

@@ -1,25 +1,31 @@
-"""The gate's bounds, each a small object with its own lock (serving/limits/gate.py uses them; nothing here knows gRPC):
+"""The bounds of admission, each a small object with its own lock (serving/limits/admission.py holds them; the gRPC
+interceptor also bounds its health threads with `Slots`). No protocol here:
 
 - `Slots`: calls in progress at once, refused past the limit (no queue);
 - `ResponseBudget`: bytes of answers built and not yet delivered;
 - `Watchdog`: cancels a call whose request message has not arrived in time (one thread for all calls).
-Each one that holds work in progress tells the memory reclaimer (serving/limits/memory.py).
+Each one that holds work in progress tells a `Busy` (the memory reclaimer, serving/process/memory.py).
 """
 
 from __future__ import annotations
 
 import heapq
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 from serving.errors import Overloaded
-from serving.limits.memory import Reclaimer
-from serving.metrics import Metrics
+from serving.telemetry.prometheus import Metrics
 
-log = logging.getLogger("serving.limits.gate")  # its lines are the gate's
+
+class Busy(Protocol):
+    """Told when work starts and ends (serving/process/memory.py's Reclaimer gives memory back once none is left)."""
+
+    def enter(self) -> None: ...
+
+    def leave(self) -> None: ...
 
 
 class _Watch:
@@ -87,9 +93,9 @@ class Watchdog:
 class ResponseBudget:
     """Bytes of answers built and not yet delivered: reserved when an answer is built, released when its call
     ends (delivered, or cancelled by its client). gRPC keeps an answer that its client does not read in memory;
-    this bounds the sum. A held answer counts as work in progress for the reclaimer (serving/limits/memory.py)."""
+    this bounds the sum. A held answer counts as work in progress for the reclaimer (serving/process/memory.py)."""
 
-    def __init__(self, limit: int, metrics: Metrics, reclaimer: Reclaimer | None = None) -> None:
+    def __init__(self, limit: int, metrics: Metrics, reclaimer: Busy | None = None) -> None:
         self.limit = limit
         self.used = 0
         self._lock = threading.Lock()
@@ -122,9 +128,9 @@ class ResponseBudget:
 
 class Slots:
     """Calls in progress at once, up to `limit`; past it a call is refused at once (no queue). A slot taken counts as
-    work in progress for `reclaimer` (serving/limits/memory.py), when given."""
+    work in progress for `reclaimer` (serving/process/memory.py), when given."""
 
-    def __init__(self, limit: int, what: str, reclaimer: Reclaimer | None = None) -> None:
+    def __init__(self, limit: int, what: str, reclaimer: Busy | None = None) -> None:
         self.limit, self.what = limit, what
         self.used = 0
         self._lock = threading.Lock()

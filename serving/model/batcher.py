@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from serving.errors import Cancelled, DeadlineExpired, NotReady, Overloaded
-from serving.metrics import Metrics
 from serving.telemetry import tracing
+from serving.telemetry.prometheus import Metrics
 
 Infer = Callable[[Sequence[np.ndarray]], np.ndarray]  # rows of ids -> (n, C) probabilities, one run
 
@@ -109,7 +109,7 @@ class Batcher:
         trace: Any = None,
     ) -> Future:
         """Queue one request's rows; the Future gives (n, C) probabilities or raises a ServingError. trace: the span
-        context of its call (serving/telemetry/calls.py, Call.link), for the spans of its queue wait and its batch."""
+        context of its call (serving/telemetry/call_log.py, Call.link), for the spans of its queue wait and batch."""
         now = time.monotonic()
         req = _Request(rows, deadline, cancelled, now, trace, time.time_ns() if trace is not None else 0,
                        remaining=len(rows))

@@ -16,7 +16,7 @@ from serving.config import ServerConfig
 from serving.errors import DeadlineExpired, InvalidInput, NotReady, Overloaded
 from serving.model.batcher import Batcher
 from serving.model.predictor import Prediction, Predictor
-from serving.telemetry import calls
+from serving.telemetry import call_log
 
 # A letter or a digit (str.isalnum: Unicode categories L and N). A text without one (NUL, control or format
 # characters, punctuation, symbols, emoji) gives the model nothing it was trained to read: refused, not answered
@@ -125,14 +125,14 @@ class ServingCore:
 
     def _queue(self, encoded: list[Encoded], deadline: float | None, cancelled: Callable[[], bool] | None) -> Future:
         """The texts into the batcher, with their call's span context when traced (its queue wait and batch spans)."""
-        call = calls.current()
+        call = call_log.current()
         return self.batcher.submit([e.ids for e in encoded], deadline, cancelled,
                                    trace=call.link() if call is not None else None)
 
     def _encode(self, texts: Sequence[str]) -> list[Encoded]:
         """The texts checked against the limits, then tokenized; InvalidInput or Overloaded naming the problem."""
         cfg = self.cfg
-        call = calls.current()  # the protocol's record of this call: texts and tokens for its access line
+        call = call_log.current()  # the protocol's record of this call: texts and tokens for its access line
         if call is not None:
             call.texts = len(texts)
         if not texts:
@@ -150,7 +150,7 @@ class ServingCore:
         full = self.batcher.no_room(len(texts))
         if full:  # refused before its texts are tokenized, work the batcher would throw away
             raise Overloaded(full)
-        with calls.step("tokenize"):
+        with call_log.step("tokenize"):
             encoded = self.predictor.encode(texts)
         if call is not None:
             call.tokens = sum(e.token_count for e in encoded)

@@ -1,5 +1,6 @@
-"""One server process: the bundle's predictor and batcher, the gRPC server with its gate, health, reflection and
-metrics, the HTTP server on the same core and gate (serving/protocols/http/), and its lifecycle (start, drain, stop).
+"""One server process: the bundle's predictor and batcher, one admission, the gRPC server with its gate, health,
+reflection and metrics, the HTTP server on the same core and admission (serving/protocols/http/), and its lifecycle
+(start, drain, stop).
 `python -m serving.server` (serving/server.py) builds one from the command line; `--workers N` runs N of them on one
 port under a parent (serving/process/workers.py).
 """
@@ -23,32 +24,35 @@ from serving.config import ServerConfig
 from serving.errors import ServerConfigError
 from serving.gen.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from serving.gen.sentiment.v1 import sentiment_service_pb2, sentiment_service_pb2_grpc
-from serving.limits.gate import Gate
-from serving.limits.memory import Reclaimer, fix_mmap_threshold
-from serving.metrics import Metrics, MetricsServer
+from serving.limits.admission import Admission
 from serving.model.batcher import Batcher
 from serving.model.core import ServingCore
 from serving.model.predictor import Predictor
-from serving.protocols import reflection
-from serving.protocols.health import SERVICE_NAME as HEALTH_SERVICE
-from serving.protocols.health import Health
-from serving.protocols.health_port import HealthPort
-from serving.protocols.http.calls import HttpCalls
+from serving.process.memory import Reclaimer, fix_mmap_threshold
+from serving.protocols.grpc import reflection
+from serving.protocols.grpc.health import SERVICE_NAME as HEALTH_SERVICE
+from serving.protocols.grpc.health import Health
+from serving.protocols.grpc.health_port import HealthPort
+from serving.protocols.grpc.interceptor import Gate
+from serving.protocols.grpc.kserve import KServeServicer
+from serving.protocols.grpc.sentiment import SentimentServicer
+from serving.protocols.http.exchange import HttpCalls
 from serving.protocols.http.routes import router
 from serving.protocols.http.server import HttpServer
-from serving.protocols.kserve import VERSION as MODEL_VERSION
-from serving.protocols.kserve import KServeServicer, server_version
-from serving.protocols.sentiment import SentimentServicer
+from serving.protocols.kserve_v2 import VERSION as MODEL_VERSION
+from serving.protocols.kserve_v2 import server_version
 from serving.telemetry import tracing
-from serving.telemetry.calls import CallLog
+from serving.telemetry.call_log import CallLog
+from serving.telemetry.logs import InternalErrors
+from serving.telemetry.prometheus import Metrics, MetricsServer
 
 log = logging.getLogger(__name__)
 
 SENTIMENT_SERVICE = sentiment_service_pb2.DESCRIPTOR.services_by_name["SentimentService"].full_name
 KSERVE_SERVICE = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 # Calls gRPC itself may hold at once besides our pools' threads (calls queued for a thread: streams, health past its
-# pool; refusals and unary model calls never queue, serving/limits/gate.py): past this backstop gRPC refuses in its
-# polling thread, before any of our code runs. Only a flood reaches it.
+# pool; refusals and unary model calls never queue, serving/protocols/grpc/interceptor.py): past this backstop gRPC
+# refuses in its polling thread, before any of our code runs. Only a flood reaches it.
 _BACKSTOP = 512
 # the one-host deployment: the proxy in front of the server
 COMPOSE_UP = "`docker compose up -d` or `podman-compose up -d` with the repository's compose.yaml"
@@ -80,7 +84,7 @@ def transport_options(cfg: ServerConfig, shared_port: bool = False) -> list[tupl
 
 def configure_process(cfg: ServerConfig, worker: int | None = None) -> None:
     """Process-wide settings, once per server process and before the model's and gRPC's buffers exist: glibc's
-    mmap threshold (serving/limits/memory.py), the interpreter lock's switch interval (ServerConfig says why) and
+    mmap threshold (serving/process/memory.py), the interpreter lock's switch interval (ServerConfig says why) and
     tracing (serving/telemetry/tracing.py: from the OTEL_* variables; a ServerConfigError names a bad one).
     `python -m serving.server` and each worker (`worker`: its index) call it; a server made inside another program (a
     test) leaves that program's allocator, interpreter and tracing as they are."""
@@ -91,7 +95,7 @@ def configure_process(cfg: ServerConfig, worker: int | None = None) -> None:
 
 
 class SentimentServer:
-    """Load a bundle, serve it, in three steps: construction (the model, the batcher, the gate and the gRPC server,
+    """Load a bundle, serve it, in three steps: construction (the model, the batcher, admission and the gRPC server,
     no port), `bind()` (every port, each bound once and kept: a taken one is a ServerConfigError naming it, and
     nothing is left bound), `start()` (serve; it binds first when `bind()` was not called). Then `stop()` (or
     `with SentimentServer(...) as s:`)."""
@@ -126,22 +130,26 @@ class SentimentServer:
         self.health = Health()
         self.health.listen(lambda: self.metrics.serving.set(self.health.serving()))
         limit = cfg.max_concurrent_rpcs or cfg.max_workers
-        # Memory freed by a burst of model calls goes back to the system once they are over (serving/limits/memory.py).
+        # Memory freed by a burst of model calls goes back to the system once they are over (serving/process/memory.py)
         self.reclaimer: Reclaimer | None = None
         if cfg.memory_reclaim_idle_s > 0:
             self.reclaimer = Reclaimer(settle_s=cfg.memory_reclaim_idle_s,
                                        on_reclaim=self.metrics.memory_reclaim_seconds.observe)
-        self.gate = Gate(self.metrics, auth_token=cfg.auth_token, max_calls=limit, health_workers=cfg.health_workers,
-                         body_timeout_s=cfg.body_timeout_s, max_message_bytes=cfg.max_message_bytes,
-                         max_response_bytes=cfg.max_response_bytes_in_flight, reclaimer=self.reclaimer,
-                         queue_full=lambda: self.batcher.no_room_for_any(cfg.max_texts),
-                         calls=CallLog(cfg.access_log_rate, self.metrics.suppressed_access_logs.inc))
-        # The gate counts a call until its behaviour returns; the thread then still sends the answer, so a caller
+        # One admission (the token, model slots, the answers' budget, the body's time), asked by both protocols.
+        self.admission = Admission(self.metrics, auth_token=cfg.auth_token, max_calls=limit,
+                                   body_timeout_s=cfg.body_timeout_s,
+                                   max_response_bytes=cfg.max_response_bytes_in_flight, reclaimer=self.reclaimer,
+                                   queue_full=lambda: self.batcher.no_room_for_any(cfg.max_texts))
+        self.calls = CallLog(cfg.access_log_rate, self.metrics.suppressed_access_logs.inc)
+        self.errors = InternalErrors(self.metrics.suppressed_logs.inc)
+        self.gate = Gate(self.admission, self.metrics, self.calls, self.errors, health_workers=cfg.health_workers,
+                         max_message_bytes=cfg.max_message_bytes)
+        # A model call holds its permit until its behaviour returns; the thread then still sends the answer, so a caller
         # that sends its next request at once can need a second thread. Without spare threads, 128 closed-loop
         # callers at max_workers 128 were refused 184 times in 159k requests (bench/soak.py, docs/RELIABILITY.md):
         # the pool gets a headroom of a quarter (at least 8). And a thread for every model slot: a unary model call
-        # takes its slot at admission (serving/limits/gate.py), and must then never wait in the pool's queue, also when
-        # max_concurrent_rpcs is above max_workers.
+        # takes its permit at admission (serving/protocols/grpc/interceptor.py), and must then never wait in the
+        # pool's queue, also when max_concurrent_rpcs is above max_workers.
         threads = max(cfg.max_workers, limit) + max(8, limit // 4)
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
@@ -170,11 +178,12 @@ class SentimentServer:
         cfg = self.cfg
         try:
             self.port = _add_port(self.grpc_server, cfg.host, cfg.port, server_credentials(cfg), "gRPC")
-            if cfg.http_port is not None:  # the same core, gate and files: serving/protocols/http/
-                app = router(self.core, HttpCalls(self.gate, cfg), page_on=cfg.http_page)
+            if cfg.http_port is not None:  # the same core, admission and files: serving/protocols/http/
+                calls = HttpCalls(self.admission, self.metrics, self.calls, self.errors, cfg)
+                app = router(self.core, calls, page_on=cfg.http_page)
                 self.http = HttpServer(app, cfg, cfg.http_port, self.shared_port)
                 self.http_port = self.http.port
-            if cfg.health_port is not None:  # health alone, for probes: serving/protocols/health_port.py
+            if cfg.health_port is not None:  # health alone, for probes: serving/protocols/grpc/health_port.py
                 self.health_server = HealthPort(self.health, self.metrics, cfg.host, cfg.health_port,
                                                 transport_options(cfg), cfg.body_timeout_s, self.reclaimer)
                 self.health_port = self.health_server.port
@@ -250,6 +259,7 @@ class SentimentServer:
         if self._metrics_server is not None:
             self._metrics_server.close()
         self.gate.close()
+        self.admission.close()
         if self.reclaimer is not None:
             self.reclaimer.close()
 

@@ -53,10 +53,10 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from contract.bundle import verify_bundle
 from serving.config import ServerConfig
 from serving.errors import BundleError, ServerConfigError
-from serving.metrics import Metrics, MetricsServer
-from serving.protocols.health import Health
-from serving.protocols.health_port import HealthPort
+from serving.protocols.grpc.health import Health
+from serving.protocols.grpc.health_port import HealthPort
 from serving.telemetry import logs, tracing
+from serving.telemetry.prometheus import Metrics, MetricsServer
 
 log = logging.getLogger("serving.process.workers")
 

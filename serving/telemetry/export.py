@@ -228,7 +228,7 @@ def child_main(status_fd: int) -> int:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-    from serving.telemetry import tracing
+    from serving.telemetry import otlp
 
     # The server's signals are not this process' to act on (a Ctrl-C reaches the whole process group): it stops when
     # the server closes the pipe, having exported what it holds.
@@ -241,10 +241,10 @@ def child_main(status_fd: int) -> int:
     frames = _frames(sys.stdin.buffer)
     try:
         setup = next(frames)
-        resource = tracing.hashed_once(Resource(setup["resource"], setup.get("schema_url")))
+        resource = otlp.hashed_once(Resource(setup["resource"], setup.get("schema_url")))
         scope = InstrumentationScope(*setup["scope"])
         provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-        processors = [BatchSpanProcessor(tracing.otlp_exporter(os.environ) if name == "otlp" else ConsoleSpanExporter())
+        processors = [BatchSpanProcessor(otlp.exporter(os.environ) if name == "otlp" else ConsoleSpanExporter())
                       for name in setup["exporters"]]
     except ServerConfigError as e:
         status.write(f"error: {e}\n")

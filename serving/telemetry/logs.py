@@ -2,7 +2,7 @@
 
 Every line has a timestamp (UTC, ISO 8601, milliseconds), level, logger, message, request_id and trace_id (those two
 from the call the line was written for; null outside a call or without tracing). `json`: one object per line
-(python-json-logger), the access line's fields (serving/telemetry/calls.py) as keys of their own; `text`:
+(python-json-logger), the access line's fields (serving/telemetry/call_log.py) as keys of their own; `text`:
 
     2026-01-02T03:04:05.678Z INFO serving.access: sentiment.v1.SentimentService/Classify OK ... request_id=R trace_id=T
 
@@ -16,13 +16,15 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any, Literal
 
 Format = Literal["text", "json"]
 FORMATS: tuple[Format, ...] = ("text", "json")
-# The call the running code serves (serving/telemetry/calls.py sets it): its ids go in the lines written meanwhile.
+# The call the running code serves (serving/telemetry/call_log.py sets it): its ids go in the lines written meanwhile.
 current_call: ContextVar[Any] = ContextVar("sentiment_call", default=None)
+_internal = logging.getLogger("serving.internal")
 
 
 class LogThrottle:
@@ -46,6 +48,24 @@ class LogThrottle:
                 return True, suppressed
             self._seen[key] = (start, logged, suppressed + 1)
             return False, 0
+
+
+class InternalErrors:
+    """The tracebacks of errors no code expected (a bug; its client gets INTERNAL and no detail), whatever the
+    protocol: at most 3 a minute for each method and kind of error, the rest counted by `on_suppressed` and their
+    number given with the next one logged. One per server, shared by its protocols."""
+
+    def __init__(self, on_suppressed: Callable[[], None] = lambda: None) -> None:
+        self.on_suppressed = on_suppressed
+        self.throttle = LogThrottle()
+
+    def report(self, method: str, error: BaseException) -> None:
+        allowed, suppressed = self.throttle.allow(f"{method}:{type(error).__name__}")
+        if allowed:
+            more = f" ({suppressed} more like it not logged)" if suppressed else ""
+            _internal.error("internal error in %s%s", method, more, exc_info=error)
+        else:
+            self.on_suppressed()
 
 
 class ClientCausedLines(logging.Filter):

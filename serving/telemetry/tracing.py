@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from serving.errors import ServerConfigError
+from serving.telemetry import otlp
 from serving.telemetry.logs import ClientCausedLines
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROTOCOLS = ("grpc", "http/protobuf")
 # Where OpenTelemetry's propagators warn of a malformed traceparent, tracestate or baggage a client sent: a warning
 # per bad list member (up to 180 a baggage header), some of them with the whole header in the line.
 PROPAGATION_LOGGERS = ("opentelemetry.trace.propagation.tracecontext", "opentelemetry.trace.span",
@@ -161,7 +161,7 @@ def check(environ: Mapping[str, str] = os.environ) -> list[str]:
     exporters = [e for e in dict.fromkeys(exporters) if e != "none"]
     if exporters:
         if "otlp" in exporters:
-            _protocol(environ)
+            otlp.protocol(environ)
         _sampler_choice(environ)
         _queue(environ)
     return exporters
@@ -196,27 +196,6 @@ def shutdown() -> None:
     if _tracing is not None:
         _tracing.shutdown()
         _tracing = None
-
-
-def _protocol(environ: Mapping[str, str]) -> str:
-    variable = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" if environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") \
-        else "OTEL_EXPORTER_OTLP_PROTOCOL"
-    protocol = (environ.get(variable) or "http/protobuf").strip()
-    if protocol not in PROTOCOLS:
-        raise ServerConfigError(f"{variable}={protocol!r}: the trace exporter speaks {' or '.join(PROTOCOLS)}")
-    return protocol
-
-
-def otlp_exporter(environ: Mapping[str, str]) -> Any:
-    """The SDK's OTLP span exporter for the protocol asked for; it reads its own OTEL_EXPORTER_OTLP_* variables."""
-    if _protocol(environ) == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    try:
-        return OTLPSpanExporter()
-    except Exception as e:  # a malformed timeout (ValueError), compression (the exporter's own exception), ...
-        raise ServerConfigError(f"OTLP exporter, from the OTEL_EXPORTER_OTLP_* variables: {e}") from None
 
 
 def _sampler_choice(environ: Mapping[str, str]) -> tuple[str, float]:
@@ -259,22 +238,6 @@ def _resource(service_version: str, worker: int | None, environ: Mapping[str, st
         given = {**given, "service.name": environ["OTEL_SERVICE_NAME"]}
 
     return Resource.create({**ours, **given})
-
-
-def hashed_once(resource: Any) -> Any:
-    """`resource`, hashed once. The OTLP encoder hashes each span's resource to group the spans of an export, and
-    Resource's hash is a JSON dump of its attributes: a quarter of the encoding's time. A resource never changes."""
-    from opentelemetry.sdk.resources import Resource
-
-    class HashedOnce(Resource):
-        def __init__(self, attributes: Any, schema_url: str | None = None) -> None:
-            super().__init__(attributes, schema_url)
-            self._hash = super().__hash__()
-
-        def __hash__(self) -> int:
-            return self._hash
-
-    return HashedOnce(resource.attributes, resource.schema_url)
 
 
 def _queue(environ: Mapping[str, str]) -> tuple[int, int]:

@@ -20,6 +20,7 @@ This module needs sentencepiece and numpy only (no torch).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import os
@@ -44,7 +45,6 @@ from contract.tokens import (
     Kind,
     TokenEncoder,
     TokenizerMeta,
-    check_max_len,
     meta_path,
     read_tokenizer_files,
     text_lines,
@@ -79,7 +79,6 @@ class Tokenizer:
         self._model_proto = bytes(model_proto)
         self.pieces = self._encoder.pieces
         self.kind: Kind = kind
-        self.max_len = self._encoder.max_len
         self.vocab_size = self._encoder.vocab_size
         self._piece_to_id = self._encoder.piece_to_id
         # Decoding: our id -> spm id (specials and pieces the model lacks -> spm's <unk>, printed " ⁇ ").
@@ -93,53 +92,53 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, max_len={self.max_len})"
 
+    @property
+    def max_len(self) -> int:
+        """The longest sequence it returns, <sos> and <eos> included: set when it is built (`from_lab`, `train`,
+        `load`), changed only by `with_max_len`."""
+        return self._encoder.max_len
+
+    def with_max_len(self, max_len: int) -> Tokenizer:
+        """This tokenizer cutting at `max_len` instead (an export's --max-len; no cut: a max_len beyond any text)."""
+        other = copy.copy(self)
+        other._encoder = self._encoder.with_max_len(max_len)
+        return other
+
     # ------------------------------------------------------------------------------------------ encoding
-
-    def _limit(self, max_len: int | None) -> int:
-        return self.max_len if max_len is None else check_max_len(max_len)
-
-    def _wrap(self, ids: Sequence[int], max_len: int | None) -> list[int]:
-        n = self._limit(max_len)
-        return [self.SOS, *ids[: n - 2], self.EOS]
+    # The cut is contract.tokens.TokenEncoder's (`wrap`), the server's own: these only feed it.
 
     def piece_ids(self, texts: Sequence[str], threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Piece ids of many texts, no specials and no cut: (flat ids int64 (N,), lengths int64 (len(texts),)).
-        The building block of `encode_batch` and of trainer/data/corpus.py (one sentencepiece call on `threads` threads;
-        default: the cores, at most 8; a pool of worker processes passes 1, being the parallelism itself)."""
+        The building block of trainer/data/corpus.py (one sentencepiece call on `threads` threads; default: the
+        cores, at most 8; a pool of worker processes passes 1, being the parallelism itself)."""
         return self._encoder.piece_ids(texts, threads)
 
-    def encode(self, text: str, max_len: int | None = None) -> list[int]:
-        """Raw text -> [<sos>] + ids + [<eos>], at most `max_len` ids (default: the tokenizer's)."""
-        return self.encode_batch([text], max_len)[0]
+    def encode(self, text: str) -> list[int]:
+        """Raw text -> [<sos>] + ids + [<eos>], at most `max_len` ids."""
+        return self._encoder.encode(text).ids.tolist()
 
-    def encode_batch(self, texts: Sequence[str], max_len: int | None = None) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Many texts at once (threaded): each [<sos>] + ids + [<eos>], at most `max_len` ids."""
-        n = self._limit(max_len)
-        ids, lengths = self.piece_ids(texts)
-        out, start = [], 0
-        for length in lengths.tolist():
-            out.append([self.SOS, *ids[start : start + min(length, n - 2)].tolist(), self.EOS])
-            start += length
-        return out
+        return [e.ids.tolist() for e in self._encoder.encode_many(texts, threads=None)]
 
-    def encode_pieces(self, pieces: Sequence[str], max_len: int | None = None) -> list[int]:
+    def encode_pieces(self, pieces: Sequence[str]) -> list[int]:
         """Pre-tokenized pieces (a line of the lab's .spm files) -> [<sos>] + ids + [<eos>]; unknown -> <oov>."""
         get, oov = self._piece_to_id.get, self.OOV
-        n = self._limit(max_len)
-        return self._wrap([get(p, oov) for p in pieces[: n - 2]], n)
+        ids = np.fromiter((get(p, oov) for p in pieces), dtype=np.int64, count=len(pieces))
+        return self._encoder.wrap(ids).ids.tolist()
 
-    def encode_example(self, ex: Example, max_len: int | None = None) -> list[int]:
+    def encode_example(self, ex: Example) -> list[int]:
         """An `Example` from trainer.data.readers: its text, or its pieces.
 
         Pieces come from the lab's sentencepiece model, so only a `lab` tokenizer maps them directly; a trained
         tokenizer re-encodes their detokenized text (for the lab's files that equals the .txt sibling exactly)."""
         if ex.text is not None:
-            return self.encode(ex.text, max_len)
+            return self.encode(ex.text)
         if ex.pieces is None:
             raise ValueError(f"{ex.source}: example has neither text nor pieces")
         if self.kind == "lab":
-            return self.encode_pieces(ex.pieces, max_len)
-        return self.encode(detokenize(ex.pieces), max_len)
+            return self.encode_pieces(ex.pieces)
+        return self.encode(detokenize(ex.pieces))
 
     # ------------------------------------------------------------------------------------------ decoding
 

@@ -12,7 +12,7 @@ A bundle is a folder a server loads with no torch and no training code (contract
 Each graph's metadata_props repeat labels, max_len, special ids and precision for any ONNX tool.
 
 Stages, one module each: graph.py (dynamo export, one fused Attention node per layer unless --no-fuse-attention),
-precision.py (int8, fp16, the tolerances), validate.py (onnxruntime against PyTorch on batch 1, 2, 13 x lengths 1,
+quantize.py (int8, fp16, the tolerances), validate.py (onnxruntime against PyTorch on batch 1, 2, 13 x lengths 1,
 7, max and padded mixed lengths; beyond the precision's tolerance: ExportValidationError naming the batch),
 score.py (accuracy on --data), write.py (the bundle folder, written into a temporary sibling and renamed into place: a
 failed export leaves nothing behind), served.py (a bundle's graph as the server runs it), check.py

@@ -57,7 +57,7 @@ def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | 
     blank: list[str] = []
     examples = read_labeled(Path(data_file), m.label_values, *fields, skipped=blank)[:limit or None]
     tok = bundle_tokenizer(b)
-    seqs = [tok.encode_example(ex, m.max_len) for ex in examples]
+    seqs = [tok.encode_example(ex) for ex in examples]  # cut at the manifest's max_len
     labels = np.array([ex.label for ex in examples], dtype=np.int64)
     reference = torch_reference(model, seqs, PAD, batch_size) if model is not None else None
     graphs: dict[str, dict[str, Any]] = {}

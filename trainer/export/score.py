@@ -15,19 +15,19 @@ from trainer.calibration import ece, softmax
 from trainer.data.readers import read_labeled
 from trainer.data.tokenizer import Tokenizer
 from trainer.export.errors import ExportValidationError
-from trainer.export.precision import TOLERANCES, Tolerance
+from trainer.export.quantize import TOLERANCES, Tolerance
 from trainer.export.validate import ort_logits, torch_logits
 
 
-def encode_file(tok: Tokenizer, data_file: Path, label_values: list[str], max_len: int, limit: int = 0,
+def encode_file(tok: Tokenizer, data_file: Path, label_values: list[str], limit: int = 0,
                 text_field: str = "text", label_field: str = "label",
                 skipped: list[str] | None = None) -> tuple[list[list[int]], np.ndarray]:
-    """Ids (cut to max_len, <eos> kept) and label indices of a labelled file, read with the project's readers
-    (blank texts skipped: their "file:line" go to `skipped`)."""
+    """Ids (cut at the tokenizer's max_len, <eos> kept) and label indices of a labelled file, read with the project's
+    readers (blank texts skipped: their "file:line" go to `skipped`)."""
     examples = read_labeled(data_file, label_values, text_field, label_field, skipped)
     if limit:
         examples = examples[:limit]
-    seqs = [tok.encode_example(ex, max_len) for ex in examples]
+    seqs = [tok.encode_example(ex) for ex in examples]
     labels = np.array([ex.label for ex in examples], dtype=np.int64)
     return seqs, labels
 

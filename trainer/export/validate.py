@@ -20,7 +20,7 @@ from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS
 from contract.runtime import cuda_driver_present, inference_session
 from contract.tokens import EOS, N_SPECIALS, OOV, SOS
 from trainer.export.errors import ExportValidationError
-from trainer.export.precision import TOLERANCES, Tolerance
+from trainer.export.quantize import TOLERANCES, Tolerance
 
 
 @dataclass

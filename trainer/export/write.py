@@ -5,7 +5,7 @@ place, so a failed export leaves nothing behind and an earlier bundle at `out` s
 Which graphs, by `ExportOptions.precision`:
   "auto" (the default)  model.onnx in fp32, the CUDA graph (or model.fp16.onnx with gpu_precision="fp16"), and
                         model.int8.onnx, the CPU graph, when its drift from PyTorch stays within `int8_bound`
-                        (INT8_CPU_BOUND, trainer/export/precision.py); beyond it export says why, leaves int8 out and
+                        (INT8_CPU_BOUND, trainer/export/quantize.py); beyond it export says why, leaves int8 out and
                         the CPU serves model.onnx
   "fp32", "int8", "fp16"  one graph, model.onnx, served on every device (the bundles of earlier versions)
 """
@@ -50,7 +50,7 @@ from trainer.data.tokenizer import Tokenizer
 from trainer.export import card
 from trainer.export.errors import ExportError, ExportValidationError
 from trainer.export.graph import check_graph, export_onnx
-from trainer.export.precision import INT8_CPU_BOUND, TOLERANCES, Tolerance, convert_fp16, quantize_int8
+from trainer.export.quantize import INT8_CPU_BOUND, TOLERANCES, Tolerance, convert_fp16, quantize_int8
 from trainer.export.score import data_check, encode_file, torch_reference
 from trainer.export.validate import validate_graph
 
@@ -154,8 +154,8 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
     mcfg = art.cfg.model
     # label_values: the raw values of the data (data.labels); label_names: what the server answers (data.label_names)
     label_values, label_names = check_labels(art)
-    tok = art.tokenizer()
-    max_len = tok.max_len if opt.max_len is None else opt.max_len  # the manifest's, the bundle's one copy
+    tok = art.tokenizer() if opt.max_len is None else art.tokenizer().with_max_len(opt.max_len)
+    max_len = tok.max_len  # the manifest's, the bundle's one copy
     check_positions(max_len, mcfg, f"{art.path}: max_len")
     model = art.model()
 
@@ -177,7 +177,7 @@ def export_bundle(artifact_dir: str | Path, out_dir: str | Path, options: Export
             _write_graph(fp32, tmp, name, precision, opt, meta, mcfg.num_classes)
         fp32.unlink()
 
-        graphs, cpu_int8 = _validate(model, tmp, opt, tok, label_values, max_len, mcfg.vocab_size, mcfg.pad_id,
+        graphs, cpu_int8 = _validate(model, tmp, opt, tok, label_values, mcfg.vocab_size, mcfg.pad_id,
                                      (opt.text_field or art.cfg.data.text_field,
                                       opt.label_field or art.cfg.data.label_field))
         cpu = EXTRA_GRAPH_FILES["int8"] if EXTRA_GRAPH_FILES["int8"] in graphs and opt.precision == AUTO else MODEL_FILE
@@ -269,14 +269,15 @@ def _write_graph(fp32: Path, tmp: Path, name: str, precision: str, opt: ExportOp
 
 
 def _validate(model: torch.nn.Module, tmp: Path, opt: ExportOptions, tok: Tokenizer, label_values: list[str],
-              max_len: int, vocab_size: int, pad_id: int,
+              vocab_size: int, pad_id: int,
               fields: tuple[str, str]) -> tuple[dict[str, Graph], dict[str, object] | None]:
-    """Each graph against PyTorch (and on --data); returns the graphs kept and, for the default export, the int8
-    decision. Beyond its tolerance a graph fails the export, except the default's int8 graph: it is left out."""
+    """Each graph against PyTorch at lengths up to the tokenizer's max_len (and on --data); returns the graphs kept
+    and, for the default export, the int8 decision. Beyond its tolerance a graph fails the export, except the
+    default's int8 graph: it is left out."""
     references: dict[str, np.ndarray] = {}
     data = None
     if opt.data_file is not None:
-        seqs, labels = encode_file(tok, Path(opt.data_file), label_values, max_len, opt.data_limit, *fields)
+        seqs, labels = encode_file(tok, Path(opt.data_file), label_values, opt.data_limit, *fields)
         data = (seqs, labels, torch_reference(model, seqs, pad_id))
     graphs: dict[str, Graph] = {}
     cpu_int8: dict[str, object] | None = None
@@ -285,7 +286,7 @@ def _validate(model: torch.nn.Module, tmp: Path, opt: ExportOptions, tok: Tokeni
         tol = opt.int8_bound if auto_int8 else TOLERANCES[precision]
         path = tmp / name
         try:
-            validation = validate_graph(model, path, precision, opt.optimize, max_len, vocab_size, pad_id, tol,
+            validation = validate_graph(model, path, precision, opt.optimize, tok.max_len, vocab_size, pad_id, tol,
                                         references)
             if data is not None:
                 per_row = Graph(precision, opt.quantization if precision == "int8" else None).per_row

@@ -71,8 +71,7 @@ class Model:
     kind: str  # "artifact" | "bundle"
     values: list[str]  # label values of the data, in logit order
     names: list[str]  # what the server answers for each
-    max_len: int
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer  # cuts at the max_len the model was trained or exported with
     fields: tuple[str, str]  # (text_field, label_field) it was trained with
     logits: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (B, T) ids, (B, T) 0/1 mask -> (B, C) logits
     about: str  # for the log line
@@ -83,7 +82,7 @@ def open_model(path: Path) -> Model:
     if (path / MANIFEST_FILE).is_file():
         served = open_bundle(path)  # the graph the server would run here, tokenized as it does
         m = served.bundle.manifest
-        return Model("bundle", list(m.label_values), list(m.label_names), m.max_len, served.tokenizer,
+        return Model("bundle", list(m.label_values), list(m.label_names), served.tokenizer,
                      (m.data_fields["text_field"], m.data_fields["label_field"]), served.logits,
                      f"bundle, {served.graph} ({served.precision}), {served.provider}")
     if (path / "artifact.json").is_file():
@@ -93,7 +92,7 @@ def open_model(path: Path) -> Model:
         if art.task != "classifier":
             raise ExportError(f"{path}: task {art.task!r}; predict needs a classifier artifact (finetune's)")
         model, d = art.model(), art.cfg.data
-        return Model("artifact", list(d.labels), d.names, art.cfg.tokenizer.max_len, art.tokenizer(),
+        return Model("artifact", list(d.labels), d.names, art.tokenizer(),
                      (d.text_field, d.label_field), lambda i, a: torch_logits(model, i, a), "artifact, PyTorch fp32")
     raise ExportError(f"{path}: neither a classifier artifact (artifact.json) nor a bundle ({MANIFEST_FILE})")
 
@@ -160,7 +159,7 @@ def predict(model: Model, rows: list[Example], batch_size: int) -> np.ndarray:
     keep = [i for i, ex in enumerate(rows) if not is_blank(ex)]
     if not keep:
         return probs
-    seqs = [model.tokenizer.encode_example(rows[i], model.max_len) for i in keep]
+    seqs = [model.tokenizer.encode_example(rows[i]) for i in keep]
     logits = batched_logits(model.logits, seqs, Tokenizer.PAD, batch_size).astype(np.float64)
     e = np.exp(logits - logits.max(axis=1, keepdims=True))
     probs[keep] = e / e.sum(axis=1, keepdims=True)

@@ -1,6 +1,6 @@
-"""KServe v2 / Open Inference Protocol over HTTP (the REST half of serving/protocols/kserve.py, whose rules it shares:
-model names, the one BYTES input, the outputs, metadata), with Triton's binary tensor data extension, which
-`tritonclient.http` uses by default.
+"""KServe v2 / Open Inference Protocol over HTTP (the REST half; the protocol's rules, which its gRPC half shares, are
+serving/protocols/kserve_v2.py: model names, the one BYTES input, the outputs, metadata), with Triton's binary tensor
+data extension, which `tritonclient.http` uses by default.
 
 POST /v2/models/{name}[/versions/{version}]/infer, a JSON body:
     {"id": "...", "parameters": {"timeout": µs, "binary_data_output": bool},
@@ -21,8 +21,8 @@ import orjson
 
 from serving.errors import InvalidInput
 from serving.model.core import ServingCore
-from serving.protocols.http.calls import Answer, Call, parse_json
-from serving.protocols.kserve import (
+from serving.protocols.http.exchange import Answer, HttpCall, parse_json
+from serving.protocols.kserve_v2 import (
     INPUT,
     OUTPUTS,
     VERSION,
@@ -50,7 +50,7 @@ _JSON_NAMES = {"dict": "an object", "list": "an array", "str": "a string", "int"
                "int or float": "a number"}
 
 
-async def infer(core: ServingCore, call: Call) -> Answer:
+async def infer(core: ServingCore, call: HttpCall) -> Answer:
     check_model(core, call.params["name"], call.params.get("version", ""))
     body = await call.body(BODY_TYPES)
     doc, binary = _split(body, call.header(HEADER_LENGTH))
@@ -74,7 +74,7 @@ async def infer(core: ServingCore, call: Call) -> Answer:
     in_binary = {n: bool(_get(p, "binary_data", bool, f"outputs {n!r}.parameters", binary_default))
                  for n, p in zip(names, options, strict=True)} if asked else dict.fromkeys(wanted, binary_default)
     texts = _texts(_get(doc, "inputs", list, "request", []), binary, core.cfg.max_texts)
-    preds = await call.classify(core, texts)
+    preds = await call.predictions(core, texts)
 
     answer: dict[str, Any] = {"model_name": core.cfg.model_name, "model_version": VERSION}
     if request_id is not None:

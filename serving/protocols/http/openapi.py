@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from serving.model.core import ServingCore
-from serving.protocols import kserve
-from serving.protocols.http.calls import MAX_TIMEOUT_MS
+from serving.protocols import kserve_v2
 from serving.protocols.http.errors import STATUS
+from serving.protocols.http.exchange import MAX_TIMEOUT_MS
 
 _ERRORS = {  # status -> when
     400: "the request is malformed or breaks a limit (INVALID_ARGUMENT); the message names the field and the limit",
@@ -48,7 +48,7 @@ def document(core: ServingCore) -> dict[str, Any]:
     name_param = {"name": "name", "in": "path", "required": True,
                   "schema": {"type": "string", "enum": [cfg.model_name]}, "description": "the model's name"}
     version_param = {"name": "version", "in": "path", "required": True,
-                     "schema": {"type": "string", "enum": [kserve.VERSION]}, "description": "the model's version"}
+                     "schema": {"type": "string", "enum": [kserve_v2.VERSION]}, "description": "the model's version"}
     timeout_header = {"name": "Request-Timeout-Ms", "in": "header", "required": False,
                       "schema": {"type": "number", "minimum": 0, "exclusiveMinimum": True,
                                  "maximum": MAX_TIMEOUT_MS},
@@ -83,7 +83,7 @@ def document(core: ServingCore) -> dict[str, Any]:
                          "long_text_policy": {"type": "string", "enum": ["LONG_TEXT_POLICY_TRUNCATE",
                                                                          "LONG_TEXT_POLICY_REFUSE"]}}},
         "InferInput": {"type": "object", "required": ["name", "datatype", "shape"], "properties": {
-            "name": {"type": "string", "enum": [kserve.INPUT]}, "datatype": {"type": "string", "enum": ["BYTES"]},
+            "name": {"type": "string", "enum": [kserve_v2.INPUT]}, "datatype": {"type": "string", "enum": ["BYTES"]},
             "shape": {"type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "integer", "minimum": 0}},
             "data": {"type": "array", "maxItems": cfg.max_texts, "items": {"oneOf": [
                 text, {"type": "array", "minItems": 1, "maxItems": 1, "items": text}]}},
@@ -95,15 +95,15 @@ def document(core: ServingCore) -> dict[str, Any]:
                             "description": "deadline in microseconds (Triton's parameter)"},
                 "binary_data_output": {"type": "boolean"}}},
             "inputs": {"type": "array", "minItems": 1, "maxItems": 1, "items": _ref("InferInput")},
-            "outputs": {"type": "array", "maxItems": len(kserve.OUTPUTS), "items": {
+            "outputs": {"type": "array", "maxItems": len(kserve_v2.OUTPUTS), "items": {
                 "type": "object", "required": ["name"], "properties": {
-                    "name": {"type": "string", "enum": list(kserve.OUTPUTS)},
+                    "name": {"type": "string", "enum": list(kserve_v2.OUTPUTS)},
                     "parameters": {"type": "object", "properties": {"binary_data": {"type": "boolean"}}}}}}}},
         "InferResponse": {"type": "object", "required": ["model_name", "outputs"], "properties": {
             "model_name": {"type": "string"}, "model_version": {"type": "string"}, "id": {"type": "string"},
             "outputs": {"type": "array", "items": {"type": "object", "required": ["name", "datatype", "shape"],
                                                    "properties": {
-                "name": {"type": "string", "enum": list(kserve.OUTPUTS)},
+                "name": {"type": "string", "enum": list(kserve_v2.OUTPUTS)},
                 "datatype": {"type": "string", "enum": ["FP32", "BYTES", "INT32", "BOOL"]},
                 "shape": {"type": "array", "items": {"type": "integer"}},
                 "data": {"type": "array"}, "parameters": {"type": "object"}}}}}},
@@ -163,7 +163,7 @@ def document(core: ServingCore) -> dict[str, Any]:
     }
     doc: dict[str, Any] = {
         "openapi": "3.0.3",
-        "info": {"title": "sentiment-server", "version": kserve.server_version(),
+        "info": {"title": "sentiment-server", "version": kserve_v2.server_version(),
                  "description": f"Sentiment classification of texts by the model {cfg.model_name!r} (labels "
                                 f"{labels}). Every error is {{\"code\", \"error\"}}: the gRPC status name and a "
                                 f"message. Bodies up to {cfg.max_message_bytes} bytes."},

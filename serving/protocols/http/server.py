@@ -3,7 +3,7 @@ inside the server process beside gRPC, on `http_port` (shared with the other wor
 through SO_REUSEPORT, as gRPC's port is). HTTP/1.1, keep-alive and pipelining; TLS and mutual TLS from the gRPC
 port's files.
 
-Bounds of its own, before a call reaches serving/protocols/http/calls.py (uvicorn with httptools sets none of the
+Bounds of its own, before a call reaches serving/protocols/http/exchange.py (uvicorn with httptools sets none of the
 first three): a request's line and headers at most MAX_HEAD_BYTES and MAX_HEADERS headers (else 431, connection
 closed), arriving within body_timeout_s of their first byte, or of the connection's start (else 408, closed); a
 connection idle for max_connection_idle_s is closed; past max_connections connections or calls in progress, uvicorn

@@ -1,5 +1,6 @@
-"""Stage 2: the precision a bundle is stored in (fp32 as exported, dynamic int8, fp16), and the tolerance each is
-held to against PyTorch fp32 eager."""
+"""Stage 2: a graph in a lower precision than the fp32 it was exported in (dynamic int8 quantisation, fp16
+conversion), and the tolerance each precision of a bundle (fp32, int8, fp16) is held to against PyTorch fp32 eager.
+(The format a run trains in is trainer/engine/precision.py's.)"""
 
 from __future__ import annotations
 

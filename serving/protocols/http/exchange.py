@@ -1,9 +1,9 @@
 """One HTTP call's life in one function, `HttpCalls.serve`: auth -> admission -> body -> work (the core) -> answer ->
-metrics, under the bounds of the gRPC gate (serving/limits/gate.py), shared with it:
+metrics, admitted by the server's one admission (serving/limits/admission.py), which gRPC's gate asks too:
 
-- a call without a valid `Authorization: Bearer` token, and a model call when the gate refuses (every model slot
-  taken, the answers' budget spent, no room in the batching queue for a request of max_texts), are answered before
-  a byte of their body is read (no `100 Continue` either), with `Connection: close`;
+- a call without a valid `Authorization: Bearer` token (401), and a model call that admission refuses (429: every
+  model slot taken, the answers' budget spent, no room in the batching queue for a request of max_texts), are
+  answered before a byte of their body is read (no `100 Continue` either), with `Connection: close`;
 - the body: at most max_message_bytes (a larger Content-Length is refused before reading, a chunked body once it
   passes), all of it within body_timeout_s of the call's start (else 408 and the connection closed);
 - a deadline from the `Request-Timeout-Ms` header (or Triton's `timeout` parameter of a KServe infer request, in
@@ -12,7 +12,7 @@ metrics, under the bounds of the gRPC gate (serving/limits/gate.py), shared with
 - the model slot is released once the answer is built; the answer counts against the answers' budget until it is
   handed to the connection.
 Every call is counted in sentiment_requests_total{protocol="http"} with the code (the gRPC status name) its client got.
-Every call but health's is a telemetry call (serving/telemetry/calls.py) as on gRPC: its `x-request-id` (taken or
+Every call but health's is a telemetry call (serving/telemetry/call_log.py) as on gRPC: its `x-request-id` (taken or
 made) is a response header, its span follows the semantic conventions for HTTP servers, its access line gives the
 HTTP status (499: the client left before its answer).
 """
@@ -20,7 +20,6 @@ HTTP status (499: the client left before its answer).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -33,11 +32,14 @@ from typing import Any
 import orjson
 
 from serving.config import ServerConfig
-from serving.errors import BodyTimeout, Cancelled, DeadlineExpired, InvalidInput, ServingError, Unauthenticated
-from serving.limits.gate import Gate
+from serving.errors import Cancelled, DeadlineExpired, InvalidInput, ServingError, Unauthenticated
+from serving.limits.admission import Admission, Permit
 from serving.model.core import ServingCore
 from serving.model.predictor import Prediction
 from serving.protocols.http.errors import HttpError, error_body, status_of
+from serving.telemetry.call_log import CallLog
+from serving.telemetry.logs import InternalErrors
+from serving.telemetry.prometheus import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +65,18 @@ class Answer:
 
 
 @dataclass(eq=False)
-class Call:
+class HttpCall:
     """One call as its route's work sees it: headers, path parameters, the body (read once, by `body()` or
     `json()`), the deadline, and whether its client has left."""
 
     scope: Scope
     receive: Receive
     limits: ServerConfig
+    admission: Admission
     start: float  # time.monotonic()
     deadline: float | None = None  # time.monotonic() seconds
     body_read: bool = False
+    body_late: bool = False  # its body did not come within body_timeout_s: its task was cancelled for it
     gone: bool = False  # the client disconnected while its texts waited
 
     @property
@@ -109,22 +113,26 @@ class Call:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
-        fired = []
-        timer = loop.call_later(max(0.0, self.start + self.limits.body_timeout_s - time.monotonic()),
-                                lambda: (fired.append(True), task.cancel()))
+        # The event loop's own timer, not admission's watchdog thread: a cancel from another thread could land
+        # after the body was read. The limit and the count are admission's.
+        timer = loop.call_later(max(0.0, self.start + self.admission.body_timeout_s - time.monotonic()),
+                                self._late, task)
         try:
             data = await self._read(limit)
         except asyncio.CancelledError:
-            if fired:
+            if self.body_late:
                 if hasattr(task, "uncancel"):  # Python >= 3.11: the cancel was ours, and is consumed here
                     task.uncancel()
-                raise BodyTimeout(f"request body not received within body_timeout_s={self.limits.body_timeout_s}") \
-                    from None
+                raise self.admission.late_body() from None
             raise
         finally:
             timer.cancel()
         self.body_read = True
         return data
+
+    def _late(self, task: asyncio.Task) -> None:
+        self.body_late = True
+        task.cancel()
 
     async def _read(self, limit: int) -> bytes:
         chunks, size = [], 0
@@ -144,12 +152,12 @@ class Call:
     async def json(self, types: Iterable[bytes] = JSON_TYPES) -> Any:
         return parse_json(await self.body(types))
 
-    async def classify(self, core: ServingCore, texts: list[str]) -> list[Prediction]:
-        """The core's predictions of `texts`, awaited as `result` does. Texts of more than OFFLOAD_CHARS characters
-        in all are checked, tokenized and queued in a thread of the loop's pool (sentencepiece lets go of the
-        interpreter lock): on the loop they held up every other call's reading and answering, the answers of a batch
-        just computed included (docs/BENCHMARKS.md, "HTTP beside gRPC"). Shorter ones stay on the loop, where they
-        cost less than the hand-off to a thread."""
+    async def predictions(self, core: ServingCore, texts: list[str]) -> list[Prediction]:
+        """The core's predictions of `texts` (its `classify`, without blocking the loop), awaited as `result` does.
+        Texts of more than OFFLOAD_CHARS characters in all are checked, tokenized and queued in a thread of the
+        loop's pool (sentencepiece lets go of the interpreter lock): on the loop they held up every other call's
+        reading and answering, the answers of a batch just computed included (docs/BENCHMARKS.md, "HTTP beside
+        gRPC"). Shorter ones stay on the loop, where they cost less than the hand-off to a thread."""
         submit = partial(core.submit, texts, self.deadline, lambda: self.gone)
         long = sum(map(len, texts)) > OFFLOAD_CHARS
         return await self.result(await asyncio.to_thread(submit) if long else submit())
@@ -204,7 +212,7 @@ def parse_json(data: bytes) -> Any:
         raise InvalidInput(f"body: not JSON: {e}") from None
 
 
-Work = Callable[[Call], Awaitable[Answer]]
+Work = Callable[[HttpCall], Awaitable[Answer]]
 HEALTH_PATHS = "/v2/health/"  # probes: neither traced nor in the access log (they would flood both)
 
 
@@ -218,44 +226,36 @@ def _span_attributes(scope: Scope, label: str) -> dict[str, Any]:
 
 
 class HttpCalls:
-    """Serves calls under the gate's bounds; `serve` is the one place a call goes through."""
+    """Serves calls under admission's bounds; `serve` is the one place a call goes through."""
 
-    def __init__(self, gate: Gate, cfg: ServerConfig) -> None:
-        self.gate, self.cfg = gate, cfg
-        self.metrics = gate.metrics
-        token = gate.expected[len(b"Bearer "):] if gate.expected else None
-        self.token = token
-
-    def _authorized(self, call: Call) -> bool:
-        if self.token is None:
-            return True
-        given = call.header(b"authorization") or b""
-        scheme, _, token = given.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.token)
+    def __init__(self, admission: Admission, metrics: Metrics, calls: CallLog, errors: InternalErrors,
+                 cfg: ServerConfig) -> None:
+        """calls: where every call but health's gets its request id, span and access line. errors: where a bug's
+        traceback goes (rate-limited)."""
+        self.admission, self.metrics, self.calls, self.errors, self.cfg = admission, metrics, calls, errors, cfg
 
     async def serve(self, scope: Scope, receive: Receive, send: Send, method: str, work: Work, *, model: bool,
                     open: bool = False) -> None:
         """One call: auth -> admission -> body -> work -> answer -> metrics. method: its label ("POST
-        /v1/classify"); model: takes a model slot (admission first); open: served without a token (health)."""
-        call = Call(scope, receive, self.cfg, time.monotonic())
+        /v1/classify"); model: takes a model permit (admission first); open: served without a token (health)."""
+        admission = self.admission
+        call = HttpCall(scope, receive, self.cfg, admission, time.monotonic())
         tele = None if scope["path"].startswith(HEALTH_PATHS) else \
-            self.gate.calls.begin("http", method, scope["headers"], _span_attributes(scope, method))
-        code, slot, answer = "OK", False, None
+            self.calls.begin("http", method, scope["headers"], _span_attributes(scope, method))
+        code, answer = "OK", None
+        permit: Permit | None = None
         try:
-            with tele.step("auth") if tele is not None and self.token and not open else nullcontext():
-                authorized = open or self._authorized(call)
-            if not authorized:
-                self.metrics.auth_failures.inc()
-                raise Unauthenticated("missing or wrong bearer token (header 'Authorization: Bearer <token>')")
+            if not open:
+                with tele.step("auth") if tele is not None and admission.guarded else nullcontext():
+                    authorized = admission.authorized(call.header(b"authorization"))
+                if not authorized:
+                    raise Unauthenticated("missing or wrong bearer token (header 'Authorization: Bearer <token>')")
             timeout = call.header(TIMEOUT_HEADER)
             if timeout is not None:
                 call.set_timeout(timeout_seconds(timeout))
             if model:
                 with tele.step("admission") if tele is not None else nullcontext():
-                    refusal = self.gate.admission() or self.gate.model_slots.acquire()
-                if refusal is not None:
-                    raise refusal
-                slot = True
+                    permit = admission.admit()
             with tele.serving() if tele is not None else nullcontext():  # the core sees it: texts, tokens, spans
                 answer = await work(call)
         except ServingError as e:
@@ -263,11 +263,11 @@ class HttpCalls:
             answer = self._refusal(e, call)
         except Exception as e:  # a bug: logged (rate-limited), its client learns nothing of it
             code = "INTERNAL"
-            self.gate.log_internal(method, e)
+            self.errors.report(method, e)
             answer = self._refusal(ServingError("internal server error (details in the server log)"), call)
         finally:
-            if slot:
-                self.gate.model_slots.release()
+            if permit is not None:
+                permit.release()
         if tele is not None:
             answer.headers.append((b"x-request-id", tele.request_id.encode()))
         if call.gone:
@@ -275,14 +275,14 @@ class HttpCalls:
         else:
             size = len(answer.body)
             try:
-                self.gate.budget.reserve(size)
+                admission.hold_answer(size)
             except ServingError as e:  # over the answers' budget: refused (a refusal itself is not counted)
                 code, answer, size = e.code, self._refusal(e, call), 0
             try:
                 await self._send(send, answer)
             finally:
                 if size:
-                    self.gate.budget.release(size)
+                    admission.answer_gone(size)
         self.metrics.requests.labels("http", method, code).inc()
         self.metrics.request_seconds.labels("http", method).observe(time.monotonic() - call.start)
         if tele is not None:
@@ -292,7 +292,7 @@ class HttpCalls:
             attributes = {"http.response.status_code": status} if tele.span is not None else None
             tele.finish(str(status), failed=status >= 500, attributes=attributes, reason=code)
 
-    def _refusal(self, error: ServingError, call: Call) -> Answer:
+    def _refusal(self, error: ServingError, call: HttpCall) -> Answer:
         headers = list(error.headers) if isinstance(error, HttpError) else []
         if not call.body_read:  # its body (maybe large, maybe never coming) is not worth reading: close instead
             headers.append((b"connection", b"close"))

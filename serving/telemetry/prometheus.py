@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import generate_latest
 
+from contract.version import package_version
+
 # Latency buckets from 0.5 ms to 10 s: loopback round trips start near 0.5 ms here.
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -67,7 +69,7 @@ class Metrics:
                                      "did not arrive within body_timeout_s", registry=r)
         self.memory_reclaim_seconds = Histogram("sentiment_memory_reclaim_seconds", "collections of unreachable "
                                                 "objects + glibc trims after a burst of model calls, and how long "
-                                                "each took (serving/limits/memory.py)", buckets=_SECONDS, registry=r)
+                                                "each took (serving/process/memory.py)", buckets=_SECONDS, registry=r)
         self.auth_failures = Counter("sentiment_auth_failures", "calls refused for a missing or wrong bearer token",
                                      registry=r)
         self.suppressed_logs = Counter("sentiment_suppressed_tracebacks", "internal-error tracebacks not logged "
@@ -86,7 +88,7 @@ class Metrics:
                                 multiprocess_mode="livemax")
         build = Gauge("sentiment_build_info", "the server's version and the versions of what it runs on",
                       ["version", "onnxruntime", "grpcio", "python"], registry=r, multiprocess_mode="livemax")
-        build.labels(*(package_version(p) or "unknown" for p in ("transfer-sentiment", "onnxruntime", "grpcio")),
+        build.labels(package_version() or "unknown", *(_installed(p) or "unknown" for p in ("onnxruntime", "grpcio")),
                      platform.python_version()).set(1)
         self.worker_texts: Gauge | None = None
         if per_worker:  # a gauge: multiprocess mode keeps a gauge's pid label ("liveall"), sums a counter's away
@@ -94,8 +96,8 @@ class Metrics:
                                       "started, by pid (--workers > 1)", registry=r, multiprocess_mode="liveall")
 
 
-def package_version(package: str) -> str | None:
-    """An installed distribution's version (None when not installed as one); onnxruntime-gpu counts as onnxruntime."""
+def _installed(package: str) -> str | None:
+    """A dependency's installed version (None when not installed as one); onnxruntime-gpu counts as onnxruntime."""
     for name in (package, f"{package}-gpu"):
         try:
             return metadata.version(name)

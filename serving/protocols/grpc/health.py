@@ -1,6 +1,6 @@
 """grpc.health.v1 for the server: Check and Watch from grpcio-health-checking, plus List (which its servicer leaves
 unimplemented). One instance holds the statuses: the gRPC port serves it, the health port
-(serving/protocols/health_port.py) reads it."""
+(serving/protocols/grpc/health_port.py) reads it."""
 
 from __future__ import annotations
 

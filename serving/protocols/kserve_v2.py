@@ -1,5 +1,6 @@
-"""KServe v2 / Triton `inference.GRPCInferenceService` for the one served model, and the protocol's rules that its
-REST half (serving/protocols/http/kserve_rest.py) shares: model names, the text input, the outputs, metadata.
+"""The KServe v2 / Open Inference Protocol's rules for the one served model, shared by its gRPC half
+(serving/protocols/grpc/kserve.py) and its REST half (serving/protocols/http/kserve_rest.py): model names, the text
+input, the outputs, metadata. No gRPC and no HTTP here.
 
 Input "TEXT": BYTES, shape [n] or [n, 1], UTF-8 texts, carried either in raw_input_contents (each element
 prefixed by its byte length as a little-endian uint32, what tritonclient sends) or in contents.bytes_contents.
@@ -13,16 +14,12 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
+from contract.version import package_version
 from serving.errors import InvalidInput, ModelNotFound
-from serving.gen.inference import grpc_service_pb2 as pb
-from serving.gen.inference import grpc_service_pb2_grpc as pb_grpc
-from serving.metrics import package_version
 from serving.model.core import ServingCore
 from serving.model.predictor import Prediction
-from serving.protocols.calls import cancelled_of, deadline_of
 
 INPUT = "TEXT"
 VERSION = "1"  # the one version of the one model
@@ -32,7 +29,7 @@ SERVER_NAME = "sentiment-server"
 
 def server_version() -> str:
     """This package's version (ServerMetadata, the traces' service.version)."""
-    return package_version("transfer-sentiment") or "0+unknown"
+    return package_version() or "0+unknown"
 
 
 def encode_bytes(items: list[bytes]) -> bytes:
@@ -55,9 +52,6 @@ def decode_bytes(raw: bytes, count: int) -> list[bytes]:
     if offset != len(raw):
         raise InvalidInput(f"input {INPUT}: {len(raw) - offset} bytes left after the {count} elements of its shape")
     return items
-
-
-# ------------------------------------------------------------------------------- the protocol's rules, both halves
 
 
 def check_model(core: ServingCore, name: str, version: str) -> None:
@@ -159,69 +153,3 @@ def output_tensors(preds: Sequence[Prediction], wanted: Sequence[str]) -> list[T
                                                                       dtype=np.bool_)),
     }
     return [make[name]() for name in wanted]
-
-
-# ---------------------------------------------------------------------------------------------------- gRPC
-
-
-class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """Health, metadata and inference in the KServe v2 protocol, on the shared ServingCore."""
-
-    def __init__(self, core: ServingCore) -> None:
-        self.core = core
-
-    def ServerLive(self, request, context):
-        return pb.ServerLiveResponse(live=True)
-
-    def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self.core.reports_ready)
-
-    def ModelReady(self, request, context):
-        check_model(self.core, request.name, request.version)
-        return pb.ModelReadyResponse(ready=self.core.reports_ready)
-
-    def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name=SERVER_NAME, version=server_version(), extensions=[])
-
-    def ModelMetadata(self, request, context):
-        check_model(self.core, request.name, request.version)
-        meta = model_metadata(self.core)
-        T = pb.ModelMetadataResponse.TensorMetadata
-        return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
-                                        inputs=[T(**t) for t in meta["inputs"]],
-                                        outputs=[T(**t) for t in meta["outputs"]])
-
-    def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> pb.ModelInferResponse:
-        check_model(self.core, request.model_name, request.model_version)
-        # counted without reading them: 60,000 entries cost nothing
-        names = [o.name for o in request.outputs] if len(request.outputs) <= len(OUTPUTS) else request.outputs
-        wanted = wanted_outputs(names, [o.name for o in request.outputs[:len(OUTPUTS)]
-                                        if "classification" in o.parameters])
-        texts = self._texts(request)
-        preds = self.core.classify(texts, deadline_of(context), cancelled_of(context))
-        response = pb.ModelInferResponse(model_name=self.core.cfg.model_name, model_version=VERSION, id=request.id)
-        for tensor in output_tensors(preds, wanted):
-            response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
-            response.raw_output_contents.append(tensor.raw())
-        return response
-
-    def _texts(self, request: pb.ModelInferRequest) -> list[str]:
-        """The request's one BYTES input as decoded texts; InvalidInput naming what is wrong."""
-        first = request.inputs[0] if request.inputs else None
-        count = text_count([i.name for i in request.inputs], first.datatype if first else "",
-                           first.shape if first else [], self.core.cfg.max_texts)
-        assert first is not None
-        if request.raw_input_contents:
-            if len(request.raw_input_contents) != 1 or first.HasField("contents"):
-                raise InvalidInput(f"input {INPUT}: give its data once, in raw_input_contents or in contents")
-            items = decode_bytes(request.raw_input_contents[0], count)
-        else:
-            c = first.contents
-            others = [f.name for f, _ in c.ListFields() if f.name != "bytes_contents"]
-            if others:
-                raise InvalidInput(f"input {INPUT}: BYTES data belongs in bytes_contents, got {others}")
-            items = list(c.bytes_contents)
-            if len(items) != count:
-                raise InvalidInput(f"input {INPUT}: shape {list(first.shape)} holds {count} elements, got "
-                                   f"{len(items)}")
-        return decode_texts(items)

@@ -5,7 +5,7 @@ Served by gRPC's asyncio server on an event loop in a thread of its own, not by 
 call a thread that first waits for the request message, so calls that never send it could hold every thread and
 fail the probes queued behind them (tests/test_reliability_attacks.py). Here such a call is a coroutine, costing
 memory (about 24 KB while it lasts, docs/RELIABILITY.md) and ending after body_timeout_s; the connection options of
-the gRPC port apply. Statuses come from the server's one `Health` (serving/protocols/health.py); every call is
+the gRPC port apply. Statuses come from the server's one `Health` (serving/protocols/grpc/health.py); every call is
 counted in `sentiment_requests_total` with the code its client got.
 """
 
@@ -21,9 +21,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from serving.errors import ServerConfigError
-from serving.limits.memory import Reclaimer
-from serving.metrics import Metrics
-from serving.protocols.health import SERVICE_NAME, Health
+from serving.limits.bounds import Busy
+from serving.protocols.grpc.health import SERVICE_NAME, Health
+from serving.telemetry.prometheus import Metrics
 
 _Response = health_pb2.HealthCheckResponse
 
@@ -38,8 +38,8 @@ class HealthPort:
     """Binds in the constructor (ServerConfigError when the port is taken); serves from `start()` to `stop()`."""
 
     def __init__(self, health: Health, metrics: Metrics, host: str, port: int, options: list[tuple[str, Any]],
-                 body_timeout_s: float, reclaimer: Reclaimer | None = None) -> None:
-        """`reclaimer` counts every call in progress as work (serving/limits/memory.py): the memory of many calls comes
+                 body_timeout_s: float, reclaimer: Busy | None = None) -> None:
+        """`reclaimer` counts every call in progress as work (serving/process/memory.py): the memory of many calls comes
         back once they are over."""
         self.health, self.metrics, self.body_timeout_s = health, metrics, body_timeout_s
         self.reclaimer = reclaimer

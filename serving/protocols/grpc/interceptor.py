@@ -1,40 +1,38 @@
-"""The gate every gRPC call passes: authentication, admission, time to send the body, bytes of answers held, codes.
+"""The gate every gRPC call passes: admission said in gRPC's terms, the time to send the body, codes, spans.
 
-`Gate` is the server's one gRPC interceptor. gRPC's threaded server runs interceptors in its polling thread, before a
-handler thread is taken; a unary handler's thread would then wait for the request body without bound. So every
-handler is re-made here as request-streaming, which lets the gate refuse from the call's metadata alone, before its
-body is read and without a thread: a call without a valid token, and a model call when every model slot is taken,
-the answers in flight fill their budget or the batching queue has no room for a request of max_texts. A unary model
-call takes its slot here too, so that no admitted call waits in the pool's queue. A call then reads its message
-under a watchdog that cancels it when the body has not arrived within `body_timeout_s`.
+`Gate` is the server's one gRPC interceptor. What is admitted is the server's one admission
+(serving/limits/admission.py, which the HTTP layer asks too); this module is how gRPC asks it. gRPC's threaded
+server runs interceptors in its polling thread, before a handler thread is taken; a unary handler's thread would then
+wait for the request body without bound. So every handler is re-made here as request-streaming, which lets the gate
+refuse from the call's metadata alone, before its body is read and without a thread: a call without a valid token
+(UNAUTHENTICATED), and a model call that admission refuses (RESOURCE_EXHAUSTED). A unary model call takes its permit
+here too, so that no admitted call waits in the pool's queue. A call then reads its message under admission's
+watchdog, which cancels it when the body has not arrived within `body_timeout_s`.
 
 Per-address limits (connections, call rates, failed logins) are the front proxy's (deploy/proxy/): only the edge
-sees a client's real address. The bounds themselves are serving/limits/bounds.py. Health runs on a pool of its own
-threads, so no model traffic can starve it. Errors become status codes here (ServingError subclasses; anything else
-is a bug: INTERNAL, its traceback logged with a rate limit). Every call is counted with the code its client got.
+sees a client's real address. Health is open, and runs on a pool of its own threads, so no model traffic can starve
+it. Errors become status codes here (ServingError subclasses; anything else is a bug: INTERNAL, its traceback logged
+with a rate limit). Every call is counted with the code its client got.
 """
 
 from __future__ import annotations
 
-import hmac
-import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from serving.errors import BodyTimeout, InvalidInput, Overloaded, ServingError, Unauthenticated
-from serving.limits.bounds import ResponseBudget, Slots, Watchdog
-from serving.limits.memory import Reclaimer
-from serving.metrics import Metrics
-from serving.telemetry.calls import REQUEST_ID, Call, CallLog
-from serving.telemetry.logs import LogThrottle
-
-log = logging.getLogger(__name__)
+from serving.limits.admission import Admission, Permit
+from serving.limits.bounds import Slots
+from serving.telemetry.call_log import REQUEST_ID, Call, CallLog
+from serving.telemetry.logs import InternalErrors
+from serving.telemetry.prometheus import Metrics
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"  # open without a token (load balancers, probes)
 # The codes that make a server span an error (OpenTelemetry's semantic conventions for gRPC): the others are the
@@ -80,39 +78,27 @@ class _Inline(futures.Executor):
 class Gate(grpc.ServerInterceptor):
     """See the module docstring."""
 
-    def __init__(self, metrics: Metrics, *, auth_token: str | None, max_calls: int, health_workers: int,
-                 body_timeout_s: float, max_message_bytes: int, max_response_bytes: int,
-                 reclaimer: Reclaimer | None = None, queue_full: Callable[[], str | None] = lambda: None,
-                 calls: CallLog | None = None) -> None:
-        """queue_full: why the batcher might have no room for the call's texts (their number is known only once its
-        body is read), or None (model calls are then refused at admission with that reason). calls: where every call
-        but health's gets its request id, span and access line (serving/telemetry/calls.py)."""
+    def __init__(self, admission: Admission, metrics: Metrics, calls: CallLog, errors: InternalErrors, *,
+                 health_workers: int, max_message_bytes: int) -> None:
+        """calls: where every call but health's gets its request id, span and access line
+        (serving/telemetry/call_log.py). errors: where a bug's traceback goes (rate-limited)."""
+        self.admission = admission
         self.metrics = metrics
-        self.calls = calls or CallLog(0)
-        self.queue_full = queue_full
-        self.expected = f"Bearer {auth_token}".encode() if auth_token else None
-        self.body_timeout_s = body_timeout_s
-        self.model_slots = Slots(max_calls, "model", reclaimer)
+        self.calls = calls
+        self.errors = errors
         self.health_slots = Slots(health_workers, "health")
         self.health_pool = futures.ThreadPoolExecutor(health_workers, thread_name_prefix="health")
         self.refusal_pool = _Inline()  # refusals only abort: done in gRPC's polling thread, where they arrive
-        self.watchdog = Watchdog(body_timeout_s, on_fire=metrics.body_timeouts.inc)
-        self.budget = ResponseBudget(max_response_bytes, metrics, reclaimer)
         self.max_message_bytes = max_message_bytes
-        self.throttle = LogThrottle()
 
     def close(self) -> None:
-        self.watchdog.close()
         self.health_pool.shutdown(wait=False, cancel_futures=True)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
-        if self.expected is None or details.method.startswith(HEALTH_PREFIX):
-            return True
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(given, self.expected)
-        return False
+                return self.admission.authorized(value)
+        return self.admission.authorized(None)
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -123,24 +109,26 @@ class Gate(grpc.ServerInterceptor):
         # Every call but health's (probes would flood the access log and the traces) is a telemetry Call from here.
         tele = None if health else self.calls.begin("grpc", method, details.invocation_metadata,
                                                      {"rpc.system.name": "grpc", "rpc.method": method})
-        with tele.step("auth") if tele is not None and self.expected is not None else nullcontext():
-            authorized = self._authorized(details)
-        if not authorized:
-            return self._refusal(handler, method, Unauthenticated("missing or wrong bearer token (metadata "
-                                                                  "'authorization: Bearer <token>')"), tele, auth=True)
-        # A unary model call takes its slot here, before gRPC queues it for a thread of its pool: a call that got
-        # past admission is one the pool has a thread for, never one that waits in the pool's queue to be refused
-        # there. (Streams, reflection's, take theirs when they start: a generator's code runs only once iterated.)
-        prepaid = not health and handler.unary_unary is not None
-        if tele is not None:  # admission: refused here, in gRPC's polling thread, rather than after a wait for a thread
-            with tele.step("admission"):
-                refusal = self.admission()
-                if refusal is None and prepaid:
-                    refusal = self.model_slots.acquire()  # released when the behaviour ends (gRPC always runs it)
-            if refusal is not None:
+        permit = None
+        if tele is not None:  # health is open; every other call is admitted here, in gRPC's polling thread
+            with tele.step("auth") if self.admission.guarded else nullcontext():
+                authorized = self._authorized(details)
+            if not authorized:
+                return self._refusal(handler, method, Unauthenticated(
+                    "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"), tele)
+            # A unary model call takes its permit here, before gRPC queues it for a thread of its pool: a call that
+            # got past admission is one the pool has a thread for, never one that waits in the pool's queue to be
+            # refused there. (Streams, reflection's, take theirs when they start: a generator's code runs only once
+            # iterated.) The permit is released when the behaviour ends (gRPC always runs it).
+            try:
+                with tele.step("admission"):
+                    if handler.unary_unary is not None:
+                        permit = self.admission.admit()
+                    else:
+                        self.admission.check()
+            except Overloaded as refusal:
                 return self._refusal(handler, method, refusal, tele)
-        call = _Call(self, method, self.health_slots if health else self.model_slots, model=not health,
-                     prepaid=prepaid, tele=tele)
+        call = _Call(self, method, model=not health, permit=permit, tele=tele)
         parse = _safe(handler.request_deserializer)
         if handler.unary_unary is not None:
             made = grpc.stream_unary_rpc_method_handler(call.unary(handler.unary_unary), request_deserializer=parse,
@@ -160,21 +148,6 @@ class Gate(grpc.ServerInterceptor):
                     behavior.experimental_thread_pool = self.health_pool
         return made
 
-    def admission(self) -> Overloaded | None:
-        """Why a model call would be refused now (every model slot taken, the answers in flight over their budget,
-        or the batching queue full), or None. Read without a lock: the slot itself is taken later, and refuses on its
-        own."""
-        slots, budget = self.model_slots, self.budget
-        if slots.used >= slots.limit:
-            return Overloaded(f"server busy: {slots.used} model calls in progress (limit {slots.limit}); retry later")
-        if budget.spent:
-            return Overloaded(f"{budget.used} bytes of answers wait for their clients (max_response_bytes_in_flight "
-                              f"{budget.limit}); retry later")
-        full = self.queue_full()
-        if full:
-            return Overloaded(full)
-        return None
-
     def first(self, requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Any:
         """The one message of a unary call, read under the watchdog."""
         request = self.next_message(requests, context)
@@ -186,10 +159,10 @@ class Gate(grpc.ServerInterceptor):
 
     def next_message(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """The next message of a call (None at its end); BodyTimeout when it took longer than body_timeout_s."""
-        with self.watchdog.watching(context.cancel) as watch:
+        with self.admission.watching(context.cancel) as watch:
             request = next(requests, None)
         if watch.fired:
-            raise BodyTimeout(f"request message not received within body_timeout_s={self.body_timeout_s}")
+            raise BodyTimeout(f"request message not received within body_timeout_s={self.admission.body_timeout_s}")
         return request
 
     def account(self, response: Any, context: grpc.ServicerContext) -> Any:
@@ -198,9 +171,9 @@ class Gate(grpc.ServerInterceptor):
         if size > self.max_message_bytes:
             raise Overloaded(f"the answer would be {size} bytes > max_message_bytes {self.max_message_bytes}; "
                              "send fewer texts per request")
-        self.budget.reserve(size)
-        if not context.add_callback(lambda: self.budget.release(size)):
-            self.budget.release(size)  # the call has already ended
+        self.admission.hold_answer(size)
+        if not context.add_callback(partial(self.admission.answer_gone, size)):
+            self.admission.answer_gone(size)  # the call has already ended
         return response
 
     def finish(self, tele: Call, context: grpc.ServicerContext, code: str, reason: str = "") -> None:
@@ -210,22 +183,12 @@ class Gate(grpc.ServerInterceptor):
             and tele.span.recording else None
         tele.finish(code, failed=code in SERVER_ERRORS, attributes=attributes, reason=reason)
 
-    def log_internal(self, method: str, error: Exception) -> None:
-        allowed, suppressed = self.throttle.allow(f"{method}:{type(error).__name__}")
-        if allowed:
-            more = f" ({suppressed} more like it not logged)" if suppressed else ""
-            log.error("internal error in %s%s", method, more, exc_info=error)
-        else:
-            self.metrics.suppressed_logs.inc()
-
-    def _refusal(self, handler: grpc.RpcMethodHandler, method: str, error: ServingError, tele: Call | None,
-                 auth: bool = False) -> grpc.RpcMethodHandler:
+    def _refusal(self, handler: grpc.RpcMethodHandler, method: str, error: ServingError,
+                 tele: Call | None) -> grpc.RpcMethodHandler:
         """A request-streaming handler that only aborts: it never reads the body, so a client that never sends it
-        holds nothing; it runs in gRPC's polling thread (`_Inline`). auth: a failed authentication, counted."""
+        holds nothing; it runs in gRPC's polling thread (`_Inline`)."""
 
         def abort(requests: Iterator[Any], context: grpc.ServicerContext, *callback: Any) -> Any:
-            if auth:
-                self.metrics.auth_failures.inc()
             self.metrics.requests.labels("grpc", method, error.code).inc()
             if tele is not None:
                 context.set_trailing_metadata(((REQUEST_ID, tele.request_id),))
@@ -239,33 +202,34 @@ class Gate(grpc.ServerInterceptor):
 
 
 class _Call:
-    """The behaviours of one call of `method`: each takes a slot (or holds the one taken at admission), reads under
-    the watchdog, maps errors to codes, counts the call with the code its client got."""
+    """The behaviours of one call of `method`: each holds a permit (a model call's, taken at admission or when it
+    starts; a health thread's), reads under the watchdog, maps errors to codes, counts the call with the code its
+    client got."""
 
-    def __init__(self, gate: Gate, method: str, slots: Slots, model: bool, prepaid: bool = False,
+    def __init__(self, gate: Gate, method: str, model: bool, permit: Permit | None = None,
                  tele: Call | None = None) -> None:
-        """prepaid: its slot was taken at admission; it is released when the behaviour ends. tele: its telemetry
+        """permit: taken at admission (a unary model call); released when the behaviour ends. tele: its telemetry
         record (None for health)."""
-        self.gate, self.method, self.slots, self.model, self.prepaid = gate, method, slots, model, prepaid
+        self.gate, self.method, self.model, self.permit = gate, method, model, permit
         self.tele = tele
 
     @contextmanager
     def _served(self, context: grpc.ServicerContext) -> Iterator[None]:
         start, code, reason = time.perf_counter(), None, ""
-        prepaid = self.prepaid  # a slot this call holds, released at the end whatever happens
-        tele = self.tele
+        permit, self.permit = self.permit, None  # released at the end whatever happens
+        gate, tele = self.gate, self.tele
         try:
             if tele is not None:  # the request id is in the trailing metadata whatever the outcome
                 context.set_trailing_metadata(((REQUEST_ID, tele.request_id),))
-            if not prepaid:
-                refusal = self.slots.acquire()
+            if not self.model:
+                refusal = gate.health_slots.acquire()
                 if refusal is not None:
                     raise refusal
-                prepaid = True
-            if self.model and self.gate.budget.spent:  # refused before computing anything
-                b = self.gate.budget
-                raise Overloaded(f"{b.used} bytes of answers wait for their clients "
-                                 f"(max_response_bytes_in_flight {b.limit}); retry later")
+                permit = Permit(gate.health_slots)
+            else:
+                if permit is None:
+                    permit = gate.admission.take()
+                gate.admission.check_answers()  # refused before computing anything
             with tele.serving() if tele is not None else nullcontext():
                 yield
         except grpc.RpcError:
@@ -280,17 +244,17 @@ class _Call:
                 code = chosen.name
                 context.abort(chosen, (context.details() or b"").decode("utf-8", "replace"))
             code = "INTERNAL"
-            self.gate.log_internal(self.method, e)
+            gate.errors.report(self.method, e)
             context.abort(grpc.StatusCode.INTERNAL, "internal server error (details in the server log)")
         finally:
-            if prepaid:
-                self.slots.release()
+            if permit is not None:
+                permit.release()
             if code is None:  # also a code set without raising (health Check's NOT_FOUND)
                 code = context.code().name if context.code() is not None else "OK"
-            self.gate.metrics.requests.labels("grpc", self.method, code).inc()
-            self.gate.metrics.request_seconds.labels("grpc", self.method).observe(time.perf_counter() - start)
+            gate.metrics.requests.labels("grpc", self.method, code).inc()
+            gate.metrics.request_seconds.labels("grpc", self.method).observe(time.perf_counter() - start)
             if tele is not None:
-                self.gate.finish(tele, context, code, reason)
+                gate.finish(tele, context, code, reason)
 
     def unary(self, inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
         def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
