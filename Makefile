@@ -163,8 +163,10 @@ proto: setup
 # and the gpu preset's tokenizer trained on its corpus (both made on the CPU, a few minutes on 2 cores, so that the
 # GPU's time goes to measuring).
 GPU_PY ?= 3.12
-GPU_DATA ?= $(or $(TS_DATA),../shared/data)
+DATA_SETS = $(BIN)/python -c 'from trainer.config.presets import data_sets; print(data_sets())'
+GPU_DATA ?= $(or $(TS_DATA),$(shell $(DATA_SETS)))
 gpu-offline: setup
+	TS_DATA=$(abspath $(GPU_DATA)) $(BIN)/python -m trainer data fetch --preset lab
 	rm -rf .whl .data && mkdir -p .whl .data
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w .whl -c requirements.lock deepspeed
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
@@ -192,7 +194,8 @@ gpu-serve-offline: setup
 	$(BIN)/pip download -q --no-deps $(GPU_WHEEL_TAGS) -d .gpu-serve/whl -c requirements.lock \
 	  grpcio grpcio-health-checking grpcio-reflection protobuf pydantic pydantic-core annotated-types \
 	  typing-inspection cryptography cffi pycparser
-	cd $${TS_DATA:-../shared/data}/cls-books-fr && cp dict.txt sentencepiece.french.model train.review.txt \
+	TS_DATA=$(abspath $(GPU_DATA)) $(BIN)/python -m trainer data fetch cls-books-fr
+	cd $(abspath $(GPU_DATA))/cls-books-fr && cp dict.txt sentencepiece.french.model train.review.txt \
 	  train.label valid.review.txt valid.label test.review.txt test.label $(CURDIR)/.gpu-serve/data/cls-books-fr/
 	rm -rf /tmp/ts-h2load-debs && mkdir -p /tmp/ts-h2load-debs && cd /tmp/ts-h2load-debs \
 	  && apt-get download -q nghttp2-client libnghttp2-14 libev4 libjemalloc2 >/dev/null \

@@ -157,7 +157,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TS_TRACEBACK=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 [ -d .data/cls-books-fr ] && export TS_DATA=${TS_DATA:-$PWD/.data}
-data=${TS_DATA:-$PWD/../shared/data}
+data=${TS_DATA:-$($py -c 'from trainer.config.presets import data_sets; print(data_sets())')}  # data fetch's folder
 if [ "$smoke" = 0 ]; then
   gpus=$($py -c 'import torch; print(torch.cuda.device_count())')
   # DeepSpeed 0.19.8 JIT-builds FusedAdam for TORCH_CUDA_ARCH_LIST and cannot parse an arch such as "9.0a", which

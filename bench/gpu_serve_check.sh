@@ -75,7 +75,7 @@ mkdir -p "$work"
 py=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TS_TRACEBACK=1
 [ -d "$carry/data/cls-books-fr" ] && export TS_DATA=${TS_DATA:-$carry/data}
-data=${TS_DATA:-$PWD/../shared/data}
+data=${TS_DATA:-$($py -c 'from trainer.config.presets import data_sets; print(data_sets())')}  # data fetch's folder
 printf 'step\tstatus\tseconds\n' >"$out/steps.tsv"
 
 # step NAME BUDGET COMMAND...: run COMMAND with its output in $out/NAME.txt, for at most BUDGET seconds and never past

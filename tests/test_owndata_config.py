@@ -86,17 +86,23 @@ def test_the_lab_tokenizer_is_not_borrowed_for_own_data() -> None:
         own("data.train=x.jsonl", preset="lab").resolve()
 
 
-def test_preset_data_come_from_ts_data_or_the_working_directory(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Never from beside the installed package (a wheel in a virtualenv looked in <venv>/lib/python3.X/shared)."""
+def test_preset_data_come_from_ts_data_or_the_users_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never from beside the installed package (a wheel in a virtualenv looked in <venv>/lib/python3.X/shared), nor
+    from beside the working directory: $TS_DATA, else $XDG_CACHE_HOME/transfer-sentiment/data, else ~/.cache/...,
+    where `data fetch` puts the sets."""
     from trainer.config.presets import tiny
 
     monkeypatch.delenv("TS_DATA", raising=False)
     monkeypatch.chdir(tmp_path / ".")
-    assert tiny().data.root == str(tmp_path.parent / "shared" / "data")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tiny().data.root == str(tmp_path / "xdg" / "transfer-sentiment" / "data")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert tiny().data.root == str(tmp_path / "home" / ".cache" / "transfer-sentiment" / "data")
     monkeypatch.setenv("TS_DATA", str(tmp_path / "sets"))
     assert tiny().data.root == str(tmp_path / "sets")
-    with pytest.raises(ConfigError, match=r"data.root .*/sets: folder not found .*set TS_DATA or --set data.root"):
+    with pytest.raises(ConfigError, match=r"data.root .*/sets: folder not found .*data fetch --preset NAME.*set "
+                                          r"TS_DATA or --set data.root"):
         tiny().data.path("cls-books-fr/train.review.spm")
 
 

@@ -43,12 +43,12 @@ def test_sigterm_under_load_completes_accepted_requests_and_exits_0(tiny_bundle:
     # began. Sent after: gRPC itself cancels the few that reach the listener in the instant it closes, before
     # any handler sees them (a client reads CANCELLED); the server refuses work before that, so no call it
     # accepted is among them. A call started before SIGTERM by the client's clock may still leave it after (12
-    # client threads on 2 cores): CANCELLED is then its fate too, and it ends after the drain did, once the last
-    # accepted call was answered. A call the server accepted and then dropped would end before that, or be one of
-    # those the server's log names when its grace runs out.
+    # client threads on 2 cores; under load they were seen up to 15 ms late): CANCELLED is then its fate too, and it
+    # ends after SIGTERM, possibly while accepted calls are still being answered. A call the server accepted and
+    # then dropped is one of those the server's log names when its grace runs out; one cancelled before SIGTERM
+    # is a failure.
     assert "they are cancelled" not in server.log, server.log
-    drained_at = max(o[1] for o in outcomes if o[2] == "OK")
-    before = {o[2] for o in outcomes if o[0] < sigterm_at and not (o[2] == "CANCELLED" and o[1] >= drained_at)}
+    before = {o[2] for o in outcomes if o[0] < sigterm_at and not (o[2] == "CANCELLED" and o[1] >= sigterm_at)}
     client_waits = {id(o) for o in waited_out_the_server(outcomes, sigterm_at, server)}  # gRPC's, rarely
     after = {o[2] for o in outcomes if o[0] >= sigterm_at and id(o) not in client_waits}
     failed = [(round(o[0] - sigterm_at, 3), round(o[1] - sigterm_at, 3), o[2], o[3]) for o in outcomes

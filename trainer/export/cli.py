@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from contract.bundle import verify_bundle
 from contract.manifest import DEVICES, PRECISIONS
 from contract.runtime import DEFAULT_OPT_LEVEL, OPT_LEVELS
 from trainer.cli import add_field_arguments
+from trainer.export.behaviour import behaviour_report, report_lines
 from trainer.export.check import check_bundle
 from trainer.export.errors import ExportError
 from trainer.export.quantize import INT8_CPU_BOUND, Tolerance
@@ -33,6 +35,7 @@ EXAMPLES = """examples:
   python -m trainer export runs/finetune/artifact --out runs/bundle --gpu-precision fp16
   python -m trainer export runs/finetune/artifact --out runs/bundle --triton-repo runs/triton
   python -m trainer export --check runs/bundle --data test.review.spm
+  python -m trainer export --check runs/bundle --behaviour
   python -m trainer export --check runs/bundle --data test.tsv --min-accuracy 70 --min-agreement 99 \\
       --baseline runs/previous-bundle --max-drop 0.5 --json check.json --junit check.xml
 
@@ -40,6 +43,9 @@ graphs: by default model.onnx (fp32) serves CUDA and model.int8.onnx serves the 
 (on logits, and with --data on labels; beyond it export says so and the CPU serves fp32); --precision writes one graph.
 
 --check exit codes: 0 passed, 1 a threshold not met, 2 bad input (bundle, data file or option: one line on stderr).
+--behaviour: accuracy per capability (negation, intensity, ...) on short reviews in the manner of CheckList, for a
+bundle whose language has a set (French book reviews: trainer/export/behaviour_sets/fr_books.tsv); reported, not a
+threshold.
 """
 
 
@@ -93,7 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--triton-max-batch", type=int, default=64, metavar="N", help="max_batch_size (default: 64)")
 
     c = parser.add_argument_group("check (a CI step: exit 0 passed, 1 a threshold not met, 2 bad input)")
-    c.add_argument("--check", metavar="BUNDLE", help="verify BUNDLE and report each graph's accuracy on --data")
+    c.add_argument("--check", metavar="BUNDLE",
+                   help="verify BUNDLE and report each graph's accuracy on --data, on --behaviour's set, or both")
+    c.add_argument("--behaviour", nargs="?", const="", metavar="FILE",
+                   help="report each graph's accuracy per capability on the behavioural set of the bundle's "
+                        "language and the examples it fails (a language without a set: says so); FILE: a set of "
+                        "your own (columns capability, label, text; its labels: the bundle's values, as in --data)")
     c.add_argument("--artifact", dest="check_artifact", metavar="ARTIFACT",
                    help="PyTorch model to compare with (default: the manifest's source artifact)")
     c.add_argument("--min-accuracy", type=float, metavar="PCT", help="threshold: accuracy on --data >= PCT percent")
@@ -155,9 +166,30 @@ def thresholds_from_args(args: argparse.Namespace) -> Thresholds:
 
 
 def check(args: argparse.Namespace) -> int:
-    """--check: the report, the thresholds, the exit code (0 passed, 1 a threshold not met)."""
-    if not args.data:
-        raise ExportError("--check needs --data FILE (a labelled file)")
+    """--check: the report on --data with its thresholds, the behavioural report (--behaviour), or both; the exit
+    code (0 passed, 1 a threshold not met)."""
+    if not args.data and args.behaviour is None:
+        raise ExportError("--check needs --data FILE (a labelled file), --behaviour, or both")
+    given = [flag for flag, value in (("--min-accuracy", args.min_accuracy), ("--min-agreement", args.min_agreement),
+                                      ("--baseline", args.baseline), ("--max-drop", args.max_drop),
+                                      ("--artifact", args.check_artifact), ("--junit", args.junit))
+             if value is not None]
+    if given and not args.data:
+        raise ExportError(f"{', '.join(given)} {'go' if len(given) > 1 else 'goes'} with --data FILE (a labelled "
+                          "file to score)")
+    full = check_data(args) if args.data else {"thresholds": [], "passed": True, "exit_code": EXIT_PASSED}
+    if args.behaviour is not None:
+        full["behaviour"] = behaviour_report(args.check, args.behaviour or None)
+        print("\n".join(report_lines(full["behaviour"])))
+    if args.json:
+        write_json(Path(args.json), full)
+    if args.junit:
+        write_junit(Path(args.junit), full)
+    return EXIT_PASSED if full["passed"] else EXIT_BELOW_THRESHOLD
+
+
+def check_data(args: argparse.Namespace) -> dict[str, Any]:
+    """--check --data: the report, the thresholds (printed) and what --json writes of them."""
     limits = thresholds_from_args(args)
     report = check_bundle(args.check, args.data, args.check_artifact or args.artifact, limit=args.limit,
                           text_field=args.text_field, label_field=args.label_field, tfidf=args.tfidf)
@@ -194,20 +226,16 @@ def check(args: argparse.Namespace) -> int:
           + ", ".join(f"{v!r} -> {n!r}" for v, n in zip(report["label_values"], report["label_names"], strict=True)))
     for r in results:
         print(f"{'PASS' if r.passed else 'FAIL'} {r.threshold}: {r.message}")
-    if args.json:
-        write_json(Path(args.json), full)
-    if args.junit:
-        write_junit(Path(args.junit), full)
-    return EXIT_PASSED if full["passed"] else EXIT_BELOW_THRESHOLD
+    return full
 
 
 def main(args: argparse.Namespace) -> int:
     if args.check:
         return check(args)
     if any(getattr(args, k) is not None for k in ("min_accuracy", "min_agreement", "baseline", "max_drop", "json",
-                                                   "junit", "check_artifact")):
-        raise ExportError("--min-accuracy, --min-agreement, --baseline, --max-drop, --json, --junit and --artifact "
-                          "go with --check BUNDLE")
+                                                   "junit", "check_artifact", "behaviour")):
+        raise ExportError("--min-accuracy, --min-agreement, --baseline, --max-drop, --json, --junit, --artifact and "
+                          "--behaviour go with --check BUNDLE")
     if args.from_bundle:
         if not args.triton_repo or args.artifact or args.out:
             raise ExportError("--from-bundle BUNDLE goes with --triton-repo DIR, without ARTIFACT or --out")
