@@ -213,10 +213,14 @@ def training(m: Manifest, reproduce: list[str]) -> list[str]:
     if corpus:
         out += [f"Pretraining (unlabelled): {corpus.get('documents'):,} documents, {corpus.get('tokens'):,} tokens; "
                 f"the prepared folder's manifest.json (every shard's sha256) has sha256 "
-                f"`{corpus.get('manifest_sha256')}`.", "", "| file | bytes | sha256 |", "|---|---:|---|"]
-        out += [f"| `{f['file']}` | {f['bytes']:,} | " + (f"`{f['sha256']}`" if f.get("sha256") else
-                                                           "not on the training machine") + " |"
-                for f in corpus.get("files", [])]
+                f"`{corpus.get('manifest_sha256')}`.", "", "| file | read | bytes | sha256 |", "|---|---:|---:|---|"]
+        times: dict[str, int] = {}  # a file listed N times (in-domain text weighed up) is one row, read N times
+        for f in corpus.get("files", []):
+            times[f["file"]] = times.get(f["file"], 0) + 1
+        rows = {f["file"]: f for f in corpus.get("files", [])}
+        out += [f"| `{name}` | {times[name]}x | {f['bytes']:,} | " + (f"`{f['sha256']}`" if f.get("sha256") else
+                                                                     "not on the training machine") + " |"
+                for name, f in rows.items()]
     else:
         out.append("Pretraining data: " + ("not recorded by the pretrained artifact (pretrained before artifacts "
                                            "listed their corpus)." if pre else "none (trained from scratch)."))
