@@ -9,6 +9,7 @@ as small synthetic files of the same layout, under a catalogue whose hashes are 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gzip
 import hashlib
@@ -144,9 +145,21 @@ def test_list_names_every_sets_source_and_license(tmp_path: Path) -> None:
 
 def test_an_unknown_set_and_an_unwritable_folder_are_one_line(tmp_path: Path) -> None:
     assert "unknown data set" in _one_error_line(_run("cls-books", root=tmp_path))
+    assert "--timeout 0: must be more than 0" in _one_error_line(_run("sst2", "--timeout", "0", root=tmp_path))
+    assert "unknown preset 'nope'" in _one_error_line(_run("--preset", "nope", root=tmp_path))
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert "cannot write" in _one_error_line(_run("cls-books-fr", root=blocker / "data"))
+
+
+def test_a_preset_that_reads_none_of_the_sets_fetches_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Never every set in its place: the user asked for a preset's sets, and there are none."""
+    monkeypatch.setenv("TS_DATA", str(tmp_path))
+    monkeypatch.setattr(fetch_mod, "sets_of_preset", lambda name: [])
+    monkeypatch.setattr(fetch_mod, "fetch", lambda *a, **k: pytest.fail("fetched a set nobody asked for"))
+    args = argparse.Namespace(list=False, sets=[], preset="mine", mirror=None, timeout=30.0)
+    assert fetch_mod.main(args) == 0 and "reads none of the sets" in capsys.readouterr().out
 
 
 def test_a_folder_of_the_sets_name_that_is_not_whole_is_left_alone(data_dir: Path, tmp_path: Path) -> None:

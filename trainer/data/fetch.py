@@ -151,8 +151,13 @@ def main(args: argparse.Namespace) -> int:
     unknown = [s for s in args.sets if s not in SETS]
     if unknown:
         raise ValueError(f"unknown data set {', '.join(unknown)}; the sets: {', '.join(SETS)}")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout {args.timeout:g}: must be more than 0 seconds")
     names = list(args.sets) + (sets_of_preset(args.preset) if args.preset else [])
-    for name in dict.fromkeys(names or SETS):
+    if args.preset and not names:
+        print(f"the {args.preset} preset reads none of the sets ({', '.join(SETS)}): nothing to fetch")
+        return 0
+    for name in dict.fromkeys(names or SETS):  # no set and no preset named: every set
         ds = SETS[name]
         got = fetch(ds, root, args.mirror, args.timeout)
         print(f"{name}: {'fetched, ' + f'{got / 1e6:,.1f} MB' if got else 'complete'} in {root / name}")
