@@ -170,6 +170,15 @@ def test_a_folder_of_the_sets_name_that_is_not_whole_is_left_alone(data_dir: Pat
     assert "exists but lacks" in line and mine.read_text() == "the user's own\n"
 
 
+def test_a_fetched_set_that_lost_a_file_is_not_taken_as_whole(data_dir: Path, tmp_path: Path) -> None:
+    with Mirror() as m:
+        _lab_mirror(m, data_dir)
+        assert _run("cls-books-fr", "--mirror", m.url, root=tmp_path).returncode == 0
+        (tmp_path / "cls-books-fr" / "test.label").unlink()
+        line = _one_error_line(_run("cls-books-fr", "--mirror", m.url, root=tmp_path))
+    assert "exists but lacks test.label" in line, line
+
+
 # ------------------------------------------------------------------------------------------------ converters
 
 

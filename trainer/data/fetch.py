@@ -8,7 +8,8 @@ Sets land in $TS_DATA when it is set, else in the user's cache ($XDG_CACHE_HOME/
 ~/.cache/transfer-sentiment/data): the folder every preset reads them from. A complete set is never fetched again.
 Each download is checked against its sha256 before a set is built from it; the set is built in a temporary folder
 and renamed into place with its SOURCE.json (source, revision, license, citation, each file's sha256), so a set's
-folder is whole or absent. A cut transfer resumes where it stopped at the next fetch.
+folder is whole or absent; a folder that lacks one of the set's files is reported, never overwritten. A cut
+transfer resumes where it stopped at the next fetch.
 
 A mirror (`--mirror URL` or $TS_DATA_MIRROR) serves the same files under URL/HOST/PATH for each source URL
 https://HOST/PATH: a copy of the sources inside a site without internet access.
@@ -42,9 +43,9 @@ EXAMPLES = """examples:
 
 
 def complete(root: Path, ds: DataSet) -> bool:
-    """The set's folder is whole: fetched (its SOURCE.json is written last), or laid out by hand with every file."""
+    """The set's folder holds every file of the set: fetched (with its SOURCE.json) or laid out by hand."""
     folder = root / ds.name
-    return (folder / SOURCE_FILE).is_file() or all((folder / f).is_file() for f in ds.files)
+    return all((folder / f).is_file() for f in ds.files)
 
 
 def mirrored(url: str, mirror: str | None) -> str:
@@ -86,8 +87,8 @@ def fetch(ds: DataSet, root: Path, mirror: str | None = None, timeout: float = 3
         folder = root / ds.name
         if folder.exists():
             lacks = ", ".join(f for f in ds.files if not (folder / f).is_file())
-            raise FetchError(f"{folder}: exists but lacks {lacks} and has no {SOURCE_FILE}; move it away and fetch "
-                             "again")
+            raise FetchError(f"{folder}: exists but lacks {lacks}; move it away and fetch again (a fetch never "
+                             "writes into a folder it did not make)")
         raw = root / ".downloads" / ds.name
         raw.mkdir(parents=True, exist_ok=True)
         print(f"{ds.name}: {len(ds.remotes)} file(s), {ds.size / 1e6:,.1f} MB from {ds.source} -> {folder}",

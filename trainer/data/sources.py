@@ -2,8 +2,8 @@
 size of every file (checked before anything is built from it), the license and the citation.
 
 Each set is built from its downloads into one folder of `data_sets()` (trainer/config/presets.py) by the converter
-its `build` names (trainer/data/convert.py), in the layout the presets read. A set's folder is complete when its
-SOURCE.json exists (written last) or, for a copy laid out by hand, when every file of `files` is there.
+its `build` names (trainer/data/convert.py), in the layout the presets read. A set's folder is complete when every
+file of `files` is there (a fetched set also has its SOURCE.json; a copy laid out by hand need not).
 
 The hashes of cls-books-fr and eltec-fr were computed from the repositories' blobs at the pinned commits. The sites of
 imdb and sst2 serve one archive each, unversioned: their sha256 is the one other dataset loaders publish for the same
