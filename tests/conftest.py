@@ -59,7 +59,8 @@ def tiny_tokenizer(tiny_tokenizer_dir: Path):
 
 @pytest.fixture(scope="session")
 def tiny_classifier_artifact(tmp_path_factory: pytest.TempPathFactory, data_dir: Path, tiny_tokenizer) -> Path:
-    """A `tiny` classifier artifact trained for a few Adam steps on cls-books-fr train reviews (plain PyTorch)."""
+    """A `tiny` classifier artifact trained for a few Adam steps on the training reviews of cls-books-fr (plain
+    PyTorch)."""
     from trainer import artifact
     from trainer.config.presets import tiny
     from trainer.config.schema import override
