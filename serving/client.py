@@ -104,6 +104,8 @@ class Result:
     probabilities: list[float]  # in the order of the model's labels (metadata()["label_names"])
     token_count: int
     truncated: bool
+    model_name: str = ""  # the model that answered
+    model_version: str = ""  # its version that answered
 
 
 class SentimentClient:
@@ -121,11 +123,15 @@ class SentimentClient:
         tls_cert: str | Path | None = None,
         tls_key: str | Path | None = None,
         server_name: str | None = None,
+        model: str = "",
+        model_version: str = "",
     ) -> None:
         """timeout: seconds per call, retries included. retries: extra attempts after UNAVAILABLE, waiting
         backoff * 2^k (x0.5-1.5 jitter). token: bearer token. tls_ca: CA of the server certificate (turns TLS
-        on); tls_cert/tls_key: client certificate for mutual TLS. server_name: override the TLS host name."""
+        on); tls_cert/tls_key: client certificate for mutual TLS. server_name: override the TLS host name. model,
+        model_version: the model and version to call ("": the server's one model, its newest version)."""
         self.target, self.timeout, self.retries, self.backoff = target, timeout, retries, backoff
+        self.model, self.model_version = model, model_version
         self._max_texts: int | None = None  # the server's, read from its metadata when a call needs it
         self.metadata_headers = [("authorization", f"Bearer {token}")] if token else []
         options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
@@ -166,15 +172,18 @@ class SentimentClient:
             self._max_texts = int(self.metadata(timeout)["max_texts"]) or len(texts)
         out: list[Result] = []
         for chunk in _chunks(texts, self._max_texts or len(texts)):
-            response = self._call(self.stub.Classify, pb.ClassifyRequest(texts=chunk), timeout)
-            out += [Result(r.label, r.label_index, list(r.probabilities), r.token_count, r.truncated)
-                    for r in response.results]
+            request = pb.ClassifyRequest(texts=chunk, model_name=self.model, model_version=self.model_version)
+            response = self._call(self.stub.Classify, request, timeout)
+            out += [Result(r.label, r.label_index, list(r.probabilities), r.token_count, r.truncated,
+                           response.model_name, response.model_version) for r in response.results]
         return out
 
     def metadata(self, timeout: float | None = None) -> dict[str, Any]:
-        m = self._call(self.stub.GetModelMetadata, pb.GetModelMetadataRequest(), timeout)
+        request = pb.GetModelMetadataRequest(model_name=self.model, model_version=self.model_version)
+        m = self._call(self.stub.GetModelMetadata, request, timeout)
         return {
             "model_name": m.model_name,
+            "model_version": m.model_version,
             "label_names": list(m.labels),  # the proto's `labels` field
             "label_values": list(m.label_values),
             "max_tokens": m.max_tokens,
@@ -234,6 +243,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per request, retries included")
     p.add_argument("--retries", type=int, default=3, help="extra attempts when the server is UNAVAILABLE")
+    p.add_argument("--model", default="", help="the model to call, on a server of several (default: its one model)")
+    p.add_argument("--model-version", default="", help="the model's version (default: its newest ready one)")
     p.add_argument("--batch", type=int, default=32, help="texts per request (at most the server's max_texts)")
     p.add_argument("--json", action="store_true", help="one JSON object per text")
     p.add_argument("--metadata", action="store_true",
@@ -258,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.token_file:
             token = Path(args.token_file).read_text(encoding="utf-8").strip()
         client = SentimentClient(args.target, timeout=args.timeout, retries=args.retries, token=token,
-                                 tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+                                 tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, model=args.model,
+                                 model_version=args.model_version)
     except (OSError, UnicodeDecodeError) as e:
         print(f"sentiment-client: error: {_file_error(e)}", file=sys.stderr)
         return 2

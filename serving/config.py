@@ -31,7 +31,16 @@ class ServerConfig:
     # batcher and threads, so that the request path's Python runs on several cores. Every limit below is per worker;
     # the health and metrics ports are the parent's, for all workers
     # Model
-    model_name: str = "sentiment"  # the model's name in KServe v2 requests and in metadata
+    model_name: str = "sentiment"  # the name of a bundle given on the command line (a repository's models are named
+    # by their folders), in every protocol's requests and answers
+    model_repository: str | None = None  # serve every model under this folder, as DIR/NAME/VERSION/ (a bundle in
+    # each VERSION, a folder named by digits alone), instead of one bundle (serving/model/repository.py)
+    model_control: Literal["none", "poll", "explicit"] = "none"  # with model_repository: none = the versions found
+    # at start, no change while serving; poll = the folder is read again every repository_poll_s and the load and
+    # unload API works too; explicit = only the API (KServe v2 repository extension) loads and unloads
+    repository_poll_s: float = 2.0  # seconds between two reads of the repository (model_control=poll)
+    repository_api_open: bool = False  # let the repository API load and unload without a token when none is
+    # configured (it is refused then, by default: anyone who reaches the port could change the model)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when it really loads, else CPU
     intra_op_threads: int = 1  # onnxruntime threads per run (0 = one per core): 1 per run, batch_workers runs at
     # once, fills the cores under load; 0 lowers a lone request's latency
@@ -47,6 +56,10 @@ class ServerConfig:
     max_padding: float = 0.1  # padding ids at most this fraction of a batch's real ids (groups similar lengths)
     batch_workers: int = 2  # batches computed at once, each by one onnxruntime run
     max_queue_delay_ms: float = 2.0  # longest wait for company before a batch runs
+    fair_calls: int = 4  # with several models busy: model calls in the model path (tokenizing, queue, run) at
+    # once, the rest waiting their turn in their thread, each free place to the model served least
+    # (serving/model/turns.py), so that a flooded model cannot take another's share of the cores (16 hardly bound
+    # on 2 cores: docs/BENCHMARKS.md, "Model repository under load"). A model alone is not bounded by it
     max_queue: int = 512  # texts waiting; past it calls get RESOURCE_EXHAUSTED at once. A call is admitted only
     # while a request of max_texts would fit (its size is known only once its body is read)
     # Request limits
@@ -126,6 +139,15 @@ class ServerConfig:
             raise ServerConfigError(f"long_text must be 'truncate' or 'refuse', got {self.long_text!r}")
         if not self.model_name or "/" in self.model_name:
             raise ServerConfigError(f"model_name must be a non-empty name without '/', got {self.model_name!r}")
+        if self.model_control not in ("none", "poll", "explicit"):
+            raise ServerConfigError(f"model_control must be 'none', 'poll' or 'explicit', got {self.model_control!r}")
+        if self.model_control != "none" and self.model_repository is None:
+            raise ServerConfigError(f"model_control={self.model_control} needs a model repository "
+                                    "(model_repository); a single bundle has nothing to load")
+        if self.model_control == "explicit" and self.workers > 1:
+            raise ServerConfigError("model_control=explicit with workers > 1: a load call reaches one worker only; "
+                                    "use model_control=poll, which every worker follows")
+        _in_range("repository_poll_s", self.repository_poll_s, 0.05, 3600.0, integer=False)
         _in_range("intra_op_threads", self.intra_op_threads, 0, 1024)
         _in_range("inter_op_threads", self.inter_op_threads, 0, 1024)
         _in_range("max_batch_size", self.max_batch_size, 1, 4096)
@@ -133,6 +155,7 @@ class ServerConfig:
         _in_range("max_queue_delay_ms", self.max_queue_delay_ms, 0.0, 1000.0, integer=False)
         _in_range("max_padding", self.max_padding, 0.0, 1000.0, integer=False)
         _in_range("batch_workers", self.batch_workers, 1, 64)
+        _in_range("fair_calls", self.fair_calls, 1, 100_000)
         _in_range("max_texts", self.max_texts, 1, 10_000)
         if self.max_queue < self.max_texts:
             raise ServerConfigError(f"max_queue={self.max_queue} must be >= max_texts={self.max_texts}: one full "

@@ -48,6 +48,26 @@ class NotReady(ServingError):
     code = "UNAVAILABLE"
 
 
+class Retired(NotReady):
+    """The model version a call picked was unloaded (a newer one took over) before the call reached it: a call that
+    named no version is run again on the newest one (serving/model/models.py), one that named this version gets
+    UNAVAILABLE."""
+
+
+class PermissionDenied(ServingError):
+    """A repository call (load, unload) on a server that keeps that API closed: no token is configured and
+    repository_api_open is off."""
+
+    code = "PERMISSION_DENIED"
+
+
+class LoadFailed(ServingError):
+    """A model version could not be loaded: its bundle failed verification or its warm-up call; the old version keeps
+    serving. The message names the version and the reason."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class DeadlineExpired(ServingError):
     """The request's deadline passed before its texts were computed (they were dropped, not run)."""
 

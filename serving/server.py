@@ -46,6 +46,8 @@ EXAMPLES = """examples:
   python -m serving.server runs/demo/bundle                 # gRPC on 127.0.0.1:50051, HTTP on :8000, metrics on :8002
   python -m serving.server runs/demo/bundle --host 0.0.0.0 --port 50051 --device cuda
   python -m serving.server runs/demo/bundle --max-texts 16 --long-text refuse --auth-token-file token.txt
+  python -m serving.server --model-repository models --model-control poll --auth-token-file token.txt
+      # every model of models/NAME/VERSION/; a version renamed into place is loaded, verified, then swapped in
   python -m serving.client --target 127.0.0.1:50051 "Un livre magnifique."   # then, from another shell
   curl -H 'Content-Type: application/json' -d '{"texts": ["Un livre magnifique."]}' localhost:8000/v1/classify
 
@@ -59,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     field's comment in serving/config.py."""
     p = argparse.ArgumentParser(prog="sentiment-server", description="Serve a sentiment bundle over gRPC and HTTP.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
-    p.add_argument("bundle", type=Path, help="bundle folder written by `python -m trainer export`")
+    p.add_argument("bundle", type=Path, nargs="?",
+                   help="bundle folder written by `python -m trainer export` (or --model-repository DIR)")
     hints = typing.get_type_hints(ServerConfig)
     defaults = ServerConfig()
     meaning = comments(ServerConfig)

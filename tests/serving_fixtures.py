@@ -214,9 +214,9 @@ class ServerProcess:
     """`python -m serving.server BUNDLE --port 0 ...` as a subprocess; its log is collected in `lines`. The tests'
     and the bench scripts' (bench/soak.py, bench/protocol_attacks.py) one way to run the server apart."""
 
-    def __init__(self, bundle: Path | str, *args: str, env: dict[str, str] | None = None,
+    def __init__(self, bundle: Path | str | None, *args: str, env: dict[str, str] | None = None,
                  repo: Path = REPO_ROOT, cpus: str | None = None) -> None:
-        """Metrics and HTTP are off unless `args` name a --metrics-port, an --http-port. repo: the tree whose server
+        """bundle: None when `args` give --model-repository. Metrics and HTTP are off unless `args` name a --metrics-port, an --http-port. repo: the tree whose server
         runs (another one for a benchmark's "before" column). cpus: the cores it may run on (taskset's list, e.g.
         '0-3')."""
         metrics = [] if any(a.startswith("--metrics-port") for a in args) else ["--no-metrics"]
@@ -224,7 +224,8 @@ class ServerProcess:
         if has_http and not any(a.startswith("--http-port") for a in args):
             metrics.append("--no-http")
         pinned = ["taskset", "-c", cpus] if cpus else []
-        self.cmd = cmd = [*pinned, sys.executable, "-m", "serving.server", str(bundle), "--port", "0", *metrics,
+        self.cmd = cmd = [*pinned, sys.executable, "-m", "serving.server",
+                          *([] if bundle is None else [str(bundle)]), "--port", "0", *metrics,
                           *args]
         # PYTHONPATH: `repo`'s own serving/, not the one installed or this tree's
         self.proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -269,13 +270,15 @@ class ServerProcess:
         return "".join(self.lines)
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
-        """One sample of its Prometheus page (None when absent); needs --metrics-port."""
+        """One sample of its Prometheus page (None when absent); needs --metrics-port. A series of the model
+        versions' (labelled model, version) is the one bundle's unless `labels` name them."""
         assert self.metrics_port is not None, "started without --metrics-port"
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
             page = r.read().decode()
         for family in text_string_to_metric_families(page):
             for sample in family.samples:
-                if sample.name == name and sample.labels == (labels or {}):
+                own = {k: v for k, v in sample.labels.items() if k not in ("model", "version") or k in (labels or {})}
+                if sample.name == name and own == (labels or {}):
                     return sample.value
         return None
 

@@ -2,6 +2,8 @@
 the server behind its proxy on one host, called through the proxy's published ports by the real client
 (serving/client.py), by tritonclient and over HTTP; only the proxy's ports and the server's metrics (on loopback) are
 published; the proxy follows the server to a new address when its container starts again; both stop with exit 0.
+compose.repository.yaml (the server on a model repository) is checked as podman-compose merges it with compose.yaml,
+without starting anything.
 
 The images are those tests/test_container.py and tests/images.py build with buildah (podman reads the same storage),
 named by compose.yaml's SERVER_IMAGE and PROXY_IMAGE. This machine's podman needs a containers.conf of its own
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import urllib.request
 from collections.abc import Iterator
@@ -26,6 +29,7 @@ from images import need, ok, proxy_image, unavailable, wait_serving
 from procs import REPO, free_port, run
 from serving_fixtures import reviews
 from test_container import TOKEN, _tritonclient, base_image, build, image, wheelhouse  # noqa: F401 (fixtures)
+from test_deploy_manifests import _server_config
 
 from serving.client import SentimentClient, Unavailable
 from serving.model.predictor import Predictor
@@ -147,3 +151,48 @@ def test_compose_serves_through_the_proxy_follows_a_new_server_and_stops_cleanly
     for service in ("server", "proxy"):
         state = json.loads(_podman(env, "inspect", f"{project}_{service}_1"))[0]["State"]
         assert (state["Status"], state["ExitCode"]) == ("exited", 0), (service, state, _logs(env, project))
+
+
+def _merged(files: list[str], env: dict[str, str]) -> dict:
+    """What podman-compose makes of compose files given together (`config`: merged, its variables filled in)."""
+    import yaml  # requirements.lock pins it (schemathesis, wandb)
+
+    need("podman")  # podman-compose asks podman its version first, even for `config`
+    tool = TOOLS / "podman-compose"
+    if not tool.exists():
+        unavailable(f"{tool} missing: run `make deploy-venv`")
+    out = ok([str(tool), *(a for f in files for a in ("-f", str(REPO / f))), "config"], timeout=120, env=env, cwd=REPO)
+    return yaml.safe_load(out.stdout)
+
+
+def test_compose_repository_file_serves_a_polled_repository_and_changes_nothing_else(tmp_path: Path) -> None:
+    """compose.repository.yaml over compose.yaml: the server's command is compose.yaml's with --model-repository and
+    --model-control=poll in place of the bundle (parsed by the server's own parser); MODEL_REPOSITORY (else
+    ./runs/models) is the one folder at /mnt/models, read-only; all else is compose.yaml's. The copy and rename its
+    comments give land a version in that folder, under the model name compose.yaml's clients call."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_REPOSITORY", "BUNDLE")}
+    alone = _merged(["compose.yaml"], {**env, "BUNDLE": str(tmp_path / "bundle")})
+    both = _merged(["compose.yaml", "compose.repository.yaml"], {**env, "MODEL_REPOSITORY": str(tmp_path / "models")})
+    server, base = both["services"]["server"], alone["services"]["server"]
+    args = server["command"]
+    cfg = _server_config(args, tmp_path)
+    assert cfg.model_control == "poll" and cfg.model_repository == "/mnt/models"
+    assert [a for a in args if not a.startswith("--")] == [], "a bundle beside the repository"
+    assert base["command"][0] == "/mnt/models"
+    assert [a for a in args if not a.startswith(("--model-repository=", "--model-control="))] == base["command"][1:]
+    assert server["volumes"] == [f"{tmp_path / 'models'}:{cfg.model_repository}:ro"], server["volumes"]
+    assert base["volumes"] == [f"{tmp_path / 'bundle'}:/mnt/models:ro"], base["volumes"]
+    assert {k: v for k, v in server.items() if k not in ("command", "volumes")} == \
+        {k: v for k, v in base.items() if k not in ("command", "volumes")}
+    assert {k: v for k, v in both.items() if k != "services"} == {k: v for k, v in alone.items() if k != "services"}
+    assert both["services"]["proxy"] == alone["services"]["proxy"]
+
+    (default,) = _merged(["compose.yaml", "compose.repository.yaml"], env)["services"]["server"]["volumes"]
+    folder = Path(default.split(":")[0])
+    text = (REPO / "compose.repository.yaml").read_text(encoding="utf-8")
+    (copied,) = re.findall(r"^#\s+cp -r \S+ (\S+)$", text, re.M)
+    ((temp, final),) = re.findall(r"^#\s+mv -T (\S+) (\S+)$", text, re.M)
+    temp, final = Path(temp), Path(final)
+    assert Path(copied) == temp and temp.parent == final.parent  # one rename within one folder
+    assert not temp.name.isdigit() and final.name.isdigit()  # the server ignores the copy until it is renamed
+    assert final.parent.parent == folder and final.parent.name == cfg.model_name

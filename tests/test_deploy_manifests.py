@@ -6,7 +6,8 @@ requirements-deploy.lock; checkov pins many packages of its own): kubernetes-val
 missing .venv-deploy skips these tests; in CI it fails them.
 
 Every flag in a manifest is parsed by the server's own parser and validated by ServerConfig: a renamed or removed
-flag fails here, not in a cluster.
+flag fails here, not in a cluster. KEDA's ScaledObject (deploy/keda) has no schema here: its test checks the fields
+KEDA reads, and what they must agree with (the Deployment, the PodDisruptionBudget, the server's limits).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ TOOLS = Path(os.environ.get("TS_DEPLOY_TOOLS", REPO_ROOT / ".venv-deploy" / "bin
 # The oldest Kubernetes release the manifests are meant for (native gRPC probes are GA since 1.27), and the newest
 # that kubernetes-validate knows.
 K8S_VERSIONS = ("1.30.0", "1.37.0")
-EXAMPLES = [DEPLOY / "secret-auth.example.yaml", DEPLOY / "proxy" / "tls" / "secret-proxy-tls.example.yaml"]
+EXAMPLES = [DEPLOY / "secret-auth.example.yaml", DEPLOY / "proxy" / "tls" / "secret-proxy-tls.example.yaml",
+            DEPLOY / "repository" / "pvc-models.example.yaml"]
+COMPONENTS = ["gpu", "proxy/tls", "repository", "keda"]
 CONTAINERFILES = [REPO_ROOT / "Containerfile", REPO_ROOT / "Containerfile.proxy"]
 APP_UID = 10001  # the Containerfile's USER
 # KServe's ServingRuntimeSpec fields (serving.kserve.io/v1alpha1; no schema validates a custom resource here)
@@ -37,6 +40,13 @@ SERVING_RUNTIME_FIELDS = {"supportedModelFormats", "multiModel", "disabled", "pr
                           "containers", "volumes", "nodeSelector", "affinity", "tolerations", "labels", "annotations",
                           "imagePullSecrets", "hostIPC", "grpcEndpoint", "grpcDataEndpoint", "httpDataEndpoint",
                           "replicas", "storageHelper", "builtInAdapter"}
+# KEDA's ScaledObjectSpec, its triggers' fields and the prometheus scaler's metadata (keda.sh/v1alpha1, KEDA 2.x docs:
+# "ScaledObject specification", "Prometheus" scaler)
+SCALED_OBJECT_FIELDS = {"scaleTargetRef", "pollingInterval", "cooldownPeriod", "initialCooldownPeriod",
+                        "idleReplicaCount", "minReplicaCount", "maxReplicaCount", "fallback", "advanced", "triggers"}
+TRIGGER_FIELDS = {"type", "name", "metadata", "metricType", "authenticationRef", "useCachedMetrics"}
+PROMETHEUS_METADATA = {"serverAddress", "query", "threshold", "activationThreshold", "namespace", "customHeaders",
+                       "queryParameters", "ignoreNullValues", "unsafeSsl", "authModes"}
 
 
 def _tool(name: str) -> Path:
@@ -99,11 +109,14 @@ def _overlay(out: Path, name: str, components: list[str]) -> Path:
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """What `kubectl apply -k` would send: the base, the KServe folder, and overlays of the base with deploy/proxy/tls,
-    deploy/gpu, and both."""
+    deploy/gpu, both, deploy/repository (alone and with the other two) and deploy/keda."""
     out = tmp_path_factory.mktemp("rendered")
     return {"base": _kustomize(DEPLOY, out / "base.yaml"), "kserve": _kustomize(DEPLOY / "kserve", out / "kserve.yaml"),
             "tls": _overlay(out, "tls", ["proxy/tls"]), "gpu": _overlay(out, "gpu", ["gpu"]),
-            "gpu-tls": _overlay(out, "gpu-tls", ["gpu", "proxy/tls"])}
+            "gpu-tls": _overlay(out, "gpu-tls", ["gpu", "proxy/tls"]),
+            "repository": _overlay(out, "repository", ["repository"]),
+            "repository-gpu-tls": _overlay(out, "repository-gpu-tls", ["repository", "gpu", "proxy/tls"]),
+            "keda": _overlay(out, "keda", ["keda"])}
 
 
 def _one(docs: list[dict], kind: str) -> dict:
@@ -127,7 +140,10 @@ def _kserve_pods(kserve: Path, out: Path) -> Path:
 def _server_config(args: list[str], tmp_path: Path) -> ServerConfig:
     """A container's args, parsed by the server's own parser and validated by ServerConfig. Files named by flags
     are replaced by stand-ins in tmp_path (the config checks that they exist)."""
-    ns = _parser().parse_args(args)
+    try:
+        ns = _parser().parse_args(args)
+    except SystemExit:  # argparse has printed why on stderr
+        pytest.fail(f"sentiment-server refuses these arguments: {args}")
     token = tmp_path / "token"
     token.write_text("t" * 32, encoding="utf-8")
     if ns.auth_token_file is not None:
@@ -156,8 +172,8 @@ def test_containerfiles_pass_hadolint(containerfile: Path) -> None:
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_manifests_are_valid_kubernetes_objects(version: str, rendered: dict[str, Path], tmp_path: Path) -> None:
-    files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"],
-             _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.json"), *EXAMPLES]
+    files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"], rendered["repository"],
+             rendered["repository-gpu-tls"], _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.json"), *EXAMPLES]
     out = _run([_tool("kubernetes-validate"), "--strict", "--kubernetes-version", version, *files])
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Couldn't find schema" not in out.stdout + out.stderr, "an object was not validated"
@@ -169,8 +185,9 @@ def test_checkov_passes_or_each_skip_is_justified(rendered: dict[str, Path], tmp
     for containerfile, dockerfile in zip(CONTAINERFILES, dockerfiles, strict=True):
         dockerfile.parent.mkdir()
         shutil.copy(containerfile, dockerfile)
-    files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"],
-             _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.yaml"), *EXAMPLES, *dockerfiles]
+    files = [rendered["base"], rendered["tls"], rendered["gpu"], rendered["gpu-tls"], rendered["repository"],
+             rendered["repository-gpu-tls"], _kserve_pods(rendered["kserve"], tmp_path / "kserve-pod.yaml"), *EXAMPLES,
+             *dockerfiles]
     by_type = _checkov(files, ["kubernetes", "secrets", "dockerfile"], tmp_path)
     assert by_type["kubernetes"]["summary"]["passed"] >= 80  # it did check the Deployment and the Pods
 
@@ -183,9 +200,14 @@ def _presets() -> dict[str, str]:
     return dict(re.findall(r"^\s*presetenv (\w+) (\S+)", (DEPLOY / "proxy" / "haproxy.cfg").read_text(), re.M))
 
 
+def _deployment(docs: list[dict], name: str = "sentiment-server") -> dict:
+    (found,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == name]
+    return found
+
+
 def _pod(path: Path) -> tuple[dict, dict, dict]:
-    """The Deployment's pod spec, its server container and its proxy container."""
-    pod = _one(_docs(path), "Deployment")["spec"]["template"]["spec"]
+    """The server's Deployment's pod spec, its server container and its proxy container."""
+    pod = _deployment(_docs(path))["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["server", "proxy"]
     return pod, *pod["containers"]
 
@@ -400,9 +422,137 @@ def test_proxy_tls_component_ends_tls_at_the_proxy_and_probes_a_plain_health_por
     assert {k: v for k, v in server.items() if k not in changed} == {k: v for k, v in plain.items() if k not in changed}
 
 
+def _selects(selector: dict, labels: dict) -> bool:
+    return selector.get("matchLabels", selector).items() <= labels.items()
+
+
+def _copy_then_rename(path: Path) -> tuple[Path, Path, Path]:
+    """The documented way a version goes in (a file's comments): `kubectl cp BUNDLE $POD:TEMP`, then `mv -T TEMP
+    FINAL`; returns (where cp writes, what mv renames, what it renames to)."""
+    text = path.read_text(encoding="utf-8")
+    (copied,) = re.findall(r"^#\s+kubectl -n \$NS cp \S+ \$POD:(\S+)", text, re.M)
+    ((temp, final),) = re.findall(r"^#\s+kubectl -n \$NS exec \$POD -- mv -T (\S+) (\S+)", text, re.M)
+    return Path(copied), Path(temp), Path(final)
+
+
+def test_repository_component_polls_a_repository_that_only_the_loader_writes(rendered: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    """deploy/repository: the server serves the claim sentiment-models, read-only, as a model repository it polls;
+    the loader, on the server's image and user, mounts the same claim read-write where the documented copy and
+    rename write, and takes no traffic (nothing of the server's selects it, its own NetworkPolicy shuts it off);
+    everything else is the base's."""
+    docs = _docs(rendered["repository"])
+    base_pod, base_server, base_proxy = _pod(rendered["base"])
+    pod, server, proxy = _pod(rendered["repository"])
+    args = server["args"]
+    cfg = _server_config(args, tmp_path)
+    assert cfg.model_control == "poll" and cfg.model_repository is not None
+    assert [a for a in args if not a.startswith("--")] == [], "a bundle beside the repository"
+    assert [a for a in args if not a.startswith(("--model-repository=", "--model-control="))] == base_server["args"][1:]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (mount,) = [m for m in server["volumeMounts"] if m["mountPath"] == cfg.model_repository]
+    claim = volumes[mount["name"]]["persistentVolumeClaim"]
+    assert mount["readOnly"] is True and claim == {"claimName": "sentiment-models", "readOnly": True}
+    memory = server["resources"]["limits"]["memory"]
+    assert memory == server["resources"]["requests"]["memory"] == "768Mi"  # two versions loaded during a swap
+    changed = {"args", "volumeMounts", "resources"}
+    assert {k: v for k, v in server.items() if k not in changed} == \
+        {k: v for k, v in base_server.items() if k not in changed}
+    assert [m["mountPath"] for m in server["volumeMounts"]] == [m["mountPath"] for m in base_server["volumeMounts"]]
+    assert proxy == base_proxy
+    assert {k: v for k, v in pod.items() if k not in ("containers", "volumes")} == \
+        {k: v for k, v in base_pod.items() if k not in ("containers", "volumes")}
+
+    loader = _deployment(docs, "sentiment-model-loader")
+    loader_pod = loader["spec"]["template"]["spec"]
+    labels = loader["spec"]["template"]["metadata"]["labels"]
+    (container,) = loader_pod["containers"]
+    assert loader["spec"]["replicas"] == 1 and loader["spec"]["strategy"] == {"type": "Recreate"}  # one writer
+    assert loader["metadata"]["namespace"] == _deployment(docs)["metadata"]["namespace"]
+    assert container["image"] == server["image"]
+    assert container["securityContext"] == server["securityContext"]
+    assert loader_pod["securityContext"] == pod["securityContext"]
+    assert loader_pod["automountServiceAccountToken"] is False
+    (writable,) = container["volumeMounts"]
+    source = {v["name"]: v for v in loader_pod["volumes"]}[writable["name"]]["persistentVolumeClaim"]
+    assert source["claimName"] == claim["claimName"] and not writable.get("readOnly") and not source.get("readOnly")
+    for kind in ("Service", "PodDisruptionBudget"):
+        assert not _selects(_one(docs, kind)["spec"]["selector"], labels), f"the {kind} selects the loader"
+    policies = {p["metadata"]["name"]: p["spec"] for p in docs if p["kind"] == "NetworkPolicy"}
+    assert not _selects(policies["sentiment-server"]["podSelector"], labels)
+    assert _selects(policies["sentiment-model-loader"]["podSelector"], labels)
+    assert {k: policies["sentiment-model-loader"][k] for k in ("policyTypes", "ingress", "egress")} == \
+        {"policyTypes": ["Ingress", "Egress"], "ingress": [], "egress": []}
+
+    # The documented commands: copied under a name the server ignores, renamed in the same folder (one rename(2),
+    # atomic) to a version, in a model named as deploy/'s clients call it, on the loader's mount of the claim.
+    copied, temp, final = _copy_then_rename(DEPLOY / "repository" / "kustomization.yaml")
+    assert copied == temp and temp.parent == final.parent
+    assert not temp.name.isdigit() and final.name.isdigit()
+    assert final.parent.parent == Path(writable["mountPath"]) and final.parent.name == cfg.model_name
+
+
+def test_repository_component_composes_with_gpu_and_tls(rendered: dict[str, Path], tmp_path: Path) -> None:
+    _, server, _ = _pod(rendered["repository-gpu-tls"])
+    _, tls_server, _ = _pod(rendered["tls"])
+    cfg = _server_config(server["args"], tmp_path)
+    assert cfg.device == "cuda" and cfg.model_control == "poll" and cfg.model_repository == "/mnt/models"
+    assert server["startupProbe"] == tls_server["startupProbe"]
+    loader = _deployment(_docs(rendered["repository-gpu-tls"]), "sentiment-model-loader")
+    assert loader["spec"]["template"]["spec"]["containers"][0]["image"] == server["image"]
+
+
+def test_keda_component_scales_on_the_queue_in_place_of_the_hpa(rendered: dict[str, Path], tmp_path: Path) -> None:
+    """deploy/keda: the base's HPA gives way to one ScaledObject (two autoscalers must not drive one Deployment),
+    with the fields KEDA requires, the HPA's bounds and behaviour, a floor that keeps a replica serving while the
+    PodDisruptionBudget lets another go, and per-replica thresholds on metrics the server exports, each below the
+    limit where it stops growing; nothing else changes."""
+    base, docs = _docs(rendered["base"]), _docs(rendered["keda"])
+    assert [d for d in docs if d["kind"] != "ScaledObject"] == \
+        [d for d in base if d["kind"] != "HorizontalPodAutoscaler"]
+    scaled, hpa = _one(docs, "ScaledObject"), _one(base, "HorizontalPodAutoscaler")
+    deployment, pdb = _deployment(base), _one(base, "PodDisruptionBudget")
+    spec = scaled["spec"]
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1" and set(spec) <= SCALED_OBJECT_FIELDS, set(spec)
+    assert scaled["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    target = spec["scaleTargetRef"]
+    assert target["name"] == deployment["metadata"]["name"]
+    assert (target.get("apiVersion", "apps/v1"), target.get("kind", "Deployment")) == ("apps/v1", "Deployment")
+
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == \
+        (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"])
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == hpa["spec"]["behavior"]
+    assert spec["minReplicaCount"] - pdb["spec"]["maxUnavailable"] >= 1 and "idleReplicaCount" not in spec
+    assert spec["minReplicaCount"] <= spec["maxReplicaCount"]
+
+    _, server, proxy = _pod(rendered["base"])
+    cfg = _server_config(server["args"], tmp_path)
+    model_calls = int({**_presets(), **{e["name"]: e["value"] for e in proxy["env"]}}["MODEL_CALLS"])
+    # Each number's ceiling in one replica: texts waiting stop at max_queue (calls are refused past it), calls in
+    # flight at the proxy's MODEL_CALLS (it queues the rest): a threshold at or above it would never be reached.
+    ceilings = {"sentiment_queue_depth": cfg.max_queue, "sentiment_calls_in_flight": model_calls}
+    exported = (REPO_ROOT / "serving" / "telemetry" / "prometheus.py").read_text(encoding="utf-8")
+    seen = set()
+    for trigger in spec["triggers"]:
+        meta = trigger["metadata"]
+        assert set(trigger) <= TRIGGER_FIELDS and trigger["type"] == "prometheus", trigger
+        assert trigger.get("metricType", "AverageValue") == "AverageValue", "thresholds are per replica"
+        assert {"serverAddress", "query", "threshold"} <= set(meta) <= PROMETHEUS_METADATA, set(meta)
+        assert all(isinstance(v, str) for v in meta.values()), "KEDA's metadata is strings alone"
+        assert re.fullmatch(r"https?://[\w.-]+(:\d+)?/?", meta["serverAddress"]), meta["serverAddress"]
+        assert meta.get("ignoreNullValues") == "false", "a query that finds nothing must not read as 0"
+        (metric,) = re.findall(r"\b(sentiment_\w+)\{", meta["query"])
+        assert f'"{metric}"' in exported, f"{metric}: not a metric serving/telemetry/prometheus.py exports"
+        assert f'namespace="{deployment["metadata"]["namespace"]}"' in meta["query"]
+        assert meta["query"].startswith("sum("), "the total over the replicas, which KEDA divides by the threshold"
+        assert 0 < float(meta["threshold"]) < ceilings[metric], (metric, meta["threshold"])
+        seen.add(metric)
+    assert seen == set(ceilings)
+
+
 def test_kustomizations_list_every_manifest() -> None:
-    for folder in (DEPLOY, DEPLOY / "kserve"):
-        listed = set(_docs(folder / "kustomization.yaml")[0]["resources"])
+    for folder in (DEPLOY, DEPLOY / "kserve", *(DEPLOY / c for c in COMPONENTS)):
+        listed = set(_docs(folder / "kustomization.yaml")[0].get("resources", []))
         present = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml"}
         assert listed == {p for p in present if ".example." not in p}, folder
 

@@ -382,6 +382,8 @@ def check_container_run(args: list[str]) -> str:
 def check_kubectl(text: str, args: list[str]) -> str:
     if args[:1] == ["-n"]:
         args = args[2:]
+    if "#" in args:  # a comment after the command
+        args = args[:args.index("#")]
     if args[:2] == ["apply", "-k"]:
         return "" if (REPO / args[2] / "kustomization.yaml").is_file() else f"{args[2]}: no kustomization.yaml"
     if args[:2] == ["rollout", "restart"]:
@@ -397,6 +399,23 @@ def check_kubectl(text: str, args: list[str]) -> str:
             out = subprocess.run(["bash", "-c", f"{text.replace('kubectl', str(KUBECTL), 1)} --dry-run=client -o name"],
                                  cwd=folder, capture_output=True, text=True, timeout=60)
         return "" if out.returncode == 0 else f"kubectl: {out.stderr.strip()}"
+    if args[:1] in (["cp"], ["exec"]) and (len(args) == 1 or args[1] == "…"):
+        return ""  # the verb named in prose, not a command
+    if args[:1] == ["cp"] and len(args) == 3:  # a version copied to the loader under a name no server reads
+        pod, _, dest = args[2].partition(":")
+        return "" if dest.startswith("/models/") and Path(dest).name.startswith(".") else \
+            f"kubectl cp to {args[2]}: not a temporary name under the loader's /models"
+    if args[:1] == ["exec"] and args[2:5] == ["--", "mv", "-T"] and len(args) == 7:  # then renamed into place
+        source, target = Path(args[5]), Path(args[6])
+        ok = source.parent == target.parent and str(source).startswith("/models/") and target.name.isdigit()
+        return "" if ok else f"kubectl exec … mv -T {source} {target}: not a rename into a version of one model"
+    if args[:1] == ["logs"] and args[1:2] and args[1].startswith("deployment/"):
+        name = args[1].partition("/")[2]
+        found = any(re.search(rf"kind: Deployment\b[\s\S]*?name: {re.escape(name)}\b", p.read_text())
+                    for p in (REPO / "deploy").rglob("*.yaml"))
+        return "" if found else f"no Deployment named {name} in deploy/"
+    if args[:2] == ["apply", "-f"]:
+        return "" if (REPO / args[2]).is_file() else f"{args[2]}: no such file"
     return f"kubectl {' '.join(args[:2])}: not a command this test checks"
 
 
@@ -556,6 +575,9 @@ def test_the_commands_are_found() -> None:
     ("make image IMAGES=x", "no variable IMAGES"),
     ("docker run --rm transfer-sentiment:cpu /mnt/models --max-textz 3", "unrecognized arguments"),
     ("kubectl apply -k deploy/nothing/", "no kustomization.yaml"),
+    ("kubectl -n ns cp runs/demo/bundle pod:/models/m/2", "not a temporary name"),
+    ("kubectl exec pod -- mv -T /models/m/.incoming-2 /models/n/2", "not a rename into a version of one model"),
+    ("kubectl logs deployment/no-such-server", "no Deployment named no-such-server"),
     ("podman run --rm transfer-sentiment-train:cpu params --presett lab", "unrecognized arguments"),
     ("docker compose upp -d", "compose upp: not a compose command"),
     ("podman-compose -f deploy/compose.yaml up -d", "deploy/compose.yaml: no such compose file"),

@@ -68,6 +68,8 @@ def test_a_person_types_reviews_and_reads_their_labels(tiny_bundle: Path, browse
         _classify(browser, texts, TOKEN)
         rows = browser.find_elements(By.CSS_SELECTOR, "#out tr")
         shown = [[c.text for c in r.find_elements(By.TAG_NAME, "td")] for r in rows]
+        models = [o.text for o in browser.find_elements(By.CSS_SELECTOR, "#model option")]
+        answered = browser.find_element(By.ID, "answered").text
         if os.environ.get("TS_WRITE_FIGURES"):
             FIGURE.parent.mkdir(parents=True, exist_ok=True)
             browser.save_screenshot(str(FIGURE))
@@ -78,6 +80,7 @@ def test_a_person_types_reviews_and_reads_their_labels(tiny_bundle: Path, browse
     assert [row[2].split("\n") for row in shown] == [[f"{name} {p:.3f}" for name, p in zip(
         ("negative", "positive"), r.probabilities, strict=True)] for r in ref]
     assert [row[3] for row in shown] == [str(r.token_count) for r in ref]
+    assert models == ["sentiment"] and answered == "Answered by sentiment, version 1."
     assert console == []  # no script refused by the page's Content-Security-Policy, no failed asset
 
 

@@ -51,6 +51,8 @@ def _infer_request(texts: list[str]) -> kpb.ModelInferRequest:
     req.raw_input_contents.append(encode_bytes([t.encode() for t in texts]))
     return req
 
+MODEL = {"model": "sentiment", "version": "1"}  # the labels of the one bundle's series
+
 
 def _both_protocols_answer(channel: grpc.Channel, reference: Predictor, texts: list[str],
                            metadata: list[tuple[str, str]] | None = None) -> None:
@@ -130,7 +132,7 @@ def test_token_missing_or_wrong_is_unauthenticated_and_nothing_is_computed(tiny_
     work; the onnxruntime run counter and the texts metric do not move; the right token is served."""
     with running_server(tiny_bundle, device="cpu", auth_token=TOKEN, tls_cert=str(certs["server"]),
                         tls_key=str(certs["server_key"])) as s, _secure(s, certs) as channel:
-        runs, texts = s.predictor.runs, s.metrics.registry.get_sample_value("sentiment_texts_total")
+        runs, texts = s.predictor.runs, s.metrics.registry.get_sample_value("sentiment_texts_total", MODEL)
         wrong = [None, [("authorization", "")], [("authorization", "Bearer")], [("authorization", "Bearer ")],
                  [("authorization", TOKEN)], [("authorization", f"Bearer{TOKEN}")],
                  [("authorization", f"Bearer {TOKEN[:-1]}")], [("authorization", f"Bearer {TOKEN}x")],
@@ -139,7 +141,7 @@ def test_token_missing_or_wrong_is_unauthenticated_and_nothing_is_computed(tiny_
         for metadata in wrong:
             _refused(channel, grpc.StatusCode.UNAUTHENTICATED, metadata)
         assert s.predictor.runs == runs
-        assert s.metrics.registry.get_sample_value("sentiment_texts_total") == texts
+        assert s.metrics.registry.get_sample_value("sentiment_texts_total", MODEL) == texts
         refusals = s.metrics.registry.get_sample_value(
             "sentiment_requests_total", {"protocol": "grpc", "method": "sentiment.v1.SentimentService/Classify",
                                          "code": "UNAUTHENTICATED"})

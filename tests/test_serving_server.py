@@ -268,7 +268,8 @@ def test_expired_requests_are_dropped_before_compute(tiny_bundle: Path) -> None:
             assert len(stub.Classify(pb.ClassifyRequest(texts=["après"]), timeout=10).results) == 1
         assert held.sizes == [1, 1]  # the blocker and the last request ran; the 2 expired texts never did
         # dropped as expired, or as cancelled when gRPC ended the call a moment before the deadline the server read
-        dropped = [s.metrics.registry.get_sample_value("sentiment_dropped_texts_total", {"reason": reason}) or 0
+        dropped = [s.metrics.registry.get_sample_value("sentiment_dropped_texts_total",
+                                                         {"model": "sentiment", "version": "1", "reason": reason}) or 0
                    for reason in ("DeadlineExpired", "Cancelled")]
         assert sum(dropped) == 2, dropped
 

@@ -55,6 +55,7 @@ def test_json_lines_of_the_parent_and_its_workers_share_one_schema(tiny_bundle: 
     assert access["request_id"] == "json-call-1" and access["trace_id"] is None
     assert (access["method"], access["status"], access["texts"]) == (CLASSIFY, "OK", 2)
     assert access["tokens"] > 4 and access["ms"] > 0 and access["peer"].startswith("ipv4:127.0.0.1:")
+    assert (access["model"], access["model_version"]) == ("sentiment", "1")
     assert access["level"] == "INFO" and "worker" in access
 
 

@@ -73,6 +73,8 @@ def test_spans_arrive_over_grpc_with_parents_links_and_attributes(tiny_bundle: P
                 assert call.attributes["rpc.response.status_code"] == "OK"
                 assert call.attributes["network.peer.address"] == "127.0.0.1"
                 assert call.attributes["sentiment.texts"] == 1 and call.attributes["sentiment.tokens"] > 2
+                assert (call.attributes["sentiment.model"], call.attributes["sentiment.model_version"]) == \
+                    ("sentiment", "1")
                 assert call.resource["service.name"] == "sentiment-server"
                 assert call.resource["process.pid"] == server.proc.pid
             run = next(r for r in runs if {sid for _, sid in r.links} == ids)
@@ -85,6 +87,7 @@ def test_spans_arrive_over_grpc_with_parents_links_and_attributes(tiny_bundle: P
                 "sentiment.tokens"]
             assert (a["sentiment.graph"], a["sentiment.precision"], a["sentiment.provider"]) == \
                 ("model.onnx", "fp32", "CPUExecutionProvider")
+            assert (a["sentiment.model"], a["sentiment.model_version"]) == ("sentiment", "1")
             # Every call's children: auth, admission, tokenize, queue wait (linked to the run), inside the call.
             spans = receiver.wait_for(lambda spans: len([s for s in spans if s.parent_id in ids]) >= 2 * 4 + 1 and
                                       spans, what="the calls' child spans")

@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 
 from serving.errors import Cancelled, DeadlineExpired, NotReady, Overloaded
+from serving.model.turns import Turns
 from serving.telemetry import tracing
-from serving.telemetry.prometheus import Metrics
+from serving.telemetry.prometheus import Metrics, ModelMetrics
 
 Infer = Callable[[Sequence[np.ndarray]], np.ndarray]  # rows of ids -> (n, C) probabilities, one run
 
@@ -75,19 +76,23 @@ class Batcher:
         max_padding: float = 0.1,
         workers: int = 1,
         enabled: bool = True,
-        metrics: Metrics | None = None,
+        metrics: ModelMetrics | None = None,
         span_attributes: Mapping[str, Any] | None = None,
+        turns: Turns | None = None,
+        model: str = "",
     ) -> None:
-        """span_attributes: what a batch's span says of the model besides the batch (graph, provider)."""
+        """span_attributes: what a batch's span says of the model besides the batch (graph, provider). turns: the
+        process' runs, shared fairly with the other models' batchers (serving/model/turns.py); model: whose."""
         self.infer = infer
         self.span_attributes = dict(span_attributes or {})
+        self.turns, self.model = turns, model
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.max_queue_delay_s = max_queue_delay_s
         self.max_queue = max_queue
         self.max_padding = max_padding
         self.enabled = enabled
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics().for_model("model", "1")
         self._cond = threading.Condition()
         self._pending: list[_Row] = []  # arrival order
         self._in_flight = 0  # texts accepted and not answered (the bound when batching is off)
@@ -139,7 +144,14 @@ class Batcher:
             self.metrics.dropped.labels(type(error).__name__).inc(len(req.rows))
             req.future.set_exception(error)
             return
-        self._compute([_Row(req, i, int(r.shape[0])) for i, r in enumerate(req.rows)])
+        if self.turns is not None:
+            self.turns.take(self.model)
+        start = time.monotonic()
+        try:
+            self._compute([_Row(req, i, int(r.shape[0])) for i, r in enumerate(req.rows)])
+        finally:
+            if self.turns is not None:
+                self.turns.give(self.model, time.monotonic() - start)
 
     def no_room_for_any(self, max_texts: int) -> str | None:
         """Why a call of up to `max_texts` texts might not fit now, or None: admission's question, asked before the
@@ -200,10 +212,18 @@ class Batcher:
                 if not self._pending:  # closing and drained
                     return
                 self._wait_for_company()
-                batch = self._take(time.monotonic())
-                self.metrics.queue_depth.set(len(self._pending))
-            if batch:
-                self._compute(batch)
+            if self.turns is not None:  # the cores, shared with the other models' batchers (serving/model/turns.py)
+                self.turns.take(self.model)
+            start = time.monotonic()
+            try:
+                with self._cond:
+                    batch = self._take(time.monotonic())
+                    self.metrics.queue_depth.set(len(self._pending))
+                if batch:
+                    self._compute(batch)
+            finally:
+                if self.turns is not None:
+                    self.turns.give(self.model, time.monotonic() - start)
 
     def _wait_for_company(self) -> None:
         """Called with the lock held and a non-empty queue."""

@@ -13,9 +13,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from contract.tokens import Encoded
 from serving.config import ServerConfig
-from serving.errors import DeadlineExpired, InvalidInput, NotReady, Overloaded
+from serving.errors import Cancelled, DeadlineExpired, InvalidInput, NotReady, Overloaded, Retired
 from serving.model.batcher import Batcher
 from serving.model.predictor import Prediction, Predictor
+from serving.model.turns import Turns
 from serving.telemetry import call_log
 
 # A letter or a digit (str.isalnum: Unicode categories L and N). A text without one (NUL, control or format
@@ -25,16 +26,24 @@ _LETTER_OR_DIGIT = re.compile(r"[^\W_]")
 
 
 class ServingCore:
-    """Limits + tokenizer + batcher for one predictor."""
+    """Limits + tokenizer + batcher for one predictor: one version of one model (serving/model/models.py holds them)."""
 
-    def __init__(self, predictor: Predictor, batcher: Batcher, cfg: ServerConfig) -> None:
+    def __init__(self, predictor: Predictor, batcher: Batcher, cfg: ServerConfig, *, name: str | None = None,
+                 version: str = "1", call_turns: Turns | None = None) -> None:
+        """call_turns: the process' model calls, shared fairly with the other models' (serving/model/turns.py)."""
         self.predictor = predictor
         self.batcher = batcher
         self.cfg = cfg
+        self.name = name or cfg.model_name  # what answers say answered
+        self.version = version
         self.ready = False  # requests are accepted (False while starting and once draining refuses them)
         self.draining = False  # shutdown began: readiness reads false, requests may still be served
+        self.retired = False  # unloaded: a newer version (or none) takes the calls
+        self.max_active = 1 << 30  # calls accepted at once (its model's share when several are served)
         self._active = 0  # accepted classify calls not answered yet
         self._idle = threading.Condition()
+        self._in_flight = getattr(batcher.metrics, "calls_in_flight", None)  # the gauge, when it has one
+        self.call_turns = call_turns
 
     @property
     def reports_ready(self) -> bool:
@@ -47,11 +56,9 @@ class ServingCore:
         deadline: float | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> list[Prediction]:
-        with self._idle:  # the check and the count together: refuse() then sees every accepted call
-            if not self.ready:
-                raise NotReady("server is not ready (starting or draining); retry another replica or later")
-            self._active += 1
+        self._enter(len(texts), deadline, cancelled)
         try:
+            self._check_alive(len(texts), deadline, cancelled)
             return self._classify(texts, deadline, cancelled)
         finally:
             self._leave()
@@ -65,11 +72,9 @@ class ServingCore:
         """`classify` without blocking, for an event loop: the texts are checked, tokenized and queued now (a
         ServingError is raised here), the Future gives their predictions or the batcher's ServingError. The call
         counts as accepted, and a drain waits for it, until the Future is done."""
-        with self._idle:
-            if not self.ready:
-                raise NotReady("server is not ready (starting or draining); retry another replica or later")
-            self._active += 1
+        self._enter(len(texts), deadline, cancelled)
         try:
+            self._check_alive(len(texts), deadline, cancelled)
             encoded = self._encode(texts)
             queued = self._queue(encoded, deadline, cancelled)
         except BaseException:
@@ -92,10 +97,62 @@ class ServingCore:
         queued.add_done_callback(done)
         return answer
 
+    def _enter(self, texts: int, deadline: float | None, cancelled: Callable[[], bool] | None) -> None:
+        """Wait for this model's turn when several are busy (`call_turns`); then count an accepted call, the check
+        and the count together, so that refuse_and_wait sees every one."""
+        turns = self.call_turns
+        if turns is not None and not turns.take(self.name, deadline, cancelled):
+            self._check_alive(texts, deadline, cancelled)  # the deadline passed or the client left: raises
+            raise DeadlineExpired("deadline passed while the call waited for its model's turn")
+        try:
+            self._count()
+        except BaseException:
+            if turns is not None:
+                turns.give(self.name, 1.0)
+            raise
+
+    def _count(self) -> None:
+        with self._idle:
+            if not self.ready:
+                if self.retired:
+                    raise Retired(f"model {self.name!r} version {self.version} was unloaded; retry (the newest "
+                                  "version takes calls that name none)")
+                raise NotReady("server is not ready (starting or draining); retry another replica or later")
+            if self._active >= self.max_active:
+                raise Overloaded(f"model {self.name!r} holds its share of the server's model calls "
+                                 f"({self.max_active}, of max_concurrent_rpcs; the rest is kept for the other "
+                                 "models); retry later")
+            self._active += 1
+            if self._in_flight is not None:
+                self._in_flight.inc()
+
+    def _check_alive(self, texts: int, deadline: float | None, cancelled: Callable[[], bool] | None) -> None:
+        """A call whose deadline has passed or whose client has gone costs nothing more: dropped before its texts are
+        checked, tokenized or queued (counted as the batcher counts the ones it drops)."""
+        if deadline is not None and time.monotonic() >= deadline:
+            kind: type[Exception] = DeadlineExpired
+            why = "deadline passed before the call reached the model; nothing computed"
+        elif cancelled is not None and cancelled():
+            kind, why = Cancelled, "request cancelled by the client before it reached the model; nothing computed"
+        else:
+            return
+        self.batcher.metrics.dropped.labels(kind.__name__).inc(texts)
+        raise kind(why)  # made here, not held in a local: its traceback's frame would hold it, a cycle
+
     def _leave(self) -> None:
         with self._idle:
             self._active -= 1
+            if self._in_flight is not None:
+                self._in_flight.dec()
             self._idle.notify_all()
+        if self.call_turns is not None:
+            self.call_turns.give(self.name, 1.0)
+
+    def close(self) -> None:
+        """After a drain: its metric series go (serving/telemetry/prometheus.py), its graph is let go with it."""
+        remove = getattr(self.batcher.metrics, "remove", None)
+        if remove is not None:
+            remove()
 
     def refuse_and_wait(self, timeout: float) -> bool:
         """Refuse new calls (UNAVAILABLE), wait up to `timeout` s for the accepted ones; True when all done."""
@@ -135,6 +192,7 @@ class ServingCore:
         call = call_log.current()  # the protocol's record of this call: texts and tokens for its access line
         if call is not None:
             call.texts = len(texts)
+            call.model, call.model_version = self.name, self.version
         if not texts:
             raise InvalidInput(f"texts: empty list; send 1 to max_texts={cfg.max_texts} texts")
         if len(texts) > cfg.max_texts:

@@ -27,7 +27,10 @@ from serving.gen.sentiment.v1 import sentiment_service_pb2, sentiment_service_pb
 from serving.limits.admission import Admission
 from serving.model.batcher import Batcher
 from serving.model.core import ServingCore
+from serving.model.models import Models
 from serving.model.predictor import Predictor
+from serving.model.repository import RepositoryError
+from serving.model.turns import Turns
 from serving.process.memory import Reclaimer, fix_mmap_threshold
 from serving.protocols.grpc import reflection
 from serving.protocols.grpc.health import SERVICE_NAME as HEALTH_SERVICE
@@ -39,8 +42,8 @@ from serving.protocols.grpc.sentiment import SentimentServicer
 from serving.protocols.http.exchange import HttpCalls
 from serving.protocols.http.routes import router
 from serving.protocols.http.server import HttpServer
-from serving.protocols.kserve_v2 import VERSION as MODEL_VERSION
 from serving.protocols.kserve_v2 import server_version
+from serving.protocols.repository_api import RepositoryApi
 from serving.telemetry import tracing
 from serving.telemetry.call_log import CallLog
 from serving.telemetry.logs import InternalErrors
@@ -100,33 +103,32 @@ class SentimentServer:
     nothing is left bound), `start()` (serve; it binds first when `bind()` was not called). Then `stop()` (or
     `with SentimentServer(...) as s:`)."""
 
-    def __init__(self, bundle: str | Path, cfg: ServerConfig | None = None, *, shared_port: bool = False) -> None:
-        """shared_port: one worker of serving/process/workers.py, whose parent holds `cfg.port` (SO_REUSEPORT) and
-        serves health and metrics for all."""
+    def __init__(self, bundle: str | Path | None, cfg: ServerConfig | None = None, *,
+                 shared_port: bool = False) -> None:
+        """bundle: one bundle (model cfg.model_name, version 1), or None with cfg.model_repository (every model of
+        the repository: serving/model/models.py). shared_port: one worker of serving/process/workers.py, whose
+        parent holds `cfg.port` (SO_REUSEPORT) and serves health and metrics for all."""
         self.cfg = cfg = cfg or ServerConfig()
         self.shared_port = shared_port
         check_distinct_ports(cfg, shared_port)
-        self.predictor = Predictor(bundle, device=cfg.device, intra_op_threads=cfg.intra_op_threads,
-                                   inter_op_threads=cfg.inter_op_threads, optimization=cfg.optimization,
-                                   spinning=cfg.ort_spinning)
-        cfg.check_bundle_fit(self.predictor.max_len)
+        if (bundle is None) == (cfg.model_repository is None):
+            raise ServerConfigError("give one bundle or a model repository (--model-repository DIR), not "
+                                    f"{'both' if bundle is not None else 'neither'}")
         self.metrics = Metrics(per_worker=shared_port)
-        p = self.predictor
-        self.metrics.model_info.labels(p.bundle_sha256, p.precision, p.provider, cfg.model_name, MODEL_VERSION).set(1)
-        self.batcher = Batcher(
-            self.predictor.infer,
-            max_batch_size=cfg.max_batch_size,
-            max_batch_tokens=cfg.max_batch_tokens,
-            max_queue_delay_s=cfg.max_queue_delay_ms / 1000,
-            max_queue=cfg.max_queue,
-            max_padding=cfg.max_padding,
-            workers=cfg.batch_workers,
-            enabled=cfg.batching,
-            metrics=self.metrics,
-            span_attributes={"sentiment.graph": p.graph, "sentiment.precision": p.precision,
-                             "sentiment.provider": p.provider, "sentiment.per_row": p.per_row},
-        )
-        self.core = ServingCore(self.predictor, self.batcher, cfg)
+        # The runs at once and the model calls, each shared fairly by the models (serving/model/turns.py)
+        self.turns, self.call_turns = Turns(cfg.batch_workers), Turns(cfg.fair_calls, alone=True)
+        self.models = Models(cfg, self._open_version, on_change=lambda model, result: self.metrics.model_loads
+                             .labels(model, result).inc(), call_turns=self.call_turns)
+        if bundle is not None:
+            self.models.add_bundle(cfg.model_name, Path(bundle))
+        else:
+            try:
+                self.models.load_all()
+            except RepositoryError as e:
+                raise ServerConfigError(str(e)) from None
+            if not self.models.cores:
+                log.warning("no model of %s could be loaded: not ready until one is (the repository index says why)",
+                            cfg.model_repository)
         self.health = Health()
         self.health.listen(lambda: self.metrics.serving.set(self.health.serving()))
         limit = cfg.max_concurrent_rpcs or cfg.max_workers
@@ -135,11 +137,12 @@ class SentimentServer:
         if cfg.memory_reclaim_idle_s > 0:
             self.reclaimer = Reclaimer(settle_s=cfg.memory_reclaim_idle_s,
                                        on_reclaim=self.metrics.memory_reclaim_seconds.observe)
+        self.repository = RepositoryApi(self.models, cfg)  # load, unload, index: both protocols'
         # One admission (the token, model slots, the answers' budget, the body's time), asked by both protocols.
         self.admission = Admission(self.metrics, auth_token=cfg.auth_token, max_calls=limit,
                                    body_timeout_s=cfg.body_timeout_s,
                                    max_response_bytes=cfg.max_response_bytes_in_flight, reclaimer=self.reclaimer,
-                                   queue_full=lambda: self.batcher.no_room_for_any(cfg.max_texts))
+                                   queue_full=lambda: self.models.no_room_for_any(cfg.max_texts))
         self.calls = CallLog(cfg.access_log_rate, self.metrics.suppressed_access_logs.inc)
         self.errors = InternalErrors(self.metrics.suppressed_logs.inc)
         self.gate = Gate(self.admission, self.metrics, self.calls, self.errors, health_workers=cfg.health_workers,
@@ -156,9 +159,10 @@ class SentimentServer:
             interceptors=[self.gate], options=transport_options(cfg, shared_port),
             maximum_concurrent_rpcs=threads + cfg.health_workers + _BACKSTOP,
         )
-        sentiment_service_pb2_grpc.add_SentimentServiceServicer_to_server(SentimentServicer(self.core),
+        sentiment_service_pb2_grpc.add_SentimentServiceServicer_to_server(SentimentServicer(self.models),
                                                                          self.grpc_server)
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(self.core), self.grpc_server)
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            KServeServicer(self.models, self.repository), self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable(self.grpc_server, {SENTIMENT_SERVICE: sentiment_service_pb2.DESCRIPTOR,
                                              KSERVE_SERVICE: grpc_service_pb2.DESCRIPTOR,
@@ -180,7 +184,7 @@ class SentimentServer:
             self.port = _add_port(self.grpc_server, cfg.host, cfg.port, server_credentials(cfg), "gRPC")
             if cfg.http_port is not None:  # the same core, admission and files: serving/protocols/http/
                 calls = HttpCalls(self.admission, self.metrics, self.calls, self.errors, cfg)
-                app = router(self.core, calls, page_on=cfg.http_page)
+                app = router(self.models, self.repository, calls, page_on=cfg.http_page)
                 self.http = HttpServer(app, cfg, cfg.http_port, self.shared_port)
                 self.http_port = self.http.port
             if cfg.health_port is not None:  # health alone, for probes: serving/protocols/grpc/health_port.py
@@ -194,7 +198,7 @@ class SentimentServer:
         except ServerConfigError:
             self.grpc_server.stop(None)
             self._close_listeners()
-            self.batcher.close(timeout=0)
+            self.models.close(timeout=0)
             raise
         return self
 
@@ -210,7 +214,9 @@ class SentimentServer:
             self._metrics_server.start()
         for service in ("", SENTIMENT_SERVICE, KSERVE_SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self.core.ready = True
+        self.models.open()
+        if self.cfg.model_control == "poll":
+            self.models.poll(self.cfg.repository_poll_s)
         if not self.shared_port:  # a worker's parent warns for all, and its line is the one scripts wait for
             warn_if_open(self.cfg)
         log.info("%s %s:%d (%s%s), %s, model %r on %s, batching %s, health port %s, metrics %s",
@@ -219,7 +225,8 @@ class SentimentServer:
                  (", token auth" if self.cfg.auth_token else "")
                  + (", behind a proxy" if self.cfg.behind_proxy else ""),
                  f"HTTP on {self.cfg.host}:{self.http_port}" if self.http_port is not None else "HTTP off",
-                 self.cfg.model_name, self.predictor.provider,
+                 ", ".join(f"{c.name}:{c.version}" for c in self.models.cores) or "none",
+                 ", ".join(sorted({c.predictor.provider for c in self.models.cores})) or "-",
                  "on" if self.cfg.batching else "off",
                  f":{self.health_port}" if self.health_port is not None else "off",
                  f"on {self.cfg.metrics_host or self.cfg.host}:{self.metrics_port}" if self.metrics_port is not None
@@ -232,7 +239,7 @@ class SentimentServer:
         if self._stopped.is_set():
             return
         grace = self.cfg.grace_s if grace is None else grace
-        self.core.draining = True
+        self.models.draining = True
         self.health.enter_graceful_shutdown()
         if self.cfg.drain_delay_s:
             log.info("NOT_SERVING; still serving for drain_delay_s=%.1f s", self.cfg.drain_delay_s)
@@ -241,15 +248,46 @@ class SentimentServer:
         # before closing the listener: gRPC cancels calls that reach it during its own shutdown before a
         # handler picks them up, and a client reads CANCELLED.
         end = time.monotonic() + grace
-        if not self.core.refuse_and_wait(grace):
+        if not self.models.refuse_and_wait(grace):
             log.warning("grace %.1f s over with requests still running: they are cancelled", grace)
         self.grpc_server.stop(max(0.0, end - time.monotonic())).wait()
         if self.http is not None:  # idle connections closed, answers in progress finished
             self.http.stop()
-        self.batcher.close(timeout=grace)
+        self.models.close(timeout=grace)
         self._close_listeners()
         self._stopped.set()
         log.info("stopped")
+
+    def _open_version(self, name: str, version: int, bundle: Path) -> ServingCore:
+        """One model version: its predictor (the bundle verified, its graph run once), its batcher and its core, not
+        taking calls until listed (serving/model/models.py)."""
+        cfg = self.cfg
+        p = Predictor(bundle, device=cfg.device, intra_op_threads=cfg.intra_op_threads,
+                      inter_op_threads=cfg.inter_op_threads, optimization=cfg.optimization, spinning=cfg.ort_spinning)
+        cfg.check_bundle_fit(p.max_len)
+        series = self.metrics.for_model(name, str(version))
+        series.info(p.bundle_sha256, p.precision, p.provider)
+        batcher = Batcher(p.infer, max_batch_size=cfg.max_batch_size, max_batch_tokens=cfg.max_batch_tokens,
+                          max_queue_delay_s=cfg.max_queue_delay_ms / 1000, max_queue=cfg.max_queue,
+                          max_padding=cfg.max_padding, workers=cfg.batch_workers, enabled=cfg.batching,
+                          metrics=series, turns=self.turns, model=name,
+                          span_attributes={"sentiment.model": name, "sentiment.model_version": str(version),
+                                           "sentiment.graph": p.graph, "sentiment.precision": p.precision,
+                                           "sentiment.provider": p.provider, "sentiment.per_row": p.per_row})
+        return ServingCore(p, batcher, cfg, name=name, version=str(version), call_turns=self.call_turns)
+
+    @property
+    def core(self) -> ServingCore:
+        """The one model's newest version (a server of one bundle: its core)."""
+        return self.models.get("", "")
+
+    @property
+    def predictor(self) -> Predictor:
+        return self.core.predictor
+
+    @property
+    def batcher(self) -> Batcher:
+        return self.core.batcher
 
     def _close_listeners(self) -> None:
         if self.http is not None:
@@ -260,6 +298,7 @@ class SentimentServer:
             self._metrics_server.close()
         self.gate.close()
         self.admission.close()
+        self.repository.pool.shutdown(wait=False, cancel_futures=True)
         if self.reclaimer is not None:
             self.reclaimer.close()
 

@@ -82,8 +82,9 @@ class _Slot:
     pids: list[int] = field(default_factory=list)
 
 
-def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO", log_format: str = "text") -> int:
-    """Run `cfg.workers` server processes until SIGTERM or SIGINT; the exit code."""
+def serve(bundle: str | Path | None, cfg: ServerConfig, log_level: str = "INFO", log_format: str = "text") -> int:
+    """Run `cfg.workers` server processes until SIGTERM or SIGINT; the exit code. bundle: None with
+    cfg.model_repository, which each worker loads and (model_control=poll) follows on its own."""
     from serving.process.app import (
         KSERVE_SERVICE,
         SENTIMENT_SERVICE,
@@ -94,7 +95,11 @@ def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO", log_fo
     )
     from serving.process.app import metrics_server as bind_metrics
 
-    cfg.check_bundle_fit(verify_bundle(bundle).manifest.max_len)  # one line now, rather than one per worker
+    if (bundle is None) == (cfg.model_repository is None):
+        raise ServerConfigError("give one bundle or a model repository (--model-repository DIR), not "
+                                f"{'both' if bundle is not None else 'neither'}")
+    if bundle is not None:
+        cfg.check_bundle_fit(verify_bundle(bundle).manifest.max_len)  # one line now, rather than one per worker
     tracing.check()  # each worker exports its own spans (serving/telemetry/tracing.py); a bad variable: one line now
     check_distinct_ports(cfg)
     server_credentials(cfg)  # unreadable or mismatched TLS files: one line now, before any worker starts
@@ -139,8 +144,10 @@ def serve(bundle: str | Path, cfg: ServerConfig, log_level: str = "INFO", log_fo
 class _Parent:
     """Starts, watches, restarts and stops the workers."""
 
-    def __init__(self, bundle: str | Path, worker_cfg: ServerConfig, log_level: str, log_format: str = "text") -> None:
-        self.bundle, self.cfg, self.log_level, self.log_format = str(bundle), worker_cfg, log_level, log_format
+    def __init__(self, bundle: str | Path | None, worker_cfg: ServerConfig, log_level: str,
+                 log_format: str = "text") -> None:
+        self.bundle = None if bundle is None else str(bundle)
+        self.cfg, self.log_level, self.log_format = worker_cfg, log_level, log_format
         self.slots = [_Slot(i) for i in range(worker_cfg.workers)]
         self._context = multiprocessing.get_context("spawn")
         self._stop = threading.Event()
@@ -362,7 +369,7 @@ def _multiprocess_folder() -> Iterator[str]:
 # ---------------------------------------------------------------------------------------------------- worker
 
 
-def _worker_main(index: int, bundle: str, cfg: ServerConfig, conn: Connection, log_level: str, log_format: str,
+def _worker_main(index: int, bundle: str | None, cfg: ServerConfig, conn: Connection, log_level: str, log_format: str,
                  parent_pid: int) -> None:
     """One worker: a SentimentServer on the shared port until SIGTERM (or its parent is gone)."""
     from serving.process.app import SentimentServer, configure_process

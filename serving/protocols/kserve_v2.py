@@ -1,4 +1,4 @@
-"""The KServe v2 / Open Inference Protocol's rules for the one served model, shared by its gRPC half
+"""The KServe v2 / Open Inference Protocol's rules for the served models, shared by its gRPC half
 (serving/protocols/grpc/kserve.py) and its REST half (serving/protocols/http/kserve_rest.py): model names, the text
 input, the outputs, metadata. No gRPC and no HTTP here.
 
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from contract.version import package_version
-from serving.errors import InvalidInput, ModelNotFound
+from serving.errors import InvalidInput, ModelNotFound, NotReady
 from serving.model.core import ServingCore
+from serving.model.models import Models
 from serving.model.predictor import Prediction
 
 INPUT = "TEXT"
-VERSION = "1"  # the one version of the one model
 OUTPUTS = ("probabilities", "label", "token_count", "truncated")
 SERVER_NAME = "sentiment-server"
 
@@ -54,20 +54,27 @@ def decode_bytes(raw: bytes, count: int) -> list[bytes]:
     return items
 
 
-def check_model(core: ServingCore, name: str, version: str) -> None:
-    """ModelNotFound unless `name` (and `version`, "" = the latest) is the served model."""
-    if name != core.cfg.model_name:
-        raise ModelNotFound(f"unknown model {name!r}; this server holds {core.cfg.model_name!r}")
-    if version not in ("", VERSION):
-        raise ModelNotFound(f"model {name!r} has no version {version!r}; versions: [{VERSION!r}]")
+def pick(models: Models, name: str, version: str) -> ServingCore:
+    """The version a KServe call names; a name is required, as the protocol's paths have it (ModelNotFound)."""
+    if not name:
+        raise ModelNotFound(f"unknown model ''; name one of {models.names()}")
+    return models.get(name, version)
 
 
-def model_metadata(core: ServingCore) -> dict:
-    """The model's metadata (ModelMetadataResponse's fields; the REST answer as it is)."""
+def model_ready(models: Models, name: str, version: str) -> bool:
+    """ModelReady's answer: false for a known model with no version ready (unloaded, or every version failed)."""
+    try:
+        return pick(models, name, version).reports_ready
+    except NotReady:
+        return False
+
+
+def model_metadata(core: ServingCore, versions: Sequence[str]) -> dict:
+    """A model's metadata (ModelMetadataResponse's fields; the REST answer as it is). versions: its ready ones."""
     C = len(core.predictor.label_names)
     return {
-        "name": core.cfg.model_name,
-        "versions": [VERSION],
+        "name": core.name,
+        "versions": list(versions),
         "platform": "onnxruntime_onnx",
         "inputs": [{"name": INPUT, "datatype": "BYTES", "shape": [-1]}],
         "outputs": [

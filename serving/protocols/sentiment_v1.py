@@ -13,7 +13,8 @@ def metadata(core: ServingCore) -> pb.GetModelMetadataResponse:
     p, cfg = core.predictor, core.cfg
     policy = {"truncate": pb.LONG_TEXT_POLICY_TRUNCATE, "refuse": pb.LONG_TEXT_POLICY_REFUSE}[cfg.long_text]
     return pb.GetModelMetadataResponse(
-        model_name=cfg.model_name,
+        model_name=core.name,
+        model_version=core.version,
         labels=p.label_names,  # the proto's `labels` field: the names
         max_tokens=p.max_len,
         bundle_sha256=p.bundle_sha256,

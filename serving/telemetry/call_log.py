@@ -47,13 +47,15 @@ def step(name: str) -> Any:
 class Call:
     """One call: see the module docstring. `texts` and `tokens` are filled in by the core; `peer` by the protocol."""
 
-    __slots__ = ("protocol", "method", "request_id", "peer", "texts", "tokens", "span", "_log", "_started")
+    __slots__ = ("protocol", "method", "request_id", "peer", "texts", "tokens", "model", "model_version", "span",
+                 "_log", "_started")
 
     def __init__(self, log: CallLog, protocol: str, method: str, request_id: str,
                  span: tracing.ServerSpan | None) -> None:
         self.protocol, self.method, self.request_id = protocol, method, request_id
         self.peer = ""
         self.texts = self.tokens = 0
+        self.model = self.model_version = ""  # the model version that took the call (serving/model/core.py)
         self.span = span  # its server span when tracing is on, else None
         self._log = log
         self._started = time.perf_counter()
@@ -100,6 +102,8 @@ class Call:
             span.attributes.update(attributes or {})
             if self.texts:
                 span.attributes.update({"sentiment.texts": self.texts, "sentiment.tokens": self.tokens})
+            if self.model:
+                span.attributes.update({"sentiment.model": self.model, "sentiment.model_version": self.model_version})
             t.end(span, (reason or status) if failed else None)
         self._log.write(self, status, ms)
 
@@ -145,4 +149,5 @@ class CallLog:
                     call.peer or "-", more,
                     extra={"request_id": call.request_id, "trace_id": call.trace_id, "method": call.method,
                            "protocol": call.protocol, "peer": call.peer, "status": status, "texts": call.texts,
-                           "tokens": call.tokens, "ms": round(ms, 3), "suppressed": suppressed})
+                           "tokens": call.tokens, "ms": round(ms, 3), "suppressed": suppressed,
+                           "model": call.model, "model_version": call.model_version})

@@ -40,6 +40,7 @@ class Metrics:
         """per_worker: a worker of serving/process/workers.py (prometheus_client's multiprocess mode, which sums
         counters and histograms over the workers): also count its texts in a series of its own, labelled by its pid."""
         r = self.registry = registry or CollectorRegistry()
+        self.per_worker = per_worker
         ProcessCollector(registry=r)
         # protocol: grpc or http; method: the RPC's full name, or an HTTP call's method and route ("POST
         # /v1/classify"); code: the gRPC status name, also over HTTP (serving/protocols/http/errors.py maps them)
@@ -47,21 +48,29 @@ class Metrics:
                                 "client got", ["protocol", "method", "code"], registry=r)
         self.request_seconds = Histogram("sentiment_request_seconds", "call handling time, by protocol and method",
                                          ["protocol", "method"], buckets=_SECONDS, registry=r)
-        self.texts = Counter("sentiment_texts", "texts classified", registry=r)
-        self.queue_seconds = Histogram("sentiment_queue_seconds", "time a text waited in the batching queue",
+        # Per model version (labels model, version; serving/model/models.py): the batcher's and the calls' series,
+        # each made through `for_model`, removed when the version is unloaded.
+        mv = ["model", "version"]
+        self.texts = Counter("sentiment_texts", "texts classified", mv, registry=r)
+        self.queue_seconds = Histogram("sentiment_queue_seconds", "time a text waited in the batching queue", mv,
                                        buckets=_SECONDS, registry=r)
-        self.batch_size = Histogram("sentiment_batch_size", "texts per onnxruntime run", buckets=_SIZES, registry=r)
-        self.batch_tokens = Histogram("sentiment_batch_tokens", "padded token ids per onnxruntime run",
+        self.batch_size = Histogram("sentiment_batch_size", "texts per onnxruntime run", mv, buckets=_SIZES,
+                                    registry=r)
+        self.batch_tokens = Histogram("sentiment_batch_tokens", "padded token ids per onnxruntime run", mv,
                                       buckets=tuple(64 * s for s in _SIZES), registry=r)
-        self.inference_seconds = Histogram("sentiment_inference_seconds", "time of one onnxruntime run",
+        self.inference_seconds = Histogram("sentiment_inference_seconds", "time of one onnxruntime run", mv,
                                            buckets=_SECONDS, registry=r)
-        # Gauges: the sum over the live workers (multiprocess mode; one process reads the same)
-        self.queue_depth = Gauge("sentiment_queue_depth", "texts waiting in the batching queue", registry=r,
-                                 multiprocess_mode="livesum")
+        # Gauges: the sum over the live workers (multiprocess mode; one process reads the same). The two numbers to
+        # scale on (docs/OBSERVABILITY.md says which and why).
+        self.queue_depth = Gauge("sentiment_queue_depth", "texts waiting in the batching queue of a model version",
+                                 mv, registry=r, multiprocess_mode="livesum")
+        self.calls_in_flight = Gauge("sentiment_calls_in_flight", "model calls accepted by a model version and not "
+                                     "answered yet (queued or computing)", mv, registry=r, multiprocess_mode="livesum")
         self.dropped = Counter("sentiment_dropped_texts", "texts dropped before compute, by reason",
-                               ["reason"], registry=r)
-        for reason in ("DeadlineExpired", "Cancelled"):  # every reason there is, from 0: a rate query finds it
-            self.dropped.labels(reason)
+                               [*mv, "reason"], registry=r)
+        self.model_loads = Counter("sentiment_model_loads", "model versions loaded, refused (a bundle that failed "
+                                   "verification or its warm-up call) and unloaded, by model and result",
+                                   ["model", "result"], registry=r)
         self.response_bytes = Gauge("sentiment_response_bytes_in_flight",
                                     "bytes of answers built and not yet delivered to their clients", registry=r,
                                     multiprocess_mode="livesum")
@@ -94,6 +103,69 @@ class Metrics:
         if per_worker:  # a gauge: multiprocess mode keeps a gauge's pid label ("liveall"), sums a counter's away
             self.worker_texts = Gauge("sentiment_worker_texts", "texts classified by this worker process since it "
                                       "started, by pid (--workers > 1)", registry=r, multiprocess_mode="liveall")
+
+    def for_model(self, model: str, version: str) -> ModelMetrics:
+        """The series of one model version (what its batcher and core count)."""
+        return ModelMetrics(self, model, version)
+
+
+class ModelMetrics:
+    """One model version's children of the labelled metrics, with the attributes the batcher and the core use;
+    `remove()` ends its series when the version is unloaded."""
+
+    def __init__(self, m: Metrics, model: str, version: str) -> None:
+        self.labels = (model, version)
+        self.parent = m
+        self.texts = m.texts.labels(*self.labels)
+        self.queue_seconds = m.queue_seconds.labels(*self.labels)
+        self.batch_size = m.batch_size.labels(*self.labels)
+        self.batch_tokens = m.batch_tokens.labels(*self.labels)
+        self.inference_seconds = m.inference_seconds.labels(*self.labels)
+        self.queue_depth = m.queue_depth.labels(*self.labels)
+        self.calls_in_flight = m.calls_in_flight.labels(*self.labels)
+        self.dropped = _Dropped(m.dropped, self.labels)
+        for reason in ("DeadlineExpired", "Cancelled"):  # every reason there is, from 0: a rate query finds it
+            self.dropped.labels(reason)
+        self.worker_texts = m.worker_texts
+        self._info: tuple[str, ...] | None = None
+
+    def info(self, bundle_sha256: str, precision: str, provider: str) -> None:
+        """sentiment_model_info's series for this version."""
+        self._info = (bundle_sha256, precision, provider, *self.labels)
+        self.parent.model_info.labels(*self._info).set(1)
+
+    def remove(self) -> None:
+        m = self.parent
+        self.queue_depth.set(0)
+        self.calls_in_flight.set(0)
+        if self._info is not None:
+            m.model_info.labels(*self._info).set(0)
+        if m.per_worker:  # multiprocess mode cannot remove a series: a worker's unloaded version reads 0 until restart
+            return
+        if self._info is not None:
+            _remove(m.model_info, *self._info)
+        for metric in (m.texts, m.queue_seconds, m.batch_size, m.batch_tokens, m.inference_seconds, m.queue_depth,
+                       m.calls_in_flight):
+            _remove(metric, *self.labels)
+        for reason in ("DeadlineExpired", "Cancelled"):
+            _remove(m.dropped, *self.labels, reason)
+
+
+class _Dropped:
+    """`dropped.labels(reason)` for one model version."""
+
+    def __init__(self, counter: Counter, labels: tuple[str, str]) -> None:
+        self.counter, self.model_labels = counter, labels
+
+    def labels(self, reason: str):
+        return self.counter.labels(*self.model_labels, reason)
+
+
+def _remove(metric, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass
 
 
 def _installed(package: str) -> str | None:

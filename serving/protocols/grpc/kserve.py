@@ -1,6 +1,8 @@
-"""KServe v2 / Triton `inference.GRPCInferenceService` for the one served model: messages in and out of the shared
-ServingCore, under the protocol's rules (serving/protocols/kserve_v2.py, which its REST half shares). The texts come
-in raw_input_contents or contents.bytes_contents; the outputs go out in raw_output_contents, as Triton sends them."""
+"""KServe v2 / Triton `inference.GRPCInferenceService` for the served models, and the repository extension: messages
+in and out of the models' ServingCores (serving/model/models.py), under the protocol's rules
+(serving/protocols/kserve_v2.py, which its REST half shares; the repository's: serving/protocols/repository_api.py).
+The texts come in raw_input_contents or contents.bytes_contents; the outputs go out in raw_output_contents, as Triton
+sends them."""
 
 from __future__ import annotations
 
@@ -9,70 +11,85 @@ import grpc
 from serving.errors import InvalidInput
 from serving.gen.inference import grpc_service_pb2 as pb
 from serving.gen.inference import grpc_service_pb2_grpc as pb_grpc
-from serving.model.core import ServingCore
+from serving.model.models import Models
 from serving.protocols.grpc.servicer_context import cancelled_of, deadline_of
 from serving.protocols.kserve_v2 import (
     INPUT,
     OUTPUTS,
     SERVER_NAME,
-    VERSION,
-    check_model,
     decode_bytes,
     decode_texts,
     model_metadata,
+    model_ready,
     output_tensors,
+    pick,
     server_version,
     text_count,
     wanted_outputs,
 )
+from serving.protocols.repository_api import RepositoryApi
 
 
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """Health, metadata and inference in the KServe v2 protocol, on the shared ServingCore."""
+    """Health, metadata, inference and the model repository in the KServe v2 protocol."""
 
-    def __init__(self, core: ServingCore) -> None:
-        self.core = core
+    def __init__(self, models: Models, repository: RepositoryApi) -> None:
+        self.models, self.repository = models, repository
 
     def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
 
     def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self.core.reports_ready)
+        return pb.ServerReadyResponse(ready=self.models.reports_ready)
 
     def ModelReady(self, request, context):
-        check_model(self.core, request.name, request.version)
-        return pb.ModelReadyResponse(ready=self.core.reports_ready)
+        return pb.ModelReadyResponse(ready=model_ready(self.models, request.name, request.version))
 
     def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name=SERVER_NAME, version=server_version(), extensions=[])
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=server_version(), extensions=["model_repository"])
 
     def ModelMetadata(self, request, context):
-        check_model(self.core, request.name, request.version)
-        meta = model_metadata(self.core)
+        core = pick(self.models, request.name, request.version)
+        meta = model_metadata(core, self.models.versions(core.name))
         T = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
                                         inputs=[T(**t) for t in meta["inputs"]],
                                         outputs=[T(**t) for t in meta["outputs"]])
 
     def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> pb.ModelInferResponse:
-        check_model(self.core, request.model_name, request.model_version)
+        core = pick(self.models, request.model_name, request.model_version)
         # counted without reading them: 60,000 entries cost nothing
         names = [o.name for o in request.outputs] if len(request.outputs) <= len(OUTPUTS) else request.outputs
         wanted = wanted_outputs(names, [o.name for o in request.outputs[:len(OUTPUTS)]
                                         if "classification" in o.parameters])
-        texts = self._texts(request)
-        preds = self.core.classify(texts, deadline_of(context), cancelled_of(context))
-        response = pb.ModelInferResponse(model_name=self.core.cfg.model_name, model_version=VERSION, id=request.id)
+        texts = self._texts(request, core.cfg.max_texts)
+        core, preds = self.models.classify(core.name, request.model_version, texts, deadline_of(context),
+                                           cancelled_of(context))
+        response = pb.ModelInferResponse(model_name=core.name, model_version=core.version, id=request.id)
         for tensor in output_tensors(preds, wanted):
             response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
             response.raw_output_contents.append(tensor.raw())
         return response
 
-    def _texts(self, request: pb.ModelInferRequest) -> list[str]:
+    def RepositoryIndex(self, request, context):
+        M = pb.RepositoryIndexResponse.ModelIndex
+        return pb.RepositoryIndexResponse(models=[M(**row) for row in self.repository.index(request.repository_name,
+                                                                                             request.ready)])
+
+    def RepositoryModelLoad(self, request, context):
+        self.repository.load(request.model_name, request.repository_name)
+        return pb.RepositoryModelLoadResponse()
+
+    def RepositoryModelUnload(self, request, context):
+        self.repository.unload(request.model_name, request.repository_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    @staticmethod
+    def _texts(request: pb.ModelInferRequest, max_texts: int) -> list[str]:
         """The request's one BYTES input as decoded texts; InvalidInput naming what is wrong."""
         first = request.inputs[0] if request.inputs else None
         count = text_count([i.name for i in request.inputs], first.datatype if first else "",
-                           first.shape if first else [], self.core.cfg.max_texts)
+                           first.shape if first else [], max_texts)
         assert first is not None
         if request.raw_input_contents:
             if len(request.raw_input_contents) != 1 or first.HasField("contents"):

@@ -12,6 +12,8 @@ STATUS = {  # gRPC code -> HTTP status
     "INVALID_ARGUMENT": 400,
     "UNAUTHENTICATED": 401,
     "NOT_FOUND": 404,
+    "PERMISSION_DENIED": 403,  # the repository API while it is closed (no token and not repository_api_open)
+    "FAILED_PRECONDITION": 400,  # a model version that failed its verification or warm-up (KServe answers 400)
     "CANCELLED": 408,  # the body did not arrive within body_timeout_s (a client that left gets no answer)
     "RESOURCE_EXHAUSTED": 429,  # overload: every model slot taken, the queue or the answers' budget full
     "INTERNAL": 500,

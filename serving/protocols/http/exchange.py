@@ -35,6 +35,7 @@ from serving.config import ServerConfig
 from serving.errors import Cancelled, DeadlineExpired, InvalidInput, ServingError, Unauthenticated
 from serving.limits.admission import Admission, Permit
 from serving.model.core import ServingCore
+from serving.model.models import Models
 from serving.model.predictor import Prediction
 from serving.protocols.http.errors import HttpError, error_body, status_of
 from serving.telemetry.call_log import CallLog
@@ -152,15 +153,18 @@ class HttpCall:
     async def json(self, types: Iterable[bytes] = JSON_TYPES) -> Any:
         return parse_json(await self.body(types))
 
-    async def predictions(self, core: ServingCore, texts: list[str]) -> list[Prediction]:
-        """The core's predictions of `texts` (its `classify`, without blocking the loop), awaited as `result` does.
-        Texts of more than OFFLOAD_CHARS characters in all are checked, tokenized and queued in a thread of the
-        loop's pool (sentencepiece lets go of the interpreter lock): on the loop they held up every other call's
-        reading and answering, the answers of a batch just computed included (docs/BENCHMARKS.md, "HTTP beside
-        gRPC"). Shorter ones stay on the loop, where they cost less than the hand-off to a thread."""
-        submit = partial(core.submit, texts, self.deadline, lambda: self.gone)
+    async def predictions(self, models: Models, name: str, version: str,
+                          texts: list[str]) -> tuple[ServingCore, list[Prediction]]:
+        """The core that answered and its predictions of `texts` (Models.submit, without blocking the loop), awaited as
+        `result` does. Texts of more than OFFLOAD_CHARS characters in all are checked, tokenized and queued in a
+        thread of the loop's pool (sentencepiece lets go of the interpreter lock): on the loop they held up every
+        other call's reading and answering, the answers of a batch just computed included (docs/BENCHMARKS.md, "HTTP
+        beside gRPC"). Shorter ones stay on the loop, where they cost less than the hand-off to a thread."""
+        submit = partial(models.submit, name, version, texts, self.deadline, lambda: self.gone)
         long = sum(map(len, texts)) > OFFLOAD_CHARS
-        return await self.result(await asyncio.to_thread(submit) if long else submit())
+        # while several models are busy a call may wait for its model's turn (serving/model/turns.py): in a thread
+        core, future = await asyncio.to_thread(submit) if long or models.contended else submit()
+        return core, await self.result(future)
 
     async def result(self, future: Future) -> Any:
         """The core's answer (its ServingError raised), awaited without a thread; DeadlineExpired once the deadline

@@ -20,16 +20,15 @@ from typing import Any
 import orjson
 
 from serving.errors import InvalidInput
-from serving.model.core import ServingCore
+from serving.model.models import Models
 from serving.protocols.http.exchange import Answer, HttpCall, parse_json
 from serving.protocols.kserve_v2 import (
     INPUT,
     OUTPUTS,
-    VERSION,
-    check_model,
     decode_bytes,
     decode_texts,
     output_tensors,
+    pick,
     text_count,
     wanted_outputs,
 )
@@ -50,8 +49,9 @@ _JSON_NAMES = {"dict": "an object", "list": "an array", "str": "a string", "int"
                "int or float": "a number"}
 
 
-async def infer(core: ServingCore, call: HttpCall) -> Answer:
-    check_model(core, call.params["name"], call.params.get("version", ""))
+async def infer(models: Models, call: HttpCall) -> Answer:
+    version = call.params.get("version", "")
+    core = pick(models, call.params["name"], version)
     body = await call.body(BODY_TYPES)
     doc, binary = _split(body, call.header(HEADER_LENGTH))
     if not isinstance(doc, dict):
@@ -74,9 +74,9 @@ async def infer(core: ServingCore, call: HttpCall) -> Answer:
     in_binary = {n: bool(_get(p, "binary_data", bool, f"outputs {n!r}.parameters", binary_default))
                  for n, p in zip(names, options, strict=True)} if asked else dict.fromkeys(wanted, binary_default)
     texts = _texts(_get(doc, "inputs", list, "request", []), binary, core.cfg.max_texts)
-    preds = await call.predictions(core, texts)
+    core, preds = await call.predictions(models, core.name, version, texts)
 
-    answer: dict[str, Any] = {"model_name": core.cfg.model_name, "model_version": VERSION}
+    answer: dict[str, Any] = {"model_name": core.name, "model_version": core.version}
     if request_id is not None:
         answer["id"] = request_id
     tensors, raws = [], []

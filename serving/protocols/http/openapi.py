@@ -6,14 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.model.core import ServingCore
+from serving.model.models import Models
 from serving.protocols import kserve_v2
 from serving.protocols.http.errors import STATUS
 from serving.protocols.http.exchange import MAX_TIMEOUT_MS
 
 _ERRORS = {  # status -> when
-    400: "the request is malformed or breaks a limit (INVALID_ARGUMENT); the message names the field and the limit",
+    400: "the request is malformed or breaks a limit (INVALID_ARGUMENT), or a model version failed its check "
+         "(FAILED_PRECONDITION); the message names the field and the limit, or the version and the reason",
     401: "missing or wrong bearer token (UNAUTHENTICATED)",
+    403: "the repository API is closed: no token is configured and repository_api_open is off (PERMISSION_DENIED)",
     404: "no such model or version (NOT_FOUND)",
     408: "the body did not arrive within body_timeout_s (CANCELLED)",
     413: "the body is over max_message_bytes (RESOURCE_EXHAUSTED)",
@@ -42,13 +44,18 @@ def _responses(ok: dict, errors: tuple[int, ...]) -> dict:
     return out
 
 
-def document(core: ServingCore) -> dict[str, Any]:
-    cfg, labels = core.cfg, core.predictor.label_names
-    C = len(labels)
+def document(models: Models) -> dict[str, Any]:
+    """The API as it is now: its models' names and labels (made again at each request: models come and go)."""
+    cfg, cores = models.cfg, models.cores
+    labels = list(dict.fromkeys(label for c in cores for label in c.predictor.label_names))
+    C = max((len(c.predictor.label_names) for c in cores), default=len(labels))
+    names = list(dict.fromkeys(c.name for c in cores))
     name_param = {"name": "name", "in": "path", "required": True,
-                  "schema": {"type": "string", "enum": [cfg.model_name]}, "description": "the model's name"}
+                  "schema": {"type": "string", **({"enum": names} if names else {})}, "description": "the model's name"}
     version_param = {"name": "version", "in": "path", "required": True,
-                     "schema": {"type": "string", "enum": [kserve_v2.VERSION]}, "description": "the model's version"}
+                     "schema": {"type": "string", "pattern": "^[0-9]{1,9}$"},
+                     "description": "the model's version (its repository folder's number; 1 for a bundle given on "
+                                    "the command line)"}
     timeout_header = {"name": "Request-Timeout-Ms", "in": "header", "required": False,
                       "schema": {"type": "number", "minimum": 0, "exclusiveMinimum": True,
                                  "maximum": MAX_TIMEOUT_MS},
@@ -61,7 +68,9 @@ def document(core: ServingCore) -> dict[str, Any]:
             "error": {"type": "string", "description": "what is wrong, naming the field and the limit"}}},
         "ClassifyRequest": {"type": "object", "required": ["texts"], "additionalProperties": False, "properties": {
             "texts": {"type": "array", "minItems": 1, "maxItems": cfg.max_texts, "items": text,
-                      "description": "reviews; each needs a letter or a digit"}}},
+                      "description": "reviews; each needs a letter or a digit"},
+            "model_name": {"type": "string", "description": "the model; leave it out on a server of one model"},
+            "model_version": {"type": "string", "description": "its version; left out: its newest ready one"}}},
         "Classification": {"type": "object", "required": ["label", "label_index", "probabilities", "token_count",
                                                           "truncated"], "properties": {
             "label": {"type": "string", "enum": list(labels)},
@@ -71,8 +80,15 @@ def document(core: ServingCore) -> dict[str, Any]:
             "token_count": {"type": "integer", "minimum": 3, "description": "ids the model read, <sos> and <eos> "
                                                                             "included"},
             "truncated": {"type": "boolean", "description": "the text was cut to the model's max_tokens"}}},
-        "ClassifyResponse": {"type": "object", "required": ["results"], "properties": {
-            "results": {"type": "array", "items": _ref("Classification")}}},
+        "ClassifyResponse": {"type": "object", "required": ["results", "model_name", "model_version"], "properties": {
+            "results": {"type": "array", "items": _ref("Classification")},
+            "model_name": {"type": "string", "description": "the model that answered"},
+            "model_version": {"type": "string", "description": "the version that answered"}}},
+        "RepositoryIndex": {"type": "array", "items": {"type": "object", "required": ["name", "version", "state"],
+                                                       "properties": {
+            "name": {"type": "string"}, "version": {"type": "string"},
+            "state": {"type": "string", "enum": ["READY", "LOADING", "UNLOADING", "UNAVAILABLE"]},
+            "reason": {"type": "string", "description": "why a version is UNAVAILABLE"}}}},
         "Metadata": {"type": "object", "required": ["model_name", "labels", "max_tokens", "max_texts", "max_chars"],
                      "properties": {
                          "model_name": {"type": "string"}, "labels": {"type": "array", "items": {"type": "string"}},
@@ -137,7 +153,19 @@ def document(core: ServingCore) -> dict[str, Any]:
                                for m, o in op.items()}
     with_name = lambda op: {m: {**o, "parameters": [name_param, *o.get("parameters", [])]}  # noqa: E731
                             for m, o in op.items()}
+    change = {"post": {"summary": "", "security": secured, "parameters": [name_param],
+                       "responses": _responses(_json({"type": "object"}, "done"), (400, 401, 403, 404, 500))}}
     paths = {
+        "/v2/repository/index": {"post": {
+            "summary": "every model version held or tried, with its state (KServe v2 repository extension)",
+            "security": secured, "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                "type": "object", "properties": {"ready": {"type": "boolean"}}}}}},
+            "responses": _responses(_json(_ref("RepositoryIndex"), "the index"), (400, 401, 500))}},
+        "/v2/repository/models/{name}/load": {"post": {**change["post"], "summary": "load the model's versions from "
+                                                       "the repository (again): new ones verified before they serve, "
+                                                       "those its policy no longer lists drained and freed"}},
+        "/v2/repository/models/{name}/unload": {"post": {**change["post"], "summary": "unload every version of the "
+                                                         "model (each drains its calls in flight)"}},
         "/v1/classify": {"post": {
             "summary": "label texts: per text its label, probabilities, token count and truncation",
             "security": secured, "parameters": [timeout_header],
@@ -164,7 +192,7 @@ def document(core: ServingCore) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "openapi": "3.0.3",
         "info": {"title": "sentiment-server", "version": kserve_v2.server_version(),
-                 "description": f"Sentiment classification of texts by the model {cfg.model_name!r} (labels "
+                 "description": f"Sentiment classification of texts by the models {names} (labels "
                                 f"{labels}). Every error is {{\"code\", \"error\"}}: the gRPC status name and a "
                                 f"message. Bodies up to {cfg.max_message_bytes} bytes."},
         "paths": paths,

@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0serving/gen/sentiment/v1/sentiment_service.proto\x12\x0csentiment.v1\" \n\x0f\x43lassifyRequest\x12\r\n\x05texts\x18\x01 \x03(\t\"A\n\x10\x43lassifyResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.sentiment.v1.Classification\"s\n\x0e\x43lassification\x12\r\n\x05label\x18\x01 \x01(\t\x12\x13\n\x0blabel_index\x18\x02 \x01(\r\x12\x15\n\rprobabilities\x18\x03 \x03(\x02\x12\x13\n\x0btoken_count\x18\x04 \x01(\r\x12\x11\n\ttruncated\x18\x05 \x01(\x08\"\x19\n\x17GetModelMetadataRequest\"\xe3\x02\n\x18GetModelMetadataResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x15\n\rbundle_sha256\x18\x04 \x01(\t\x12\x1a\n\x12\x65xecution_provider\x18\x05 \x01(\t\x12\x11\n\tprecision\x18\x06 \x01(\t\x12\x11\n\tmax_texts\x18\x07 \x01(\r\x12\x11\n\tmax_chars\x18\x08 \x01(\r\x12\x36\n\x10long_text_policy\x18\t \x01(\x0e\x32\x1c.sentiment.v1.LongTextPolicy\x12\x14\n\x0clabel_values\x18\n \x03(\t\x12 \n\x18probabilities_calibrated\x18\x0b \x01(\x08\x12\x1f\n\x17\x63\x61libration_temperature\x18\x0c \x01(\x02\x12\x12\n\nmodel_card\x18\r \x01(\t*n\n\x0eLongTextPolicy\x12 \n\x1cLONG_TEXT_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19LONG_TEXT_POLICY_TRUNCATE\x10\x01\x12\x1b\n\x17LONG_TEXT_POLICY_REFUSE\x10\x02\x32\xc0\x01\n\x10SentimentService\x12I\n\x08\x43lassify\x12\x1d.sentiment.v1.ClassifyRequest\x1a\x1e.sentiment.v1.ClassifyResponse\x12\x61\n\x10GetModelMetadata\x12%.sentiment.v1.GetModelMetadataRequest\x1a&.sentiment.v1.GetModelMetadataResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0serving/gen/sentiment/v1/sentiment_service.proto\x12\x0csentiment.v1\"K\n\x0f\x43lassifyRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\"l\n\x10\x43lassifyResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.sentiment.v1.Classification\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\"s\n\x0e\x43lassification\x12\r\n\x05label\x18\x01 \x01(\t\x12\x13\n\x0blabel_index\x18\x02 \x01(\r\x12\x15\n\rprobabilities\x18\x03 \x03(\x02\x12\x13\n\x0btoken_count\x18\x04 \x01(\r\x12\x11\n\ttruncated\x18\x05 \x01(\x08\"D\n\x17GetModelMetadataRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"\xfa\x02\n\x18GetModelMetadataResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06labels\x18\x02 \x03(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x15\n\rbundle_sha256\x18\x04 \x01(\t\x12\x1a\n\x12\x65xecution_provider\x18\x05 \x01(\t\x12\x11\n\tprecision\x18\x06 \x01(\t\x12\x11\n\tmax_texts\x18\x07 \x01(\r\x12\x11\n\tmax_chars\x18\x08 \x01(\r\x12\x36\n\x10long_text_policy\x18\t \x01(\x0e\x32\x1c.sentiment.v1.LongTextPolicy\x12\x14\n\x0clabel_values\x18\n \x03(\t\x12 \n\x18probabilities_calibrated\x18\x0b \x01(\x08\x12\x1f\n\x17\x63\x61libration_temperature\x18\x0c \x01(\x02\x12\x12\n\nmodel_card\x18\r \x01(\t\x12\x15\n\rmodel_version\x18\x0e \x01(\t*n\n\x0eLongTextPolicy\x12 \n\x1cLONG_TEXT_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19LONG_TEXT_POLICY_TRUNCATE\x10\x01\x12\x1b\n\x17LONG_TEXT_POLICY_REFUSE\x10\x02\x32\xc0\x01\n\x10SentimentService\x12I\n\x08\x43lassify\x12\x1d.sentiment.v1.ClassifyRequest\x1a\x1e.sentiment.v1.ClassifyResponse\x12\x61\n\x10GetModelMetadata\x12%.sentiment.v1.GetModelMetadataRequest\x1a&.sentiment.v1.GetModelMetadataResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.gen.sentiment.v1.sentiment_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LONGTEXTPOLICY']._serialized_start=669
-  _globals['_LONGTEXTPOLICY']._serialized_end=779
+  _globals['_LONGTEXTPOLICY']._serialized_start=821
+  _globals['_LONGTEXTPOLICY']._serialized_end=931
   _globals['_CLASSIFYREQUEST']._serialized_start=66
-  _globals['_CLASSIFYREQUEST']._serialized_end=98
-  _globals['_CLASSIFYRESPONSE']._serialized_start=100
-  _globals['_CLASSIFYRESPONSE']._serialized_end=165
-  _globals['_CLASSIFICATION']._serialized_start=167
-  _globals['_CLASSIFICATION']._serialized_end=282
-  _globals['_GETMODELMETADATAREQUEST']._serialized_start=284
-  _globals['_GETMODELMETADATAREQUEST']._serialized_end=309
-  _globals['_GETMODELMETADATARESPONSE']._serialized_start=312
-  _globals['_GETMODELMETADATARESPONSE']._serialized_end=667
-  _globals['_SENTIMENTSERVICE']._serialized_start=782
-  _globals['_SENTIMENTSERVICE']._serialized_end=974
+  _globals['_CLASSIFYREQUEST']._serialized_end=141
+  _globals['_CLASSIFYRESPONSE']._serialized_start=143
+  _globals['_CLASSIFYRESPONSE']._serialized_end=251
+  _globals['_CLASSIFICATION']._serialized_start=253
+  _globals['_CLASSIFICATION']._serialized_end=368
+  _globals['_GETMODELMETADATAREQUEST']._serialized_start=370
+  _globals['_GETMODELMETADATAREQUEST']._serialized_end=438
+  _globals['_GETMODELMETADATARESPONSE']._serialized_start=441
+  _globals['_GETMODELMETADATARESPONSE']._serialized_end=819
+  _globals['_SENTIMENTSERVICE']._serialized_start=934
+  _globals['_SENTIMENTSERVICE']._serialized_end=1126
 # @@protoc_insertion_point(module_scope)

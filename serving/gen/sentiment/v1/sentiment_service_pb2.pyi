@@ -17,16 +17,24 @@ LONG_TEXT_POLICY_TRUNCATE: LongTextPolicy
 LONG_TEXT_POLICY_REFUSE: LongTextPolicy
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("texts",)
+    __slots__ = ("texts", "model_name", "model_version")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...
+    model_name: str
+    model_version: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class ClassifyResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "model_name", "model_version")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[Classification]
-    def __init__(self, results: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ...) -> None: ...
+    model_name: str
+    model_version: str
+    def __init__(self, results: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class Classification(_message.Message):
     __slots__ = ("label", "label_index", "probabilities", "token_count", "truncated")
@@ -43,11 +51,15 @@ class Classification(_message.Message):
     def __init__(self, label: _Optional[str] = ..., label_index: _Optional[int] = ..., probabilities: _Optional[_Iterable[float]] = ..., token_count: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class GetModelMetadataRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model_name", "model_version")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_version: str
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class GetModelMetadataResponse(_message.Message):
-    __slots__ = ("model_name", "labels", "max_tokens", "bundle_sha256", "execution_provider", "precision", "max_texts", "max_chars", "long_text_policy", "label_values", "probabilities_calibrated", "calibration_temperature", "model_card")
+    __slots__ = ("model_name", "labels", "max_tokens", "bundle_sha256", "execution_provider", "precision", "max_texts", "max_chars", "long_text_policy", "label_values", "probabilities_calibrated", "calibration_temperature", "model_card", "model_version")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +73,7 @@ class GetModelMetadataResponse(_message.Message):
     PROBABILITIES_CALIBRATED_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_CARD_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     labels: _containers.RepeatedScalarFieldContainer[str]
     max_tokens: int
@@ -74,4 +87,5 @@ class GetModelMetadataResponse(_message.Message):
     probabilities_calibrated: bool
     calibration_temperature: float
     model_card: str
-    def __init__(self, model_name: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., bundle_sha256: _Optional[str] = ..., execution_provider: _Optional[str] = ..., precision: _Optional[str] = ..., max_texts: _Optional[int] = ..., max_chars: _Optional[int] = ..., long_text_policy: _Optional[_Union[LongTextPolicy, str]] = ..., label_values: _Optional[_Iterable[str]] = ..., probabilities_calibrated: _Optional[bool] = ..., calibration_temperature: _Optional[float] = ..., model_card: _Optional[str] = ...) -> None: ...
+    model_version: str
+    def __init__(self, model_name: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., bundle_sha256: _Optional[str] = ..., execution_provider: _Optional[str] = ..., precision: _Optional[str] = ..., max_texts: _Optional[int] = ..., max_chars: _Optional[int] = ..., long_text_policy: _Optional[_Union[LongTextPolicy, str]] = ..., label_values: _Optional[_Iterable[str]] = ..., probabilities_calibrated: _Optional[bool] = ..., calibration_temperature: _Optional[float] = ..., model_card: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,42 @@
+"""bench/model_swap_bench.py, run short on the tiny bundle: a new version renamed into a polled repository under load
+takes the traffic without a failed call, and a damaged one is refused while the old one keeps answering; the JSON
+holds what docs/BENCHMARKS.md reports from it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from procs import REPO
+
+
+def test_a_swap_and_a_damaged_version_under_load_fail_no_call(tiny_bundle: Path, tmp_path: Path) -> None:
+    out = tmp_path / "swap.json"
+    run = subprocess.run([sys.executable, "bench/model_swap_bench.py", "--bundle", str(tiny_bundle), "--phases",
+                          "swap", "bad", "--rate", "50", "--baseline-s", "2", "--swaps", "1", "--swap-gap-s", "0",
+                          "--tail-s", "1", "--idle-s", "0", "--poll-s", "0.2", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    r = json.loads(out.read_text())
+    assert {"machine", "date", "load_average_start", "swap", "bad"} <= r.keys()
+
+    swap = r["swap"]
+    assert swap["failed"] == 0, swap["failed_examples"]
+    assert swap["calls"] >= 100 and swap["before"]["calls"] > 0 and swap["during"]["calls"] > 0
+    assert swap["before"]["p99_ms"] > 0 and swap["p99_ratio"] > 0 and swap["rss_ratio"] > 0
+    assert set(swap["rss_mib"]) == {"before", "after", "idle_after"}
+    assert [w["version"] for w in swap["per_swap"]] == [2]
+    assert set(swap["versions"]) == {"1", "2"}  # the traffic moved to the new version
+    assert swap["answers_from_an_unloaded_version"] == 0
+    assert swap["model_loads"] == {"loaded": 2, "failed": 0, "unloaded": 1}
+    assert swap["server"]["exit_code"] == 0
+
+    bad = r["bad"]
+    assert bad["failed"] == 0, bad["failed_examples"]
+    line = next(x for x in bad["index"] if x["version"] == "2")
+    assert line["state"] == "UNAVAILABLE" and "model.onnx: checksum mismatch" in line["reason"]
+    assert bad["failed_loads_at_refusal"] == 1 and bad["model_loads"]["failed"] == 1
+    assert set(bad["versions_after_rename"]) == {"1"} and bad["versions_after_rename"]["1"] > 0
+    assert "### swap" in run.stdout and "| p99 in the windows / before |" in run.stdout
