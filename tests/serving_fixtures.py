@@ -216,9 +216,9 @@ class ServerProcess:
 
     def __init__(self, bundle: Path | str | None, *args: str, env: dict[str, str] | None = None,
                  repo: Path = REPO_ROOT, cpus: str | None = None) -> None:
-        """bundle: None when `args` give --model-repository. Metrics and HTTP are off unless `args` name a --metrics-port, an --http-port. repo: the tree whose server
-        runs (another one for a benchmark's "before" column). cpus: the cores it may run on (taskset's list, e.g.
-        '0-3')."""
+        """bundle: None when `args` give --model-repository. Metrics and HTTP are off unless `args` name a
+        --metrics-port, an --http-port. repo: the tree whose server runs (another one for a benchmark's "before"
+        column). cpus: the cores it may run on (taskset's list, e.g. '0-3')."""
         metrics = [] if any(a.startswith("--metrics-port") for a in args) else ["--no-metrics"]
         has_http = (Path(repo) / "serving" / "protocols" / "http").is_dir()  # a "before" tree may predate it
         if has_http and not any(a.startswith("--http-port") for a in args):

@@ -133,13 +133,12 @@ def router(models: Models, repository: RepositoryApi, calls: HttpCalls, *, page_
             raise InvalidInput('body: expected {"ready": true|false} or nothing')
         return _json(repository.index("", doc.get("ready", False)))
 
-    async def repository_load(call: HttpCall) -> Answer:  # seconds: never on the loop, nor in its own pool
-        await asyncio.get_running_loop().run_in_executor(repository.pool, repository.load, call.params["name"])
-        return _json({})
+    def repository_change(work: Callable[[str], None]) -> Callable[[HttpCall], Awaitable[Answer]]:
+        async def change(call: HttpCall) -> Answer:  # seconds: never on the loop, nor in the loop's own pool
+            await asyncio.get_running_loop().run_in_executor(repository.pool, work, call.params["name"])
+            return _json({})
 
-    async def repository_unload(call: HttpCall) -> Answer:
-        await asyncio.get_running_loop().run_in_executor(repository.pool, repository.unload, call.params["name"])
-        return _json({})
+        return change
 
     async def try_it(call: HttpCall) -> Answer:
         return Answer(page.HTML, content_type=b"text/html; charset=utf-8", headers=page.HEADERS)
@@ -160,8 +159,8 @@ def router(models: Models, repository: RepositoryApi, calls: HttpCalls, *, page_
         at("/v1/classify", {"POST": classify}, model=True),
         at("/v1/metadata", {"GET": v1_metadata}),
         at("/v2/repository/index", {"POST": repository_index}),
-        at("/v2/repository/models/{name}/load", {"POST": repository_load}),
-        at("/v2/repository/models/{name}/unload", {"POST": repository_unload}),
+        at("/v2/repository/models/{name}/load", {"POST": repository_change(repository.load)}),
+        at("/v2/repository/models/{name}/unload", {"POST": repository_change(repository.unload)}),
         at("/openapi.json", {"GET": openapi_json}, open=True),
     ]
     if page_on:
