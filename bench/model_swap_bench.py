@@ -387,7 +387,8 @@ def tables(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bundle", type=Path, required=True, help="bundle folder: every version, and model a")
+    ap.add_argument("--bundle", type=Path, required=True,
+                    help="bundle folder copied in as every version (and as the first model of phase two)")
     ap.add_argument("--bundle-b", type=Path, help="two: model b's bundle (default: --bundle)")
     ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="phases to run, in order")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder holding cls-books-fr/")
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll-s", type=float, default=1.0, help="the server's --repository-poll-s")
     ap.add_argument("--concurrency", type=int, default=16, help="two: model b's closed-loop callers")
     ap.add_argument("--two-s", type=float, default=10.0, help="two: measured seconds of each run of b")
-    ap.add_argument("--flood-callers", type=int, default=64, help="two: closed-loop callers flooding model a")
+    ap.add_argument("--flood-callers", type=int, default=64, help="two: closed-loop callers that flood the first model")
     ap.add_argument("--cancel-flood", type=int, default=16, help="cancel: calls of 256 long reviews queued first")
     ap.add_argument("--cancelled", type=int, default=100, help="cancel: one-review calls queued, then cancelled")
     ap.add_argument("--server-args", default="", help="more server options, e.g. '--max-concurrent-rpcs 32'")
