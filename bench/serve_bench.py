@@ -226,9 +226,9 @@ class Server:
         return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
 
     def metric(self, name: str) -> float:
-        page = self.scrape()
-        m = re.search(rf"^{name} ([0-9.e+-]+)$", page, re.M)
-        return float(m.group(1)) if m else float("nan")
+        """The sum of the series of `name` (one per model version: labels model, version), nan when none."""
+        values = re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", self.scrape(), re.M)
+        return sum(map(float, values)) if values else float("nan")
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

@@ -167,15 +167,15 @@ def test_load_and_unload_without_the_token_are_refused_and_change_nothing(repo: 
                 e = refusal(load if action == "load" else unload, kserve, "m", metadata)
                 assert e.code() == grpc.StatusCode.UNAUTHENTICATED, (action, metadata, e)
         # nothing was unloaded or loaded again: the same version object serves, and answers
-        assert server.models.cores == [core] and index(server) == {("m", "1"): ("READY", "")}
+        assert server.models.cores == (core,) and index(server) == {("m", "1"): ("READY", "")}
         answer = classify.Classify(pb.ClassifyRequest(texts=TEXTS), timeout=10, metadata=META)
         assert answer.model_version == "1" and len(answer.results) == 2
         changes = [r.getMessage() for r in caplog.records if r.name == "serving.model.models"]
         assert changes == ["model 'm' version 1 loaded from %s and serving" % (repo / "m" / "1")], changes
         # the same calls with the token do what they ask: it was the token that was missing
-        assert rest(server, "unload", "m", AUTH).status == 200 and server.models.cores == []
+        assert rest(server, "unload", "m", AUTH).status == 200 and server.models.cores == ()
         load(kserve, "m", META)
-        assert [c.version for c in server.models.cores] == ["1"] and server.models.cores != [core]
+        assert [c.version for c in server.models.cores] == ["1"] and server.models.cores != (core,)
 
 
 def test_without_a_token_the_repository_api_is_closed_and_the_index_readable(repo: Path) -> None:
@@ -190,7 +190,7 @@ def test_without_a_token_the_repository_api_is_closed_and_the_index_readable(rep
         assert index(server) == {("m", "1"): ("READY", "")}
         rows = kserve.RepositoryIndex(kpb.RepositoryIndexRequest(), timeout=10).models
         assert [(r.name, r.version, r.state) for r in rows] == [("m", "1", "READY")]
-        assert server.models.cores == [core]
+        assert server.models.cores == (core,)
         assert classify.Classify(pb.ClassifyRequest(texts=TEXTS), timeout=10).model_version == "1"
     with serving(repo, repository_api_open=True) as (server, kserve, _):  # opened on purpose: the same calls work
         unload(kserve, "m")

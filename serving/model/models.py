@@ -82,6 +82,7 @@ class Models:
         self._lock = threading.Lock()  # the lists below; held for lookups and switches only
         self._changing = threading.Lock()  # one load or unload at a time
         self._ready: dict[str, dict[int, ServingCore]] = {}  # what calls can reach
+        self._cores: tuple[ServingCore, ...] = ()
         self._index: dict[tuple[str, int], _Version] = {}
         self._refused: dict[tuple[str, str], str] = {}  # entries of a model folder that are not versions it can use
         self._known: set[str] = set()
@@ -151,10 +152,13 @@ class Models:
             return [str(v) for v in sorted(self._ready.get(name, {}))]
 
     @property
-    def cores(self) -> list[ServingCore]:
-        """Every ready version, by name then version."""
-        with self._lock:
-            return [self._ready[n][v] for n in sorted(self._ready) for v in sorted(self._ready[n])]
+    def cores(self) -> tuple[ServingCore, ...]:
+        """Every ready version, by name then version (a tuple made at each change: read on every call, no lock)."""
+        return self._cores
+
+    def _listed(self) -> None:
+        """The lock held: `cores` again, after a change of `_ready`."""
+        self._cores = tuple(self._ready[n][v] for n in sorted(self._ready) for v in sorted(self._ready[n]))
 
     @property
     def contended(self) -> bool:
@@ -169,7 +173,10 @@ class Models:
     def no_room_for_any(self, max_texts: int) -> str | None:
         """Admission's question (serving/limits/admission.py) before a call's model is known: a refusal only when no
         ready version has room for a call of max_texts."""
-        reasons = [c.batcher.no_room_for_any(max_texts) for c in self.cores]
+        cores = self._cores
+        if len(cores) == 1:  # the usual case, on every call
+            return cores[0].batcher.no_room_for_any(max_texts)
+        reasons = [c.batcher.no_room_for_any(max_texts) for c in cores]
         return reasons[0] if reasons and all(reasons) else None
 
     # ------------------------------------------------------------------------------------------ repository API
@@ -192,6 +199,7 @@ class Models:
             core.ready = self._serving
             self._known.add(name)
             self._ready[name] = {1: core}
+            self._listed()
             self._index[(name, 1)] = _Version(READY, core=core)
         self._on_change(name, "loaded")
 
@@ -351,6 +359,7 @@ class Models:
         with self._lock:
             core.ready = self._serving
             self._ready.setdefault(name, {})[version] = core
+            self._listed()
             self._index[(name, version)] = _Version(READY, core=core)
         self._update_shares()
         self._on_change(name, "loaded")
@@ -372,6 +381,7 @@ class Models:
             core = self._ready[name].pop(version)
             if not self._ready[name]:
                 del self._ready[name]
+            self._listed()
             self._index[(name, version)] = _Version(UNLOADING)
         grace = self.cfg.grace_s
         core.retired = True

@@ -49,7 +49,7 @@ class Turns:
             wake = self._wake.setdefault(model, threading.Condition(self._lock))
             taken = False
             try:
-                while not ((self._free > 0 or self._alone and self._active() == {model})
+                while not ((self._free > 0 or self._alone and self._only(model))
                            and min(self._waiting, key=self._used.__getitem__) == model):
                     if (until is not None and time.monotonic() >= until) or (gone is not None and gone()):
                         return False
@@ -85,6 +85,10 @@ class Turns:
 
     def _active(self) -> set[str]:
         return {*self._waiting, *self._running}
+
+    def _only(self, model: str) -> bool:
+        """No other model waits or runs (asked at every take: no set is built)."""
+        return all(m == model for m in self._waiting) and all(m == model for m in self._running)
 
     def _next(self) -> None:
         """Wake one thread of the waiting model served least (the lock held): it takes the place, or waits again."""

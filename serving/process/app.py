@@ -116,7 +116,9 @@ class SentimentServer:
                                     f"{'both' if bundle is not None else 'neither'}")
         self.metrics = Metrics(per_worker=shared_port)
         # The runs at once and the model calls, each shared fairly by the models (serving/model/turns.py)
-        self.turns, self.call_turns = Turns(cfg.batch_workers), Turns(cfg.fair_calls, alone=True)
+        self.turns = Turns(cfg.batch_workers)
+        # calls take turns only where several models can be served: one bundle pays no lock for them
+        self.call_turns = Turns(cfg.fair_calls, alone=True) if cfg.model_repository else None
         self.models = Models(cfg, self._open_version, on_change=lambda model, result: self.metrics.model_loads
                              .labels(model, result).inc(), call_turns=self.call_turns)
         if bundle is not None:
