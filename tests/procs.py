@@ -1,8 +1,9 @@
 """Child processes that never outlive their test.
 
-Each command starts in a session of its own, so every process it spawns (DeepSpeed's launcher and its ranks, a
-server and its workers) shares one process group. On timeout and on the way out the whole group is SIGKILLed: a
-timed-out launcher killed alone would leave its ranks running (or spinning on a dead peer) under the rest of the suite.
+Each command starts as the leader of a new process group (`start_new_session`), so every process it spawns
+(DeepSpeed's launcher and its ranks, a server and its workers) shares that group. On timeout and on the way out the
+whole group is SIGKILLed: a timed-out launcher killed alone would leave its ranks running (or spinning on a dead peer)
+under the rest of the suite.
 """
 
 from __future__ import annotations

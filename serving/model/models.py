@@ -392,8 +392,8 @@ class Models:
         with self._lock:
             self._index[(name, version)] = _Version(UNAVAILABLE, "unloaded")
         # Its graph's memory goes with the last reference: onnxruntime's buffers are mappings of their own
-        # (serving/process/memory.py), given back to the system when freed. No collection or trim here: either held
-        # every call up for tens of ms in a serving process (docs/BENCHMARKS.md, "Model repository under load").
+        # (serving/process/memory.py), given back to the system when freed. No collection or trim here: a full
+        # collection holds the interpreter lock, and so every call, while it runs.
         del core
         self._update_shares()
         self._on_change(name, "unloaded")
