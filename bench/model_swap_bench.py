@@ -387,7 +387,7 @@ def tables(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bundle", type=Path, required=True, help="bundle copied in as every version (and the first model)")
+    ap.add_argument("--bundle", type=Path, required=True, help="bundle copied in as each version (and model a)")
     ap.add_argument("--bundle-b", type=Path, help="two: model b's bundle (default: --bundle)")
     ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="phases to run, in order")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder holding cls-books-fr/")
