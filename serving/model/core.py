@@ -42,7 +42,6 @@ class ServingCore:
         self.max_active = 1 << 30  # calls accepted at once (its model's share when several are served)
         self._active = 0  # accepted classify calls not answered yet
         self._idle = threading.Condition()
-        self._in_flight = getattr(batcher.metrics, "calls_in_flight", None)  # the gauge, when it has one
         self.call_turns = call_turns
 
     @property
@@ -123,8 +122,7 @@ class ServingCore:
                                  f"({self.max_active}, of max_concurrent_rpcs; the rest is kept for the other "
                                  "models); retry later")
             self._active += 1
-            if self._in_flight is not None:
-                self._in_flight.inc()
+            self.batcher.metrics.calls_in_flight.inc()
 
     def _check_alive(self, texts: int, deadline: float | None, cancelled: Callable[[], bool] | None) -> None:
         """A call whose deadline has passed or whose client has gone costs nothing more: dropped before its texts are
@@ -142,17 +140,14 @@ class ServingCore:
     def _leave(self) -> None:
         with self._idle:
             self._active -= 1
-            if self._in_flight is not None:
-                self._in_flight.dec()
+            self.batcher.metrics.calls_in_flight.dec()
             self._idle.notify_all()
         if self.call_turns is not None:
             self.call_turns.give(self.name, 1.0)
 
     def close(self) -> None:
         """After a drain: its metric series go (serving/telemetry/prometheus.py), its graph is let go with it."""
-        remove = getattr(self.batcher.metrics, "remove", None)
-        if remove is not None:
-            remove()
+        self.batcher.metrics.remove()
 
     def refuse_and_wait(self, timeout: float) -> bool:
         """Refuse new calls (UNAVAILABLE), wait up to `timeout` s for the accepted ones; True when all done."""

@@ -63,7 +63,6 @@ class _Version:
 
     state: str
     reason: str = ""
-    core: ServingCore | None = None
     stamp: tuple[int, ...] | None = None  # its folder's state when it failed: tried again once it changes
 
 
@@ -200,7 +199,7 @@ class Models:
             self._known.add(name)
             self._ready[name] = {1: core}
             self._listed()
-            self._index[(name, 1)] = _Version(READY, core=core)
+            self._index[(name, 1)] = _Version(READY)
         self._on_change(name, "loaded")
 
     def load_all(self) -> None:
@@ -360,7 +359,7 @@ class Models:
             core.ready = self._serving
             self._ready.setdefault(name, {})[version] = core
             self._listed()
-            self._index[(name, version)] = _Version(READY, core=core)
+            self._index[(name, version)] = _Version(READY)
         self._update_shares()
         self._on_change(name, "loaded")
         log.info("model %r version %d loaded from %s and serving", name, version, folder)
