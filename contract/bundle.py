@@ -73,13 +73,20 @@ class Bundle:
         return self.manifest.bundle_sha256
 
 
+def bundle_manifest(folder: str | Path) -> Manifest:
+    """A bundle's manifest alone, checked (what a process reads to size itself before its workers load the bundle);
+    BundleError naming the file."""
+    folder = Path(folder)
+    _refuse_artifact(folder)
+    with Folder(folder) as f:
+        return read_manifest(f.read(MANIFEST_FILE, MAX_BYTES[MANIFEST_FILE]), folder / MANIFEST_FILE)
+
+
 def verify_bundle(folder: str | Path) -> Bundle:
     """Read and check a bundle folder; BundleError names the first problem's file."""
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
-    if _is_artifact(folder):  # the step before a bundle
-        raise BundleError(f"{folder} is a training artifact (artifact.json, model.safetensors), not a bundle: export "
-                          f"it first: python -m trainer export {folder} --out BUNDLE, then serve BUNDLE")
+    _refuse_artifact(folder)
     with Folder(folder) as f:
         manifest = read_manifest(f.read(MANIFEST_FILE, MAX_BYTES[MANIFEST_FILE]), manifest_path)
         files = {}
@@ -100,12 +107,16 @@ def verify_bundle(folder: str | Path) -> Bundle:
     return Bundle(folder, manifest, files, tokenizer)
 
 
-def _is_artifact(folder: Path) -> bool:
-    """A training artifact where a bundle was expected. An unreadable folder is not: Folder names it."""
+def _refuse_artifact(folder: Path) -> None:
+    """A training artifact where a bundle was expected: the step before a bundle. An unreadable folder is not one:
+    Folder names it."""
     try:
-        return not (folder / MANIFEST_FILE).exists() and (folder / "artifact.json").is_file()
+        artifact = not (folder / MANIFEST_FILE).exists() and (folder / "artifact.json").is_file()
     except OSError:
-        return False
+        artifact = False
+    if artifact:
+        raise BundleError(f"{folder} is a training artifact (artifact.json, model.safetensors), not a bundle: export "
+                          f"it first: python -m trainer export {folder} --out BUNDLE, then serve BUNDLE")
 
 
 def _check_graph(model: bytes, name: str, manifest: Manifest, tokenizer: TokenizerFiles, model_path: Path,

@@ -16,6 +16,7 @@ takes it.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import json
 import numbers
@@ -84,16 +85,15 @@ class Encoded:
 def text_lines(raw: bytes, path: Path | str, keep_blank: bool = False) -> Iterator[tuple[int, str]]:
     """(line number from 1, line) of UTF-8 bytes, split on "\\n" only: str.splitlines would also split on \\x1c,
     U+2028, ... which can be inside pieces. A line that is not UTF-8 is an error naming it."""
-    lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":
+    try:  # one decode for the whole file: the byte 0x0a is never inside a UTF-8 sequence, so its lines are the same
+        lines = raw.decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        line, start = raw.count(b"\n", 0, e.start) + 1, raw.rfind(b"\n", 0, e.start) + 1  # the bad line, its 1st byte
+        raise TokenizerError(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                             f"{e.start - start + 1})") from None
+    if lines and lines[-1] == "":
         lines.pop()
-    for n, b in enumerate(lines, 1):
-        try:
-            line = b.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TokenizerError(
-                f"{path}:{n}: not valid UTF-8 (byte 0x{b[e.start]:02x} at column {e.start + 1})"
-            ) from None
+    for n, line in enumerate(lines, 1):
         if line or keep_blank:
             yield n, line
 
@@ -154,6 +154,12 @@ def read_tokenizer_files(files: Mapping[str, bytes], folder: Path) -> TokenizerF
     return TokenizerFiles(meta, pieces, files["spm.model"])
 
 
+@functools.lru_cache(maxsize=4)
+def _encoder(model_proto: bytes, pieces: tuple[str, ...]) -> TokenEncoder:
+    """The encoder of these files (every user takes a copy cutting at its own max_len)."""
+    return TokenEncoder(model_proto, pieces, MIN_MAX_LEN)
+
+
 def _threads() -> int:
     """Threads for sentencepiece batch encoding (its output does not depend on it)."""
     try:
@@ -201,8 +207,10 @@ class TokenEncoder:
 
     @classmethod
     def from_files(cls, files: TokenizerFiles, max_len: int) -> TokenEncoder:
-        """The encoder of a checked folder, cutting at `max_len` (a bundle's: its manifest's)."""
-        return cls(files.model_proto, files.pieces, max_len)
+        """The encoder of a checked folder, cutting at `max_len` (a bundle's: its manifest's). The tables of the last
+        few tokenizers are kept: the versions of a fine-tuned model share their pretraining's, and building them
+        (tens of milliseconds of Python per 10,000 pieces) slows the calls a server answers while it loads one."""
+        return _encoder(files.model_proto, tuple(files.pieces)).with_max_len(max_len)
 
     def piece_ids(self, texts: Sequence[str], threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Piece ids of many texts, no specials and no cut: (flat ids int64 (N,), lengths int64 (len(texts),)).

@@ -8,44 +8,54 @@ bug and becomes INTERNAL with a generic message (details in the log).
 
 from __future__ import annotations
 
+from typing import Any
+
 # A bundle the server cannot load (raised by contract/bundle.py, the verifier the exporter shares).
 from contract.errors import BundleError as BundleError
 
+# The names of grpc.StatusCode (tests/test_serving_errors.py holds them to grpc's own). A class whose code is not one
+# of them is refused when it is defined, not when the gRPC layer would first fail to look it up in a live call.
+STATUS_CODES = frozenset({
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED",
+    "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+})
+
 
 class ServingError(Exception):
-    """Base class: `code` is the gRPC status code name the client sees; the message is sent as details."""
+    """Base class: `code` is the gRPC status code name the client sees; the message is sent as details.
+
+    A subclass names its code in its header, `class Overloaded(ServingError, code="RESOURCE_EXHAUSTED")`, or keeps
+    its parent's."""
 
     code = "INTERNAL"
 
+    def __init_subclass__(cls, code: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+        if cls.code not in STATUS_CODES:
+            raise ValueError(f"{cls.__name__}: code {cls.code!r} is not a grpc.StatusCode name")
 
-class InvalidInput(ServingError):
+
+class InvalidInput(ServingError, code="INVALID_ARGUMENT"):
     """The request is malformed or breaks a limit; the message names the field, the value and the limit."""
 
-    code = "INVALID_ARGUMENT"
 
-
-class ModelNotFound(ServingError):
+class ModelNotFound(ServingError, code="NOT_FOUND"):
     """A KServe request names a model or version this server does not hold."""
 
-    code = "NOT_FOUND"
 
-
-class Unauthenticated(ServingError):
+class Unauthenticated(ServingError, code="UNAUTHENTICATED"):
     """Auth is on and the request's bearer token is missing or wrong."""
 
-    code = "UNAUTHENTICATED"
 
-
-class Overloaded(ServingError):
+class Overloaded(ServingError, code="RESOURCE_EXHAUSTED"):
     """The batching queue is full: refused at once rather than queued without limit."""
 
-    code = "RESOURCE_EXHAUSTED"
 
-
-class NotReady(ServingError):
+class NotReady(ServingError, code="UNAVAILABLE"):
     """The server is starting or draining; retry elsewhere or later."""
-
-    code = "UNAVAILABLE"
 
 
 class Retired(NotReady):
@@ -54,37 +64,27 @@ class Retired(NotReady):
     UNAVAILABLE."""
 
 
-class PermissionDenied(ServingError):
+class PermissionDenied(ServingError, code="PERMISSION_DENIED"):
     """A repository call (load, unload) on a server that keeps that API closed: no token is configured and
     repository_api_open is off."""
 
-    code = "PERMISSION_DENIED"
 
-
-class LoadFailed(ServingError):
+class LoadFailed(ServingError, code="FAILED_PRECONDITION"):
     """A model version could not be loaded: its bundle failed verification or its warm-up call; the old version keeps
     serving. The message names the version and the reason."""
 
-    code = "FAILED_PRECONDITION"
 
-
-class DeadlineExpired(ServingError):
+class DeadlineExpired(ServingError, code="DEADLINE_EXCEEDED"):
     """The request's deadline passed before its texts were computed (they were dropped, not run)."""
 
-    code = "DEADLINE_EXCEEDED"
 
-
-class Cancelled(ServingError):
+class Cancelled(ServingError, code="CANCELLED"):
     """The client cancelled the request before its texts were computed (they were dropped, not run)."""
 
-    code = "CANCELLED"
 
-
-class BodyTimeout(ServingError):
+class BodyTimeout(ServingError, code="CANCELLED"):
     """A request message did not arrive within body_timeout_s of its call's start: the call was cancelled (its
     client sees CANCELLED)."""
-
-    code = "CANCELLED"
 
 
 class ServerConfigError(ValueError):

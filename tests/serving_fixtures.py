@@ -81,7 +81,7 @@ class HeldRuns:
     as a context manager, on exit the real infer is back and every held run goes on."""
 
     def __init__(self, batcher: Batcher | SentimentServer, hold: bool = True) -> None:
-        self.batcher = batcher.batcher if isinstance(batcher, SentimentServer) else batcher
+        self.batcher = batcher.core.batcher if isinstance(batcher, SentimentServer) else batcher
         self.real: Callable[[Sequence[np.ndarray]], np.ndarray] = self.batcher.infer
         self.batches: list[list[int]] = []  # token ids per row, one list per run, in the order the runs started
         self._entered = threading.Semaphore(0)

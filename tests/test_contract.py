@@ -151,6 +151,9 @@ def test_tokenizer_folder_refusals_name_the_file(tiny_tokenizer_dir: Path, tmp_p
         "dup": (folder("dup", vocab_txt=vocab.replace(vocab.split(b"\n")[2], vocab.split(b"\n")[0], 1)),
                 "vocabulary line 3: piece .* repeats line 1"),
         "utf8": (folder("utf8", vocab_txt=b"\xff\n" + vocab.split(b"\n", 1)[1]), r"vocab\.txt:1: not valid UTF-8"),
+        "utf8 later": (folder("utf8-later", vocab_txt=b"\n".join([*vocab.split(b"\n")[:2], b"z\xff",
+                                                                   *vocab.split(b"\n")[3:]])),
+                       r"vocab\.txt:3: not valid UTF-8 \(byte 0xff at column 2\)"),
         "model": (folder("model", spm_model=b"not a model"), "not a sentencepiece model"),
         "json": (folder("json", meta_json=b'{"format": 1,'), r"meta\.json: invalid JSON"),
         "deep": (folder("deep", meta_json=b"[" * 100_000 + b"]" * 100_000), r"meta\.json: invalid JSON"),
@@ -162,6 +165,20 @@ def test_tokenizer_folder_refusals_name_the_file(tiny_tokenizer_dir: Path, tmp_p
             encoder_of(f)
         with pytest.raises(TokenizerError, match=message):  # the trainer reads folders through the same checks
             Tokenizer.load(f, 48)
+
+
+def test_a_tokenizer_read_again_shares_its_tables_and_cuts_at_its_own_max_len(tiny_tokenizer_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """A server loading a new version of a model builds its tokenizer's tables once (they are the pretraining's);
+    each encoder still cuts at its own max_len, and another vocabulary gets tables of its own."""
+    a, b = encoder_of(tiny_tokenizer_dir, max_len=7), encoder_of(tiny_tokenizer_dir, max_len=9)
+    assert a.spm_to_id is b.spm_to_id and (a.max_len, b.max_len) == (7, 9)
+    text = "un livre vraiment magnifique, je le recommande à tous"
+    assert a.encode(text).token_count == 7 and b.encode(text).token_count == 9
+    other = Path(shutil.copytree(tiny_tokenizer_dir, tmp_path / "reversed"))
+    lines = (other / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    (other / "vocab.txt").write_text("".join(p + "\n" for p in reversed(lines)), encoding="utf-8")
+    assert encoder_of(other, max_len=7).spm_to_id is not a.spm_to_id
 
 
 def test_encoded_ids_are_int64_arrays(tiny_tokenizer_dir: Path) -> None:

@@ -436,6 +436,41 @@ def test_int8_and_fp16_are_exclusive(tiny_classifier_artifact, tmp_path, capsys)
     assert not (tmp_path / "b").exists()
 
 
+def test_every_export_flag_reaches_its_option() -> None:
+    """Each flag, set away from its default, changes the ExportOptions field it names, and only that one."""
+    import argparse
+
+    from trainer.export.cli import add_arguments, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    default = options_from_args(parser.parse_args(["art", "--out", "b"]))
+    assert default == ExportOptions()
+    cases = {
+        ("--precision", "int8"): {"precision": "int8"},
+        ("--quantize", "int8"): {"precision": "int8"},
+        ("--fp16",): {"precision": "fp16"},
+        ("--gpu-precision", "fp16"): {"gpu_precision": "fp16"},
+        ("--optimize", "extended"): {"optimize": "extended"},
+        ("--save-optimized",): {"save_optimized": True},
+        ("--no-fuse-attention",): {"fuse_attention": False},
+        ("--per-channel",): {"per_channel": True},
+        ("--reduce-range",): {"reduce_range": True},
+        ("--max-len", "37"): {"max_len": 37},
+        ("--data", "d.tsv"): {"data_file": Path("d.tsv")},
+        ("--limit", "9"): {"data_limit": 9},
+        ("--text-field", "t"): {"text_field": "t"},
+        ("--label-field", "l"): {"label_field": "l"},
+        ("--int8-max-logit-diff", "0.5"): {"int8_bound": dataclasses.replace(INT8_CPU_BOUND, max_abs_diff=0.5,
+                                                                             rel_diff=0.0)},
+        ("--int8-min-agreement", "90"): {"int8_bound": dataclasses.replace(INT8_CPU_BOUND, min_data_agreement=0.9)},
+        ("--int8-max-drop", "3"): {"int8_bound": dataclasses.replace(INT8_CPU_BOUND, max_accuracy_drop=3.0)},
+    }
+    for flags, changed in cases.items():
+        got = options_from_args(parser.parse_args(["art", "--out", "b", *flags]))
+        assert got == dataclasses.replace(default, **changed), flags
+
+
 # ---------------------------------------------------------------------------------------------- check command
 
 

@@ -91,7 +91,7 @@ def test_with_a_certificate_tls_ends_at_the_proxy(tiny_bundle: Path, certs: dict
         with grpc.secure_channel(f"localhost:{port}", creds) as channel:
             stub = pb_grpc.SentimentServiceStub(channel)
             (result,) = stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10, metadata=AUTH).results
-            assert result.label in s.predictor.label_names
+            assert result.label in s.core.predictor.label_names
         with grpc.insecure_channel(f"127.0.0.1:{port}") as plain, pytest.raises(grpc.RpcError) as refused:
             pb_grpc.SentimentServiceStub(plain).Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=5, metadata=AUTH)
         assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -118,7 +118,7 @@ def test_an_overload_through_the_proxy_is_refused_by_the_proxy(tiny_bundle: Path
                 assert held.wait_entered()
                 queued = stubs[0].Classify.future(pb.ClassifyRequest(texts=["en attente"]), timeout=60,
                                                   metadata=AUTH)
-                wait_until(lambda: s.batcher.queued == 1, what="the second call queued")
+                wait_until(lambda: s.core.batcher.queued == 1, what="the second call queued")
                 load = pb.ClassifyRequest(texts=[f"Un livre {i}, assez long pour compter." for i in range(64)])
                 flood_and_one_more_are_refused(stubs, load, AUTH, pb.ClassifyRequest(texts=["trop"]),
                                                "every model slot is busy (proxy)")
@@ -183,7 +183,7 @@ def test_http_calls_pass_through_the_proxy_under_the_same_rules(tiny_bundle: Pat
     with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN, http_port=0,
                         batch_workers=1) as s, http_proxy(s, MODEL_CALLS=1) as port:
         served = classify(port, ["prêt"], auth)
-        assert served.status == 200 and served.json["results"][0]["label"] in s.predictor.label_names
+        assert served.status == 200 and served.json["results"][0]["label"] in s.core.predictor.label_names
         with HeldRuns(s) as held:
             with ThreadPoolExecutor(1) as pool:
                 running = pool.submit(classify, port, ["dans le calcul"], auth)

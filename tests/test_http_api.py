@@ -163,7 +163,7 @@ def test_an_http_text_and_a_grpc_text_share_a_batch(server: SentimentServer, cha
         over_http = pool.submit(classify, server.http_port, ["Un livre superbe."], AUTH)
         over_grpc = pool.submit(stub.Classify, pb.ClassifyRequest(texts=["Un livre affreux."]), metadata=META,
                                 timeout=30)
-        wait_until(lambda: server.batcher.queued == 2, what="both texts queued")
+        wait_until(lambda: server.core.batcher.queued == 2, what="both texts queued")
         held.release()
         http_answer, grpc_answer = over_http.result(30).json["results"][0], over_grpc.result(30).results[0]
         first.result(30)
@@ -305,13 +305,13 @@ def test_refusals_of_the_http_layer(server: SentimentServer) -> None:
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-token-0123456789"},
                                      {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}])
 def test_a_call_without_the_token_is_refused(server: SentimentServer, headers: dict[str, str]) -> None:
-    before = server.batcher.metrics.texts._value.get()
+    before = server.core.batcher.metrics.texts._value.get()
     for method, path, body in (("POST", "/v1/classify", {"texts": ["a"]}), ("GET", "/v1/metadata", None),
                                ("POST", "/v2/models/sentiment/infer", infer_body(["a"])), ("GET", "/v2", None)):
         reply = call(server.http_port, method, path, body, headers)
         assert (reply.status, reply.json["code"]) == (401, "UNAUTHENTICATED")
         assert reply.headers["www-authenticate"].startswith("Bearer")
-    assert server.batcher.metrics.texts._value.get() == before
+    assert server.core.batcher.metrics.texts._value.get() == before
     assert classify(server.http_port, ["a"], {"Authorization": f"bearer {TOKEN}"}).status == 200  # any case
 
 

@@ -159,7 +159,7 @@ def test_an_unauthenticated_flood_is_refused_unread_and_served_nothing(tiny_bund
             for sock in socks:
                 sock.close()
         assert s.metrics.auth_failures._value.get() == 200
-        assert s.batcher.metrics.texts._value.get() == 0 and s.batcher.queued == 0
+        assert s.core.batcher.metrics.texts._value.get() == 0 and s.core.batcher.queued == 0
         assert classify(s.http_port, ["Bon."], {"Authorization": f"Bearer {TOKEN}"}).status == 200
 
 

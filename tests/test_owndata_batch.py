@@ -98,7 +98,7 @@ def test_served_answers_do_not_depend_on_other_clients_requests(mean_pooled: Pat
     """Through the server and its batcher (which merges concurrent requests): requests of 1, 7 and 64 texts in
     shuffled order from three clients at once, against each text asked alone. The CPU serves the int8 graph."""
     with running_server(mean_pooled, device="cpu", max_queue_delay_ms=20) as s:
-        assert s.predictor.graph == "model.int8.onnx"
+        assert s.core.predictor.graph == "model.int8.onnx"
         target = f"127.0.0.1:{s.port}"
         with SentimentClient(target) as c:
             alone = {t: c.classify([t])[0] for t in texts}

@@ -92,7 +92,7 @@ def test_the_image_passes_calls_on_and_its_stop_signal_lets_the_call_in_flight_e
 
             with SentimentClient(target, token=TOKEN, timeout=30) as client:
                 (first,) = client.classify(["Un très beau livre."])
-                assert first.label in s.predictor.label_names
+                assert first.label in s.core.predictor.label_names
                 with HeldRuns(s) as held, grpc.insecure_channel(target) as channel:
                     in_flight = pb_grpc.SentimentServiceStub(channel).Classify.future(
                         pb.ClassifyRequest(texts=["Décevant."]), timeout=30,

@@ -315,7 +315,7 @@ def test_200_internal_errors_write_a_bounded_log(tiny_bundle: Path, caplog: pyte
         def broken(rows: object) -> object:
             raise RuntimeError("onnxruntime failed (injected)")
 
-        s.batcher.infer = broken
+        s.core.batcher.infer = broken
         stub = pb_grpc.SentimentServiceStub(channel)
         caplog.clear()
         with caplog.at_level(logging.ERROR):

@@ -98,7 +98,7 @@ def test_a_full_queue_refuses_at_admission_before_the_body_is_read(tiny_bundle: 
             running = stub.Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60)
             assert held.wait_entered()
             queued = stub.Classify.future(pb.ClassifyRequest(texts=["a", "b", "c", "d"]), timeout=60)
-            wait_until(lambda: s.batcher.queued == 4, what="4 texts queued")
+            wait_until(lambda: s.core.batcher.queued == 4, what="4 texts queued")
             late = HalfOpen(s.port, CLASSIFY, 1)
             try:
                 assert late.wait(lambda: late.open_count == 0, 10), "the call waited for its body"
@@ -127,7 +127,7 @@ def test_a_call_refused_while_its_body_is_on_its_way_ends_at_once(tiny_bundle: P
             running = stub.Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60)
             assert held.wait_entered()
             queued = stub.Classify.future(pb.ClassifyRequest(texts=["a", "b", "c", "d"]), timeout=60)
-            wait_until(lambda: s.batcher.queued == 4, what="the queue full")
+            wait_until(lambda: s.core.batcher.queued == 4, what="the queue full")
             client = Unread(s.port)
             try:
                 big = pb.ClassifyRequest(texts=["mot " * 12_000] * 4).SerializeToString()  # 192 KB: 3 windows
@@ -149,8 +149,8 @@ def test_a_call_the_queue_cannot_take_is_refused_before_its_texts_are_tokenized(
         stub = pb_grpc.SentimentServiceStub(channel)
         stub.Classify(pb.ClassifyRequest(texts=["prêt"]), timeout=10)
         encoded: list[int] = []
-        encode = s.predictor.encode
-        s.predictor.encode = lambda texts: encoded.append(len(texts)) or encode(texts)
+        encode = s.core.predictor.encode
+        s.core.predictor.encode = lambda texts: encoded.append(len(texts)) or encode(texts)
         with HeldRuns(s) as held:
             running = stub.Classify.future(pb.ClassifyRequest(texts=["dans le calcul"]), timeout=60)
             assert held.wait_entered()
@@ -159,7 +159,7 @@ def test_a_call_the_queue_cannot_take_is_refused_before_its_texts_are_tokenized(
                 wait_until(lambda: s.admission.in_progress == 2, what="the late call admitted")
                 queued = [stub.Classify.future(pb.ClassifyRequest(texts=list(texts)), timeout=60)
                           for texts in ("abcd", "efg")]
-                wait_until(lambda: s.batcher.queued == 7, what="7 texts queued")
+                wait_until(lambda: s.core.batcher.queued == 7, what="7 texts queued")
                 (sid,) = late.streams
                 late.send_message(sid, pb.ClassifyRequest(texts=["trop", "tard"]).SerializeToString())
                 assert late.wait(lambda: sid in late.ended, 10), "the late call was not answered"
@@ -193,7 +193,7 @@ def test_an_overload_is_refused_at_admission_not_after_queueing(tiny_bundle: Pat
                 assert held.wait_entered()
                 queued = stubs[0].Classify.future(pb.ClassifyRequest(texts=["a", "b", "c", "d"]), timeout=60,
                                                   metadata=GOOD)
-                wait_until(lambda: s.batcher.queued == 4, what="4 texts queued")
+                wait_until(lambda: s.core.batcher.queued == 4, what="4 texts queued")
                 load = pb.ClassifyRequest(texts=["Un livre, assez long pour compter."] * 4)
                 flood_and_one_more_are_refused(stubs, load, GOOD, pb.ClassifyRequest(texts=["un"]),
                                                "no room for a request of up to 4 texts")

@@ -92,12 +92,12 @@ def test_tls_serves_both_protocols_and_refuses_plain_text(tiny_bundle: Path, cer
     texts = reviews(data_dir, 3) + ["Chiffré de bout en bout."]
     with running_server(tiny_bundle, device="cpu", tls_cert=str(certs["server"]),
                         tls_key=str(certs["server_key"])) as s:
-        runs = s.predictor.runs
+        runs = s.core.predictor.runs
         with grpc.insecure_channel(target(s)) as plain:
             _refused(plain, grpc.StatusCode.UNAVAILABLE)
         with _secure(s, certs, ca="rogue_ca") as wrong_trust:  # the client must not trust an unknown server
             _refused(wrong_trust, grpc.StatusCode.UNAVAILABLE)
-        assert s.predictor.runs == runs
+        assert s.core.predictor.runs == runs
         with _secure(s, certs) as channel:
             _both_protocols_answer(channel, reference, texts)
         with SentimentClient(target(s), tls_ca=certs["ca"]) as client:  # the client library's TLS options
@@ -108,16 +108,16 @@ def test_mutual_tls_needs_a_client_certificate_from_the_trusted_ca(tiny_bundle: 
                                                                     reference: Predictor) -> None:
     with running_server(tiny_bundle, device="cpu", tls_cert=str(certs["server"]), tls_key=str(certs["server_key"]),
                         tls_client_ca=str(certs["ca"])) as s:
-        runs = s.predictor.runs
+        runs = s.core.predictor.runs
         for client in (None, "rogue_client", "expired_client"):
             with _secure(s, certs, client) as channel:
                 _refused(channel, grpc.StatusCode.UNAVAILABLE)
         with grpc.insecure_channel(target(s)) as plain:
             _refused(plain, grpc.StatusCode.UNAVAILABLE)
-        assert s.predictor.runs == runs
+        assert s.core.predictor.runs == runs
         with _secure(s, certs, "client") as channel:
             _both_protocols_answer(channel, reference, ["Mutuellement authentifié.", "Bof."])
-        assert s.predictor.runs > runs
+        assert s.core.predictor.runs > runs
         with SentimentClient(target(s), tls_ca=certs["ca"], tls_cert=certs["client"],
                              tls_key=certs["client_key"]) as client:
             assert len(client.classify(["Mutuel."])) == 1
@@ -132,7 +132,7 @@ def test_token_missing_or_wrong_is_unauthenticated_and_nothing_is_computed(tiny_
     work; the onnxruntime run counter and the texts metric do not move; the right token is served."""
     with running_server(tiny_bundle, device="cpu", auth_token=TOKEN, tls_cert=str(certs["server"]),
                         tls_key=str(certs["server_key"])) as s, _secure(s, certs) as channel:
-        runs, texts = s.predictor.runs, s.metrics.registry.get_sample_value("sentiment_texts_total", MODEL)
+        runs, texts = s.core.predictor.runs, s.metrics.registry.get_sample_value("sentiment_texts_total", MODEL)
         wrong = [None, [("authorization", "")], [("authorization", "Bearer")], [("authorization", "Bearer ")],
                  [("authorization", TOKEN)], [("authorization", f"Bearer{TOKEN}")],
                  [("authorization", f"Bearer {TOKEN[:-1]}")], [("authorization", f"Bearer {TOKEN}x")],
@@ -140,7 +140,7 @@ def test_token_missing_or_wrong_is_unauthenticated_and_nothing_is_computed(tiny_
                  [("x-api-key", TOKEN)], [("authorization", f"Bearer {TOKEN.upper()}")]]
         for metadata in wrong:
             _refused(channel, grpc.StatusCode.UNAUTHENTICATED, metadata)
-        assert s.predictor.runs == runs
+        assert s.core.predictor.runs == runs
         assert s.metrics.registry.get_sample_value("sentiment_texts_total", MODEL) == texts
         refusals = s.metrics.registry.get_sample_value(
             "sentiment_requests_total", {"protocol": "grpc", "method": "sentiment.v1.SentimentService/Classify",
@@ -155,9 +155,9 @@ def test_token_missing_or_wrong_is_unauthenticated_and_nothing_is_computed(tiny_
         # RFC 6750's scheme in any case, then one space or more (RFC 7235's 1*SP): the rule of both protocols
         for right in (f"Bearer {TOKEN}", f"bearer {TOKEN}", f"BEARER  {TOKEN}"):
             _both_protocols_answer(channel, reference, ["Avec le bon jeton."], [("authorization", right)])
-        assert s.predictor.runs > runs
+        assert s.core.predictor.runs > runs
         with SentimentClient(target(s), token=TOKEN, tls_ca=certs["ca"]) as client:
-            assert client.classify(["Bien."])[0].label in s.predictor.label_names
+            assert client.classify(["Bien."])[0].label in s.core.predictor.label_names
 
 
 # ------------------------------------------------------------------------------------- no pickle

@@ -131,7 +131,7 @@ def test_kserve_health_and_metadata(channel: grpc.Channel, server: SentimentServ
 def test_sentiment_metadata(server: SentimentServer) -> None:
     with SentimentClient(target(server)) as client:
         meta = client.metadata()
-    p = server.predictor
+    p = server.core.predictor
     assert meta["label_names"] == p.label_names and meta["max_tokens"] == p.max_len
     assert meta["bundle_sha256"] == p.bundle_sha256 and len(meta["bundle_sha256"]) == 64
     assert meta["execution_provider"] == p.session.get_providers()[0]
@@ -155,7 +155,7 @@ def test_concurrent_requests_share_onnxruntime_runs(server: SentimentServer, ref
             blockers.append(stub.Classify.future(pb.ClassifyRequest(texts=["chauffe"]), timeout=60))
             assert held.wait_entered(), "a batch worker never started its run"
         futures = [stub.Classify.future(pb.ClassifyRequest(texts=[t]), timeout=60) for t in texts]
-        wait_until(lambda: server.batcher.queued == len(texts), what=f"{len(texts)} texts queued")
+        wait_until(lambda: server.core.batcher.queued == len(texts), what=f"{len(texts)} texts queued")
         held.release()
         results = [f.result().results[0] for f in futures]
         for b in blockers:
@@ -238,12 +238,12 @@ def _bad_cases() -> dict[str, tuple[Callable[[grpc.Channel], object], grpc.Statu
 def test_bad_input_gets_its_precise_code_and_the_server_keeps_serving(server: SentimentServer, channel: grpc.Channel,
                                                                       case: str) -> None:
     call, code, message = _bad_cases()[case]
-    runs = server.predictor.runs
+    runs = server.core.predictor.runs
     with pytest.raises(grpc.RpcError) as info:
         call(channel)
     assert info.value.code() == code, info.value.details()
     assert message in (info.value.details() or "")
-    assert server.predictor.runs == runs  # refused before anything was computed
+    assert server.core.predictor.runs == runs  # refused before anything was computed
     ok = pb_grpc.SentimentServiceStub(channel).Classify(pb.ClassifyRequest(texts=["Très bon livre."]), timeout=10)
     assert len(ok.results) == 1 and abs(sum(ok.results[0].probabilities) - 1) < 1e-5
 
@@ -259,7 +259,7 @@ def test_expired_requests_are_dropped_before_compute(tiny_bundle: Path) -> None:
             # A deadline long enough for the call to reach the queue on a loaded machine (one that expired before
             # its handler ran was never queued, and so never dropped there), short enough for the test
             expiring = stub.Classify.future(pb.ClassifyRequest(texts=["expire", "aussi"]), timeout=5)
-            wait_until(lambda: s.batcher.queued == 2, 5, "the 2 texts queued behind the held run")
+            wait_until(lambda: s.core.batcher.queued == 2, 5, "the 2 texts queued behind the held run")
             with pytest.raises(grpc.RpcError) as info:
                 expiring.result()
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 from pathlib import Path
@@ -252,3 +253,19 @@ def test_a_bad_bundle_exits_2_with_one_line(tmp_path: Path) -> None:
     rc = server.wait_exit(60)
     assert rc == 2 and len(server.log.strip().split("\n")) == 1 and "bundle folder not found" in server.log, \
         server.log
+
+
+def test_a_corrupt_bundle_exits_2_naming_its_file(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The parent reads only the manifest (to size the server); each worker verifies the bundle as it loads it, and
+    the first one to refuse it stops the server with the file named."""
+    bundle = Path(shutil.copytree(tiny_bundle, tmp_path / "bundle"))
+    graph = bytearray((bundle / "model.onnx").read_bytes())
+    graph[len(graph) // 2] ^= 0xFF
+    (bundle / "model.onnx").write_bytes(bytes(graph))
+    server = ServerProcess(bundle, "--device", "cpu", "--workers", "2")
+    rc = server.wait_exit(60)
+    errors = [line for line in server.log.splitlines() if line.startswith("sentiment-server: error:")]
+    assert rc == 2 and errors and all(f"{bundle / 'model.onnx'}: checksum mismatch" in e for e in errors), \
+        server.log
+    assert "Traceback" not in server.log, server.log
+

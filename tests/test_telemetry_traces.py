@@ -379,7 +379,7 @@ def test_an_overloaded_traced_server_refuses_at_admission_and_keeps_no_call(tiny
                         running = stubs[0].Classify.future(pb.ClassifyRequest(texts=[TEXT]), timeout=60)
                         assert held.wait_entered()
                         queued = stubs[0].Classify.future(pb.ClassifyRequest(texts=["a", "b", "c", "d"]), timeout=60)
-                        wait_until(lambda: server.batcher.queued == 4, what="4 texts queued")
+                        wait_until(lambda: server.core.batcher.queued == 4, what="4 texts queued")
                         flood_and_one_more_are_refused(stubs, pb.ClassifyRequest(texts=[TEXT] * 4), [],
                                                        pb.ClassifyRequest(texts=["un"]),
                                                        "no room for a request of up to 4 texts")

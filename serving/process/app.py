@@ -208,12 +208,8 @@ class SentimentServer:
         if self.port is None:
             self.bind()
         self.grpc_server.start()
-        if self.http is not None:
-            self.http.start()
-        if self.health_server is not None:
-            self.health_server.start()
-        if self._metrics_server is not None:
-            self._metrics_server.start()
+        for listener in self._listeners():
+            listener.start()
         for service in ("", SENTIMENT_SERVICE, KSERVE_SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.models.open()
@@ -283,21 +279,13 @@ class SentimentServer:
         """The one model's newest version (a server of one bundle: its core)."""
         return self.models.get("", "")
 
-    @property
-    def predictor(self) -> Predictor:
-        return self.core.predictor
-
-    @property
-    def batcher(self) -> Batcher:
-        return self.core.batcher
+    def _listeners(self) -> list[HttpServer | HealthPort | MetricsServer]:
+        """The listeners beside gRPC's that this server opened (each binds in its constructor)."""
+        return [x for x in (self.http, self.health_server, self._metrics_server) if x is not None]
 
     def _close_listeners(self) -> None:
-        if self.http is not None:
-            self.http.stop()
-        if self.health_server is not None:
-            self.health_server.stop()
-        if self._metrics_server is not None:
-            self._metrics_server.close()
+        for listener in self._listeners():
+            listener.stop()
         self.gate.close()
         self.admission.close()
         self.repository.pool.shutdown(wait=False, cancel_futures=True)

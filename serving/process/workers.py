@@ -50,7 +50,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from contract.bundle import verify_bundle
+from contract.bundle import bundle_manifest
 from serving.config import ServerConfig
 from serving.errors import BundleError, ServerConfigError
 from serving.protocols.grpc.health import Health
@@ -99,7 +99,7 @@ def serve(bundle: str | Path | None, cfg: ServerConfig, log_level: str = "INFO",
         raise ServerConfigError("give one bundle or a model repository (--model-repository DIR), not "
                                 f"{'both' if bundle is not None else 'neither'}")
     if bundle is not None:
-        cfg.check_bundle_fit(verify_bundle(bundle).manifest.max_len)  # one line now, rather than one per worker
+        cfg.check_bundle_fit(bundle_manifest(bundle).max_len)  # each worker verifies the whole bundle as it loads
     tracing.check()  # each worker exports its own spans (serving/telemetry/tracing.py); a bad variable: one line now
     check_distinct_ports(cfg)
     server_credentials(cfg)  # unreadable or mismatched TLS files: one line now, before any worker starts
@@ -138,7 +138,7 @@ def serve(bundle: str | Path | None, cfg: ServerConfig, log_level: str = "INFO",
             if health_server is not None:
                 health_server.stop()
             if metrics_server is not None:
-                metrics_server.close()
+                metrics_server.stop()
 
 
 class _Parent:

@@ -180,7 +180,7 @@ def _installed(package: str) -> str | None:
 
 class MetricsServer:
     """The HTTP exporter of one registry. Binds in the constructor (OSError when the port is taken) and serves
-    from `start()`."""
+    from `start()` to `stop()`."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
         handler = type("Handler", (_Handler,), {"registry": registry})
@@ -191,7 +191,7 @@ class MetricsServer:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self) -> None:
+    def stop(self) -> None:
         if self._thread.is_alive():
             self.httpd.shutdown()
         self.httpd.server_close()
