@@ -11,7 +11,7 @@ export TS_DATA ?= $(wildcard $(abspath ../shared/data))
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 .PHONY: help setup system-deps test test-slow lint demo proto lock clean triton-venv gpu-offline deploy-venv \
-	container-deps browser-deps image image-proxy gpu-serve-offline image-train image-train-cuda
+	container-deps browser-deps load-deps image image-proxy gpu-serve-offline image-train image-train-cuda
 
 # torch's build comes from this package index, given to pip as an extra index: the CPU build by default. A CUDA
 # node picks its build on purpose: TORCH_INDEX=https://download.pytorch.org/whl/cu130 (a CUDA 13.0 build), or
@@ -96,6 +96,12 @@ browser-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	  else echo "warning: chromium/chromedriver missing and not root: tests/test_http_page.py needs them"; fi; fi
 
+# h2load (a C HTTP/2 client) floods a model in bench/model_swap_bench.py's phase two (tests/test_model_swap_bench.py).
+load-deps:
+	@if ! command -v h2load >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nghttp2-client >/dev/null; \
+	  else echo "warning: h2load missing and not root: tests/test_model_swap_bench.py needs it (nghttp2-client)"; fi; fi
+
 # buildah builds and runs the images (tests/images.py: the server's, and the proxy's that tests/test_front_proxy.py
 # and bench/protocol_attacks.py --via-haproxy run), mmdebstrap makes their bases from Debian's packages, podman runs
 # compose.yaml (tests/test_compose.py; with runc: Debian bookworm's crun does not take every host's cgroups).
@@ -141,11 +147,11 @@ image-train-cuda:
 # training suites that start several DeepSpeed ranks each (two at once would share 2 cores with their collectives).
 # CI (.ci/run) runs both: every test that can run without a GPU.
 TEST_WORKERS ?= 2
-test: setup triton-venv deploy-venv container-deps browser-deps
+test: setup triton-venv deploy-venv container-deps browser-deps load-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS)
 
-test-slow: setup triton-venv deploy-venv container-deps browser-deps
+test-slow: setup triton-venv deploy-venv container-deps browser-deps load-deps
 	$(BIN)/python -m pytest -q -m slow
 
 lint: setup

@@ -12,8 +12,9 @@ Each phase starts its own server, `python -m serving.server --model-repository D
           the server's RSS at the end of the baseline, of the tail, and idle; the version that answered each call.
   bad     the same load; a version 2 whose model.onnx has one byte flipped is renamed in: failed calls, its index
           line, sentiment_model_loads_total{result="failed"}, the versions that answered.
-  two     models a (--bundle) and b (--bundle-b): b alone at --concurrency closed-loop callers, again while another
-          process floods a with --flood-callers, then alone again; b under the flood against its mean alone.
+  two     models a (--bundle) and b (--bundle-b): b alone at --concurrency closed-loop callers, again while h2load
+          (bench/h2grpc.py) floods a with --flood-callers calls at a time, then alone again; b under the flood
+          against its mean alone, and a's texts/s from the server's sentiment_texts_total.
   cancel  --batch-workers 1: --cancel-flood calls of 256 long reviews fill the queue, --cancelled one-review calls
           queue behind them and are cancelled by the client (grpc Future.cancel) once the server holds them; from its
           /metrics: texts computed (sentiment_texts_total) and dropped (sentiment_dropped_texts_total).
@@ -24,43 +25,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
 import random
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
 
-import grpc
-import numpy as np
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
+import h2grpc  # noqa: E402
 from serving_fixtures import ServerProcess  # noqa: E402
+from swap_loads import OpenLoop, Row, closed_loop, stats, stubs  # noqa: E402
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb  # noqa: E402
-from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc  # noqa: E402
 
 DEFAULT_DATA = Path(os.environ.get("TS_DATA") or REPO.parent / "shared" / "data")
 PHASES = ("swap", "bad", "two", "cancel")
-Row = tuple[float, float, str, str]  # a call: scheduled send time, latency from it, status, version or details
-
-
-def stats(rows: list[Row]) -> dict:
-    """Calls, failed calls, p50 and p99 of the OK ones (ms)."""
-    lat = np.asarray([r[1] for r in rows if r[2] == "OK"])
-    q = np.percentile(lat, [50, 99]) * 1e3 if lat.size else [float("nan")] * 2
-    return {"calls": len(rows), "failed": sum(r[2] != "OK" for r in rows), "p50_ms": round(float(q[0]), 2),
-            "p99_ms": round(float(q[1]), 2)}
 
 
 def versions(rows: list[Row]) -> dict[str, int]:
@@ -121,85 +113,6 @@ class Served:
             self.server.close()
         flagged = [x.rstrip() for x in self.server.lines if " ERROR " in x or " WARNING " in x or "Traceback" in x]
         return {"exit_code": rc, "log_flagged": flagged[:20]}
-
-
-def stubs(port: int, k: int) -> list:
-    # A local subchannel pool each: k connections, as k clients would open.
-    return [pb_grpc.SentimentServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}",
-                                                               options=[("grpc.use_local_subchannel_pool", 1)]))
-            for _ in range(k)]
-
-
-class OpenLoop:
-    """`rate` calls a second of one review each, sent on schedule whatever the answers (gRPC futures); the latency
-    counts from the scheduled time, so that a stalled server is not hidden by a stalled sender."""
-
-    def __init__(self, port: int, texts: list[str], rate: float, channels: int, timeout: float = 10.0) -> None:
-        self.stubs, self.texts, self.rate, self.timeout = stubs(port, channels), texts, rate, timeout
-        self.rows: list[Row] = []
-        self.sent = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        t0 = time.monotonic()
-        while not self._stop.wait(max(0.0, t0 + self.sent / self.rate - time.monotonic())):
-            req = pb.ClassifyRequest(texts=[self.texts[self.sent % len(self.texts)]])
-            future = self.stubs[self.sent % len(self.stubs)].Classify.future(req, timeout=self.timeout)
-            future.add_done_callback(lambda f, at=t0 + self.sent / self.rate: self._done(f, at))
-            self.sent += 1
-
-    def _done(self, future, at: float) -> None:
-        try:  # (in gRPC's thread; list.append is atomic)
-            self.rows.append((at, time.monotonic() - at, "OK", future.result().model_version))
-        except grpc.RpcError as e:
-            self.rows.append((at, time.monotonic() - at, e.code().name, e.details() or ""))
-
-    def stop(self) -> list[Row]:
-        """Stops sending, waits for every answer (the calls' timeout at most); the calls by send time."""
-        self._stop.set()
-        self._thread.join()
-        end = time.monotonic() + self.timeout + 5
-        while len(self.rows) < self.sent and time.monotonic() < end:
-            time.sleep(0.05)
-        return sorted(self.rows)
-
-
-def closed_loop(port: int, texts: list[str], callers: int, seconds: float, model: str, channels: int = 4,
-                warmup: float = 1.0, ready=None) -> dict:
-    """`callers` threads, each one call of one review at a time to `model`; counts the calls started in the
-    `seconds` after `warmup`. ready: an Event set at the first answer (the flood's, from its own process)."""
-    opened = stubs(port, min(callers, channels))
-    start = time.monotonic() + warmup
-    rows: list[Row] = []  # list.append is atomic: the threads share it
-
-    def caller(i: int) -> None:
-        rng = random.Random(i)
-        while (t0 := time.monotonic()) < start + seconds:
-            try:
-                opened[i % len(opened)].Classify(pb.ClassifyRequest(texts=[rng.choice(texts)], model_name=model),
-                                                 timeout=30)
-                code = "OK"
-            except grpc.RpcError as e:
-                code = e.code().name
-            if ready is not None:
-                ready.set()
-            if t0 >= start:
-                rows.append((t0, time.monotonic() - t0, code, ""))
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return {"callers": callers, "texts_per_s": round(sum(r[2] == "OK" for r in rows) / seconds, 1), **stats(rows),
-            "codes": dict(Counter(r[2] for r in rows))}
-
-
-def _flood(port: int, texts: list[str], callers: int, seconds: float, ready, out) -> None:
-    """Phase two's flood of model a, in a process of its own: its threads do not take the measuring one's GIL."""
-    out.put(closed_loop(port, texts, callers, seconds, "a", warmup=0.0, ready=ready))
 
 
 def place(root: Path, name: str, version: int, bundle: Path, flip: str | None = None) -> float:
@@ -275,21 +188,31 @@ def phase_two(args: argparse.Namespace, texts: list[str], root: Path) -> dict:
     place(root, "a", 1, args.bundle)
     place(root, "b", 1, args.bundle_b)
     served = Served(root, args.poll_s, *args.server_args.split())
-    ctx = mp.get_context("spawn")  # gRPC's threads do not survive a fork
+    # The flood is h2load's: a Python client of 64 callers would take a core of the two the server runs on.
+    connections = min(args.flood_callers, 16)
+    streams = -(-args.flood_callers // connections)
     try:
         alone = closed_loop(served.port, texts, args.concurrency, args.two_s, "b", args.channels)
-        ready, out = ctx.Event(), ctx.Queue()
-        flood = ctx.Process(target=_flood, args=(served.port, texts, args.flood_callers, args.two_s + 4, ready, out),
-                            daemon=True)  # it ends on its own; a phase that fails takes it down with this process
-        flood.start()
-        if not ready.wait(60):
-            raise RuntimeError("the flood of model a got no answer in 60 s")
-        flooded = closed_loop(served.port, texts, args.concurrency, args.two_s, "b", args.channels)
-        a = out.get(timeout=120)
-        flood.join(60)
+        with tempfile.TemporaryDirectory() as tmp:
+            body = Path(tmp) / "a.grpc"
+            body.write_bytes(h2grpc.grpc_body(texts[0], model_name="a"))
+            flood = subprocess.Popen(h2grpc.command(served.port, body, args.two_s + 6, connections, streams),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                served.wait(lambda: metric(served.metrics(), "sentiment_texts_total", model="a") > 0,
+                            "the flood of model a answered", timeout=60)
+                a0, t0 = metric(served.metrics(), "sentiment_texts_total", model="a"), time.monotonic()
+                flooded = closed_loop(served.port, texts, args.concurrency, args.two_s, "b", args.channels)
+                a1, t1 = metric(served.metrics(), "sentiment_texts_total", model="a"), time.monotonic()
+                report = flood.communicate(timeout=60)[0]
+            finally:
+                flood.kill()
         again = closed_loop(served.port, texts, args.concurrency, args.two_s, "b", args.channels)
     finally:
         end = served.stop()
+    sent = re.search(r"requests: (\d+) total", report)
+    a = {"callers": connections * streams, "client": f"h2load, {connections} connections x {streams} streams",
+         "texts_per_s": round((a1 - a0) / (t1 - t0), 1), "h2load_requests": int(sent.group(1)) if sent else None}
     return {"b_alone": alone, "b_flooded": flooded, "b_alone_again": again, "a_flood": a, "b_refused_in_flood":
             sum(n for c, n in flooded["codes"].items() if c in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")),
             "b_share": round(2 * flooded["texts_per_s"] / (alone["texts_per_s"] + again["texts_per_s"]), 3),
@@ -401,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll-s", type=float, default=1.0, help="the server's --repository-poll-s")
     ap.add_argument("--concurrency", type=int, default=16, help="two: model b's closed-loop callers")
     ap.add_argument("--two-s", type=float, default=10.0, help="two: measured seconds of each run of b")
-    ap.add_argument("--flood-callers", type=int, default=64, help="two: closed-loop callers that flood the first model")
+    ap.add_argument("--flood-callers", type=int, default=64, help="two: h2load's calls at once, flooding model a")
     ap.add_argument("--cancel-flood", type=int, default=16, help="cancel: calls of 256 long reviews queued first")
     ap.add_argument("--cancelled", type=int, default=100, help="cancel: one-review calls queued, then cancelled")
     ap.add_argument("--server-args", default="", help="more server options, e.g. '--max-concurrent-rpcs 32'")
@@ -415,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             verify_bundle(path)  # a missing or damaged bundle: one line, exit 2, before any server starts
         except ValueError as e:
             ap.error(f"{flag}: {e}")
+    if "two" in args.phases and not h2grpc.available():
+        ap.error(f"the phase two: {h2grpc.MISSING}")
     reviews = args.data / "cls-books-fr" / "test.review.txt"
     if not reviews.is_file():
         ap.error(f"{reviews} not found: --data names the folder holding cls-books-fr/")

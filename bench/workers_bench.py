@@ -37,9 +37,6 @@ import json
 import os
 import platform
 import re
-import resource
-import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -50,17 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import h2grpc  # noqa: E402
 from serve_bench import DEFAULT_DATA, Server, cpu_seconds  # noqa: E402
-
-CLASSIFY = "/sentiment.v1.SentimentService/Classify"
-
-
-def grpc_body(text: str) -> bytes:
-    """One ClassifyRequest as a gRPC message on the wire: flag 0 (uncompressed), 4-byte big-endian length, bytes."""
-    from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
-
-    message = pb.ClassifyRequest(texts=[text]).SerializeToString()
-    return struct.pack(">BI", 0, len(message)) + message
 
 
 def ok_calls(servers: list[Server]) -> float:
@@ -74,14 +62,7 @@ def ok_calls(servers: list[Server]) -> float:
 
 def h2load(port: int, body: Path, seconds: float, args: argparse.Namespace) -> tuple[str, float]:
     """h2load's report and the CPU seconds it used; on --client-cpus when given."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    pin = ["taskset", "-c", args.client_cpus] if args.client_cpus else []
-    out = subprocess.run([*pin, "h2load", "-D", f"{max(1, round(seconds))}s", "-c", str(args.connections), "-m",
-                          str(args.streams), "-t", str(args.client_threads), "-d", str(body), "-H",
-                          "content-type: application/grpc", "-H", "te: trailers",
-                          f"http://127.0.0.1:{port}{CLASSIFY}"], capture_output=True, text=True, check=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return out.stdout, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return h2grpc.run(port, body, seconds, args.connections, args.streams, args.client_threads, args.client_cpus)
 
 
 AREAS = [  # (area, substring of a frame's file), first match wins
@@ -215,8 +196,8 @@ def main() -> int:
     ap.add_argument("--floor", action="store_true",
                     help="also measure, at each count, as many bare grpcio servers (bench/grpc_floor.py) on one port")
     args = ap.parse_args()
-    if shutil.which("h2load") is None:
-        ap.error("h2load not found: install it (Debian/Ubuntu: apt-get install nghttp2-client)")
+    if not h2grpc.available():
+        ap.error(h2grpc.MISSING)
     if min(args.workers) < 1 or args.client_threads < 1 or args.connections < args.client_threads:
         ap.error("--workers and --client-threads take counts >= 1, --connections at least one per client thread")
     if args.server_cpus and args.client_cpus and set(cores(args.server_cpus)) & set(cores(args.client_cpus)):
@@ -226,7 +207,7 @@ def main() -> int:
     text = reviews[len(reviews) // 2]  # the median length
     with tempfile.TemporaryDirectory() as tmp:
         body = Path(tmp) / "classify.grpc"
-        body.write_bytes(grpc_body(text))
+        body.write_bytes(h2grpc.grpc_body(text))
         rows, floors = [], {}
         for n in args.workers:
             rows.append(measure(args.bundle, n, body, args))

@@ -40,3 +40,19 @@ def test_a_swap_and_a_damaged_version_under_load_fail_no_call(tiny_bundle: Path,
     assert bad["failed_loads_at_refusal"] == 1 and bad["model_loads"]["failed"] == 1
     assert set(bad["versions_after_rename"]) == {"1"} and bad["versions_after_rename"]["1"] > 0
     assert "### swap" in run.stdout and "| p99 in the windows / before |" in run.stdout
+
+
+def test_two_models_the_flooded_one_takes_no_call_of_the_other(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The phase two, short: b measured alone, under h2load's flood of a, alone again; b's calls are never refused
+    for a's flood, and both models answered in it (a's texts counted by the server)."""
+    out = tmp_path / "two.json"
+    run = subprocess.run([sys.executable, "bench/model_swap_bench.py", "--bundle", str(tiny_bundle), "--phases",
+                          "two", "--two-s", "2", "--concurrency", "4", "--flood-callers", "24", "--poll-s", "0.2",
+                          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    two = json.loads(out.read_text())["two"]
+    assert two["b_refused_in_flood"] == 0 and two["b_flooded"]["failed"] == 0
+    assert two["b_flooded"]["calls"] > 0 and two["b_alone"]["calls"] > 0 and two["b_alone_again"]["calls"] > 0
+    assert two["a_flood"]["texts_per_s"] > 0 and two["a_flood"]["client"] == "h2load, 16 connections x 2 streams"
+    assert 0 < two["b_share"] and 0 < two["b_p99_ratio"] and two["server"]["exit_code"] == 0
+    assert "| b's texts/s in the flood / alone |" in run.stdout
