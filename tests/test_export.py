@@ -10,6 +10,7 @@ way the server does.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import shutil
@@ -32,6 +33,7 @@ from contract.runtime import CPU, cuda_driver_present, inference_session
 from trainer import artifact
 from trainer.__main__ import main as cli
 from trainer.export import ExportError, ExportOptions, ExportValidationError, check_bundle, export_bundle
+from trainer.export.cli import add_arguments, options_from_args
 from trainer.export.graph import STACK_TRACE, check_graph
 from trainer.export.quantize import INT8_CPU_BOUND, TOLERANCES, Tolerance
 from trainer.export.validate import compare, make_batch, ort_logits, torch_logits, validate
@@ -438,10 +440,6 @@ def test_int8_and_fp16_are_exclusive(tiny_classifier_artifact, tmp_path, capsys)
 
 def test_every_export_flag_reaches_its_option() -> None:
     """Each flag, set away from its default, changes the ExportOptions field it names, and only that one."""
-    import argparse
-
-    from trainer.export.cli import add_arguments, options_from_args
-
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     default = options_from_args(parser.parse_args(["art", "--out", "b"]))

@@ -31,6 +31,7 @@ import numpy as np
 from trainer import cli
 from trainer.atomic import write_bytes_atomic
 from trainer.config.choice import add_config_args, config_choice
+from trainer.config.schema import RunConfig
 from trainer.data.blocks import block_texts, parquet_texts, read_blocks
 from trainer.data.corpus import (
     FORMAT,
@@ -79,9 +80,8 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     cli.check_out(out)
     tok = Tokenizer.load(args.tokenizer, cfg.tokenizer.max_len) if args.tokenizer else build_tokenizer(cfg)
-    files = expand_inputs([cfg.data.path(p) for p in cfg.data.pretrain])
     t0 = time.perf_counter()
-    m = prepare(files, tok, out, args.workers, args.shard_tokens, cfg.data.text_field)
+    m = prepare_config(cfg, tok, out, args.workers, args.shard_tokens)
     print(f"prepare: {out}: {m['documents']:,} documents, {m['tokens']:,} ids in {len(m['shards'])} shards "
           f"({m['dtype']}), {time.perf_counter() - t0:.0f} s this session; "
           f"train with --set data.prepared={out}", file=sys.stdout)
@@ -223,6 +223,14 @@ def prepare(files: list[Path], tokenizer: Tokenizer, out: Path, workers: int = 0
     else:
         writer.discard()
     return save(True)
+
+
+def prepare_config(cfg: RunConfig, tokenizer: Tokenizer, out: Path, workers: int = 0,
+                   shard_tokens: int = SHARD_TOKENS) -> dict[str, Any]:
+    """`prepare` of the text a config names: data.pretrain's files (relative to data.root, globs expanded), each
+    document read from data.text_field. The prepare command and a pretrain run without data.prepared both call it."""
+    files = expand_inputs([cfg.data.path(p) for p in cfg.data.pretrain])
+    return prepare(files, tokenizer, out, workers, shard_tokens, cfg.data.text_field)
 
 
 def _with_end(jobs: Iterator[Job]) -> Iterator[Job | None]:

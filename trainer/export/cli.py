@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -143,21 +144,12 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         min_data_agreement=b.min_data_agreement if args.int8_min_agreement is None else args.int8_min_agreement / 100,
         max_accuracy_drop=b.max_accuracy_drop if args.int8_max_drop is None else args.int8_max_drop,
     )
-    return ExportOptions(
-        precision=precision,
-        gpu_precision=args.gpu_precision,
-        int8_bound=bound,
-        optimize=args.optimize,
-        save_optimized=args.save_optimized,
-        fuse_attention=args.fuse_attention,
-        per_channel=args.per_channel,
-        reduce_range=args.reduce_range,
-        max_len=args.max_len,
-        data_file=Path(args.data) if args.data else None,
-        data_limit=args.limit,
-        text_field=args.text_field,
-        label_field=args.label_field,
-    )
+    # A flag whose dest is a field's name (--gpu-precision, --optimize, --max-len, --text-field, ...) passes as it is;
+    # the fields set after it are derived above or named otherwise on the command line.
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(ExportOptions) if hasattr(args, f.name)}
+    fields.update(precision=precision, int8_bound=bound, data_file=Path(args.data) if args.data else None,
+                  data_limit=args.limit)
+    return ExportOptions(**fields)
 
 
 def thresholds_from_args(args: argparse.Namespace) -> Thresholds:

@@ -36,18 +36,8 @@ import torch.nn.functional as F
 from trainer import artifact, cli
 from trainer.config.choice import RESUME_AUTO, add_config_args, config_choice
 from trainer.config.schema import ConfigError, ModelConfig, RunConfig
-from trainer.data.corpus import (
-    MANIFEST,
-    TOKENIZER_DIR,
-    PreparedCorpus,
-    PreparedError,
-    digest,
-    files_of,
-    read_manifest,
-    verify,
-)
-from trainer.data.prepare import prepare
-from trainer.data.readers import expand_inputs
+from trainer.data import corpus
+from trainer.data.prepare import prepare_config
 from trainer.data.tokenizer import Tokenizer
 from trainer.data.windows import EpochOrder, Windows, split
 from trainer.engine import checkpoint as ckpt
@@ -164,40 +154,41 @@ def ready_data(cfg: RunConfig, opts: loop.RunOptions, run_dir: Path) -> tuple[To
     tok = run_tokenizer(cfg, run_dir, opts.tokenizer)
     folder = run_dir / "prepared"
     with file_lock(run_dir / ".prepare.lock"):
-        prepare(expand_inputs([cfg.data.path(p) for p in cfg.data.pretrain]), tok, folder,
-                text_field=cfg.data.text_field)
+        prepare_config(cfg, tok, folder)
     return tok, folder
 
 
 def check_data(folder: Path, tok: Tokenizer | None, cfg: RunConfig, opts: loop.RunOptions, run_dir: Path,
-               info: eng.DistInfo) -> tuple[PreparedCorpus, Tokenizer]:
+               info: eng.DistInfo) -> tuple[corpus.PreparedCorpus, Tokenizer]:
     """Collective, on every rank: this node's copy of `folder` against its manifest (each local rank checks a share
     of the files: data.verify), the verdict agreed by all ranks, then every node's manifest against rank 0's. Any
     problem stops every rank with the same line naming the node and the file. Returns the corpus and the run's
     tokenizer (with data.prepared: the folder's own, or --tokenizer if it is the same)."""
     problem, mine = "", ""
     try:
-        m = read_manifest(folder)
+        m = corpus.read_manifest(folder)
         if not m.get("complete"):
-            raise PreparedError(f"{folder}: its prepare did not finish (run the same prepare again to resume)")
-        share = files_of(m)[info.local_rank::info.local_size]  # largest files first: shares of similar size
-        problems = verify(folder, share, full=cfg.data.verify == "sha256")
+            raise corpus.PreparedError(f"{folder}: its prepare did not finish "
+                                       "(run the same prepare again to resume)")
+        share = corpus.files_of(m)[info.local_rank::info.local_size]  # largest files first: shares of similar size
+        problems = corpus.verify(folder, share, full=cfg.data.verify == "sha256")
         if problems:
-            raise PreparedError(problems[0])
-        mine = digest(m)
-    except (PreparedError, OSError) as e:
+            raise corpus.PreparedError(problems[0])
+        mine = corpus.digest(m)
+    except (corpus.PreparedError, OSError) as e:
         problem = f"{info.node}: {e}"
     problem = eng.agree(problem)
     if problem:
-        raise PreparedError(problem)
+        raise corpus.PreparedError(problem)
     rows = [r.decode().split(" ", 1) for r in all_gather_bytes(f"{mine} {info.node}".encode())]
     for theirs, node in rows:
         if theirs != rows[0][0]:
-            raise PreparedError(f"{node}: {folder / 'manifest.json'} differs from {rows[0][1]}'s (prepared from other "
-                                "inputs, tokenizer or shard size): give every node a copy of the same folder")
+            raise corpus.PreparedError(f"{node}: {folder / corpus.MANIFEST} differs from {rows[0][1]}'s (prepared "
+                                       "from other inputs, tokenizer or shard size): give every node a copy of the "
+                                       "same folder")
     if tok is None:
-        tok = run_tokenizer(cfg, run_dir, opts.tokenizer or folder / TOKENIZER_DIR)
-    return PreparedCorpus(folder, tok.fingerprint), tok
+        tok = run_tokenizer(cfg, run_dir, opts.tokenizer or folder / corpus.TOKENIZER_DIR)
+    return corpus.PreparedCorpus(folder, tok.fingerprint), tok
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -272,12 +263,12 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     problem = eng.agree(problem)
     if problem:
         raise StartError(problem)
-    corpus, tok = check_data(folder, tok, cfg, opts, run_dir, info)
+    prepared, tok = check_data(folder, tok, cfg, opts, run_dir, info)
 
     overlap = 1 if pc.objective == "clm" else 0  # clm windows overlap by one token (module docstring)
     # Held-out: the last documents, at most a tenth of them
-    n_eval = min(cfg.data.pretrain_eval_lines, max(1, corpus.n_docs // 10))
-    train_w, eval_w = split(corpus, n_eval, pc.seq_len, overlap)
+    n_eval = min(cfg.data.pretrain_eval_lines, max(1, prepared.n_docs // 10))
+    train_w, eval_w = split(prepared, n_eval, pc.seq_len, overlap)
     if len(eval_w) == 0:
         raise ConfigError(f"the {cfg.data.pretrain_eval_lines} held-out documents (data.pretrain_eval_lines) hold "
                           f"{eval_w.hi - eval_w.lo} tokens, less than one window of {pc.seq_len + overlap}; hold "
@@ -287,10 +278,10 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     per_epoch, total = loop.steps_of(task, pc.epochs, pc.max_steps, f"{len(train_w)} training windows",
                                      plan.global_batch)
     ds = trackers.with_monitor(ds, cfg.monitor, run_dir)
-    facts = trackers.run_facts([folder / MANIFEST]) if eng.is_main() else {}
+    facts = trackers.run_facts([folder / corpus.MANIFEST]) if eng.is_main() else {}
     corpus_record = provenance.corpus(folder) if eng.is_main() else {}  # the model card's pretraining data
     monitor.write_run_info(run_dir, cfg, ds, {"stage": "pretrain", "prepared": str(folder),
-                                              "documents": corpus.n_docs, "tokens": corpus.n_tokens,
+                                              "documents": prepared.n_docs, "tokens": prepared.n_tokens,
                                               "train_windows": len(train_w), "eval_windows": len(eval_w),
                                               "steps": total, "global_batch": plan.global_batch, **facts})
 
@@ -304,8 +295,8 @@ def run(cfg: RunConfig, opts: loop.RunOptions) -> Path | None:
     start_step = state.step
     log = monitor.RunLog(run_dir, total, state.step, f"pretrain {pc.objective}",
                          ["epoch", "loss", "ppl", "lr", "tokens_per_s", "eval_loss", "eval_ppl", "elapsed_s"], engine)
-    log.print(f"pretrain {pc.objective}: {corpus.n_docs:,} documents ({n_eval:,} held out for the eval loss), "
-              f"{corpus.n_tokens:,} tokens in {folder}, {len(train_w):,} training windows of {pc.seq_len} "
+    log.print(f"pretrain {pc.objective}: {prepared.n_docs:,} documents ({n_eval:,} held out for the eval loss), "
+              f"{prepared.n_tokens:,} tokens in {folder}, {len(train_w):,} training windows of {pc.seq_len} "
               f"({per_epoch:,} global batches of {plan.global_batch}/epoch), "
               f"{total:,} steps, world {info.world_size}, ZeRO {engine.zero_optimization_stage()}, "  # the engine's
               f"{eng.precision_of(ds)}"
