@@ -30,6 +30,7 @@ import platform
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -331,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args(argv)
     args.bundle_b = args.bundle_b or args.bundle
+    # SIGTERM (a timeout, a scheduler) unwinds like ^C: each phase's finally stops its server, which would outlive
+    # this process otherwise, and the temporary repository goes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     from contract.bundle import verify_bundle
 
     for flag, path in (("--bundle", args.bundle), ("--bundle-b", args.bundle_b)):

@@ -4,11 +4,15 @@ holds what docs/BENCHMARKS.md reports from it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 from procs import REPO
 
 
@@ -56,3 +60,27 @@ def test_two_models_the_flooded_one_takes_no_call_of_the_other(tiny_bundle: Path
     assert two["a_flood"]["texts_per_s"] > 0 and two["a_flood"]["client"] == "h2load, 16 connections x 2 streams"
     assert 0 < two["b_share"] and 0 < two["b_p99_ratio"] and two["server"]["exit_code"] == 0
     assert "| b's texts/s in the flood / alone |" in run.stdout
+
+
+def test_a_terminated_benchmark_stops_its_server(tiny_bundle: Path, tmp_path: Path) -> None:
+    """SIGTERM to the benchmark mid-phase: its server goes with it (it ran on, holding a port and a core, before)."""
+    bench = subprocess.Popen([sys.executable, "bench/model_swap_bench.py", "--bundle", str(tiny_bundle), "--phases",
+                              "swap", "--rate", "20", "--baseline-s", "60", "--poll-s", "0.2"], cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    servers: list[psutil.Process] = []
+    try:
+        end = time.monotonic() + 60
+        while not servers and time.monotonic() < end and bench.poll() is None:
+            time.sleep(0.2)
+            servers = [p for p in psutil.Process(bench.pid).children(recursive=True)
+                       if "serving.server" in " ".join(p.cmdline())]
+        assert servers, "the benchmark started no server"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(servers, timeout=30)
+        assert not alive, f"servers left running: {[p.pid for p in alive]}"
+    finally:
+        bench.kill()
+        for p in servers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
