@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll-s", type=float, default=1.0, help="the server's --repository-poll-s")
     ap.add_argument("--concurrency", type=int, default=16, help="two: model b's closed-loop callers")
     ap.add_argument("--two-s", type=float, default=10.0, help="two: measured seconds of each run of b")
-    ap.add_argument("--flood-callers", type=int, default=64, help="two: h2load's calls at once, flooding model a")
+    ap.add_argument("--flood-callers", type=int, default=64, help="two: h2load's calls at once (flooding model a)")
     ap.add_argument("--cancel-flood", type=int, default=16, help="cancel: calls of 256 long reviews queued first")
     ap.add_argument("--cancelled", type=int, default=100, help="cancel: one-review calls queued, then cancelled")
     ap.add_argument("--server-args", default="", help="more server options, e.g. '--max-concurrent-rpcs 32'")
