@@ -10,6 +10,8 @@ A bundle comes from outside, so nothing in it is trusted until checked, cheapest
     implies (contract/manifest.py: a graph of another bundle, or with other labels, is refused).
 What it returns are the verified bytes, so nothing changes between the check and the load. Every problem is a
 BundleError naming the file and the reason, on one line. `check_session` then runs the graph once at its limits.
+`bundle_manifest` reads and checks the manifest alone, for a process that sizes itself before its workers load and
+verify the bundle (serving/process/workers.py).
 """
 
 from __future__ import annotations
