@@ -71,7 +71,12 @@ class PermissionDenied(ServingError, code="PERMISSION_DENIED"):
 
 class LoadFailed(ServingError, code="FAILED_PRECONDITION"):
     """A model version could not be loaded: its bundle failed verification or its warm-up call; the old version keeps
-    serving. The message names the version and the reason."""
+    serving. The message names the version and the reason. logged: each version's reason is in the log already (the
+    repository's poller does not log the whole again)."""
+
+    def __init__(self, message: str, logged: bool = False) -> None:
+        super().__init__(message)
+        self.logged = logged
 
 
 class DeadlineExpired(ServingError, code="DEADLINE_EXCEEDED"):

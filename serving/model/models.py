@@ -213,7 +213,7 @@ class Models:
                 self.load(name, again=False)
                 self._errors.pop(name, None)
             except (LoadFailed, ModelNotFound) as e:
-                if self._errors.get(name) != str(e) and not getattr(e, "logged", False):  # once per new reason
+                if self._errors.get(name) != str(e) and not (isinstance(e, LoadFailed) and e.logged):  # once a reason
                     log.error("%s", e)
                 self._errors[name] = str(e)
         with self._lock:
@@ -265,11 +265,10 @@ class Models:
                 self._retire(name, v)
             if fresh:
                 serving = self.versions(name)
-                error = LoadFailed(f"model {name!r}: " + "; ".join(f"version {v} refused: {why}"
-                                                                   for v, why in sorted(fresh.items()))
-                                   + (f"; version {serving[-1]} keeps serving" if serving else "; no version serves"))
-                error.logged = True  # type: ignore[attr-defined]  # each version's line is in the log already
-                raise error
+                raise LoadFailed(f"model {name!r}: " + "; ".join(f"version {v} refused: {why}"
+                                                                 for v, why in sorted(fresh.items()))
+                                 + (f"; version {serving[-1]} keeps serving" if serving else "; no version serves"),
+                                 logged=True)
 
     def unload(self, name: str) -> None:
         """Every version of model `name`: drained, then freed; the poller leaves it unloaded until `load`.
