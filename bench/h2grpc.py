@@ -10,6 +10,7 @@ import resource
 import shutil
 import struct
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 CLASSIFY = "/sentiment.v1.SentimentService/Classify"
@@ -20,12 +21,12 @@ def available() -> bool:
     return shutil.which("h2load") is not None
 
 
-def grpc_body(text: str, **fields: str) -> bytes:
-    """One ClassifyRequest of `text` (and `fields`, e.g. model_name) as a gRPC message on the wire: flag 0
+def grpc_body(texts: Sequence[str], **fields: str) -> bytes:
+    """One ClassifyRequest of `texts` (and `fields`, e.g. model_name) as a gRPC message on the wire: flag 0
     (uncompressed), 4-byte big-endian length, bytes."""
     from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
 
-    message = pb.ClassifyRequest(texts=[text], **fields).SerializeToString()
+    message = pb.ClassifyRequest(texts=list(texts), **fields).SerializeToString()
     return struct.pack(">BI", 0, len(message)) + message
 
 

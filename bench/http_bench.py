@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 
-CLASSIFY = "/sentiment.v1.SentimentService/Classify"
+import h2grpc  # noqa: E402
+
 TEXT = ("Un roman magnifique, des personnages attachants et une intrigue qui tient jusqu'au bout : je le "
         "recommande sans hésiter.")
 
@@ -55,11 +55,8 @@ def loadavg() -> str:
 
 def bodies(texts: int, folder: Path) -> tuple[Path, Path]:
     """(gRPC message on the wire, JSON body) for a call of `texts` texts."""
-    from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb
-
-    message = pb.ClassifyRequest(texts=[TEXT] * texts).SerializeToString()
     grpc_body, json_body = folder / f"grpc-{texts}.bin", folder / f"json-{texts}.json"
-    grpc_body.write_bytes(struct.pack(">BI", 0, len(message)) + message)
+    grpc_body.write_bytes(h2grpc.grpc_body([TEXT] * texts))
     json_body.write_bytes(json.dumps({"texts": [TEXT] * texts}).encode())
     return grpc_body, json_body
 
@@ -92,7 +89,7 @@ def protocols(args: argparse.Namespace) -> dict:
             def run(protocol: str, texts: int, callers: int) -> dict:
                 grpc_body, json_body = folder / f"grpc-{texts}.bin", folder / f"json-{texts}.json"
                 if protocol == "grpc":
-                    return h2load(f"http://127.0.0.1:{server.port}{CLASSIFY}", grpc_body, callers, args.seconds,
+                    return h2load(f"http://127.0.0.1:{server.port}{h2grpc.CLASSIFY}", grpc_body, callers, args.seconds,
                                   ["content-type: application/grpc", "te: trailers"], False, folder / "log")
                 return h2load(f"http://127.0.0.1:{server.http_port}/v1/classify", json_body, callers, args.seconds,
                               ["content-type: application/json"], True, folder / "log")

@@ -196,7 +196,7 @@ def phase_two(args: argparse.Namespace, texts: list[str], root: Path) -> dict:
         alone = closed_loop(served.port, texts, args.concurrency, args.two_s, "b", args.channels)
         with tempfile.TemporaryDirectory() as tmp:
             body = Path(tmp) / "a.grpc"
-            body.write_bytes(h2grpc.grpc_body(texts[0], model_name="a"))
+            body.write_bytes(h2grpc.grpc_body(texts[:1], model_name="a"))
             flood = subprocess.Popen(h2grpc.command(served.port, body, args.two_s + 6, connections, streams),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             try:

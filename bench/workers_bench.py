@@ -207,7 +207,7 @@ def main() -> int:
     text = reviews[len(reviews) // 2]  # the median length
     with tempfile.TemporaryDirectory() as tmp:
         body = Path(tmp) / "classify.grpc"
-        body.write_bytes(h2grpc.grpc_body(text))
+        body.write_bytes(h2grpc.grpc_body([text]))
         rows, floors = [], {}
         for n in args.workers:
             rows.append(measure(args.bundle, n, body, args))
