@@ -208,8 +208,8 @@ class TokenEncoder:
     @classmethod
     def from_files(cls, files: TokenizerFiles, max_len: int) -> TokenEncoder:
         """The encoder of a checked folder, cutting at `max_len` (a bundle's: its manifest's). The tables of the last
-        few tokenizers are kept: the versions of a fine-tuned model share their pretraining's, and building them
-        (tens of milliseconds of Python per 10,000 pieces) slows the calls a server answers while it loads one."""
+        few tokenizers are kept: the versions of a fine-tuned model share their pretraining's, and building them (a
+        Python loop over every piece, under the interpreter lock) slows the calls a server answers while loading."""
         return _encoder(files.model_proto, tuple(files.pieces)).with_max_len(max_len)
 
     def piece_ids(self, texts: Sequence[str], threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
