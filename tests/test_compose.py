@@ -3,7 +3,7 @@ the server behind its proxy on one host, called through the proxy's published po
 (serving/client.py), by tritonclient and over HTTP; only the proxy's ports and the server's metrics (on loopback) are
 published; the proxy follows the server to a new address when its container starts again; both stop with exit 0.
 compose.repository.yaml (the server on a model repository) is checked as podman-compose merges it with compose.yaml,
-without starting anything.
+and started with it (slow suite): a new version renamed into the repository takes the calls without a failed one.
 
 The images are those tests/test_container.py and tests/images.py build with buildah (podman reads the same storage),
 named by compose.yaml's SERVER_IMAGE and PROXY_IMAGE. This machine's podman needs a containers.conf of its own
@@ -18,6 +18,9 @@ import json
 import os
 import re
 import resource
+import shutil
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,3 +199,57 @@ def test_compose_repository_file_serves_a_polled_repository_and_changes_nothing_
     assert Path(copied) == temp and temp.parent == final.parent  # one rename within one folder
     assert not temp.name.isdigit() and final.name.isdigit()  # the server ignores the copy until it is renamed
     assert final.parent.parent == folder and final.parent.name == cfg.model_name
+
+
+@pytest.mark.slow
+def test_compose_repository_file_swaps_a_new_version_in_under_calls_without_a_failed_one(
+        compose: tuple[list[str], dict[str, str]], tiny_bundle: Path, tmp_path: Path) -> None:
+    """compose.repository.yaml started with compose.yaml (podman-compose, both -f) on a repository holding version 1:
+    calls through the proxy go on while version 2 is copied and renamed in as the file's comments say; answers move to
+    version 2 within the poll and the warm-up, and no call fails on the way."""
+    base, env = compose
+    project = base[-1]
+    command = [*base[:3], "-f", str(REPO / "compose.repository.yaml"), *base[3:]]
+    models = tmp_path / "models" / "sentiment"
+    shutil.copytree(tiny_bundle, models / "1")
+    env = {**env, "MODEL_REPOSITORY": str(models.parent)}
+    ok([*command, "up", "-d"], timeout=300, env=env, cwd=REPO)
+    target = f"127.0.0.1:{env['SENTIMENT_PORT']}"
+    _serving(target, env, project)
+
+    answered: list[str] = []  # the version of every answer, in order
+    failed: list[str] = []
+    stop = threading.Event()
+
+    def calls() -> None:
+        with SentimentClient(target, token=TOKEN, timeout=30) as client:
+            while not stop.is_set():
+                try:
+                    answered.append(client.classify(["Un très beau livre."])[0].model_version)
+                except Exception as e:  # every failure is the finding
+                    failed.append(f"{type(e).__name__}: {e}")
+                time.sleep(0.02)
+
+    caller = threading.Thread(target=calls)
+    caller.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(answered) < 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        shutil.copytree(tiny_bundle, models / ".incoming-2")  # the file's cp -r, then its mv -T: one rename
+        os.rename(models / ".incoming-2", models / "2")
+        while (not answered or answered[-1] != "2") and time.monotonic() < deadline + 60:
+            time.sleep(0.1)
+        seen = len(answered)
+        while len(answered) < seen + 20 and time.monotonic() < deadline + 90:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        caller.join(60)
+    assert failed == [], (failed[:5], _logs(env, project))
+    first_two = answered.index("2") if "2" in answered else len(answered)
+    assert set(answered[:first_two]) == {"1"} and set(answered[first_two:]) == {"2"} and \
+        len(answered) - first_two >= 20, (answered[:first_two][-3:], answered[first_two:][:3], _logs(env, project))
+    ok([*command, "stop"], timeout=300, env=env, cwd=REPO)
+    state = json.loads(_podman(env, "inspect", f"{project}_server_1"))[0]["State"]
+    assert (state["Status"], state["ExitCode"]) == ("exited", 0), (state, _logs(env, project))
