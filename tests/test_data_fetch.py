@@ -3,8 +3,8 @@ against a mirror on 127.0.0.1 (tests/data_mirror.py; this machine has no interne
 
 cls-books-fr is served from this project's copy of the lab's files, which are byte for byte the lab's repository's
 at the pinned commit (their sha256 are the pinned ones): what the user's fetch builds must equal that copy, the
-detokenized `*.review.txt` included. The archive sources (IMDB, the SST treebank) and ELTeC's TEI novels are served
-as small synthetic files of the same layout, under a catalogue whose hashes are theirs.
+detokenized `*.review.txt` included. The archive sources (IMDB, the SST treebank, Allociné) and ELTeC's TEI novels
+are served as small synthetic files of the same layout, under a catalogue whose hashes are theirs.
 """
 
 from __future__ import annotations
@@ -215,11 +215,11 @@ def test_eltec_novels_become_one_paragraph_a_line(tmp_path: Path) -> None:
     assert (tmp_path / "eltec-fr" / "metadata.tsv").read_bytes() == b"id\ttitle\n"
 
 
-def _tar(members: dict[str, str]) -> bytes:
+def _tar(members: dict[str, str | bytes], compression: str = "gz") -> bytes:
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+    with tarfile.open(fileobj=buf, mode=f"w:{compression}") as tar:
         for name, text in members.items():
-            data = text.encode()
+            data = text.encode() if isinstance(text, str) else text
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -263,6 +263,80 @@ def test_sst_treebank_becomes_binary_sentences_without_the_neutral_ones(tmp_path
     assert (tmp_path / "sst2" / "train.tsv").read_text() == "label\tsentence\n1\ta good film\n0\tbad -lrb- x -rrb-\n"
     test = read_labeled(tmp_path / "sst2" / "test.tsv", ["0", "1"])
     assert [(e.text, e.label) for e in test] == [("great .", 1)]
+
+
+ALLOCINE_ROWS = {  # split: (review, polarity) in the source's order
+    "train": [("Un chef-d'œuvre : l'émotion à l'état pur, à voir !", 1), ("Décevant… « navet » de l'année.", 0),
+              ("Drôle\net touchant, sur deux lignes\u2028et un séparateur.", 1)],
+    "val": [("Ennuyeux à mourir.", 0), ("Très réussi.", 1), ("Scénario creux.", 0)],
+    "test": [("Génial, bravo aux acteurs.", 1), ("Nul, nul, nul.", 0)],
+}
+
+
+def _allocine_split(split: str) -> str:
+    """A split as the source writes it: one JSON object a line, the film's page beside the review and polarity."""
+    return "".join(json.dumps({"film-url": f"http://www.allocine.fr/film/fichefilm-{i}/critiques/spectateurs",
+                               "review": text, "polarity": polarity}, ensure_ascii=False) + "\n"
+                   for i, (text, polarity) in enumerate(ALLOCINE_ROWS[split]))
+
+
+def _allocine_fetch(root: Path, **members: str | None) -> None:
+    """Fetch allocine-fr from a synthetic data.tar.bz2 of ALLOCINE_ROWS; `members` replaces (str) or leaves out
+    (None) a split's member, by split name. Two members that are no split (a pickle, a name near a split's) must be
+    skipped unread."""
+    files: dict[str, str | bytes] = {"data/allocine_dataset.pickle": b"\x80\x04\x95 not for reading"}
+    for split in ("train", "val", "test"):
+        text = members.get(split, _allocine_split(split))
+        if text is not None:
+            files[f"data/{split}.jsonl"] = text
+    files["data/train.jsonl.orig"] = "not a split"
+    with Mirror() as m:
+        ds = _served(m, SETS["allocine-fr"], {"data.tar.bz2": _tar(files, "bz2")})
+        fetch_mod.fetch(ds, root, mirror=m.url)
+
+
+def test_allocine_archive_becomes_the_labelled_jsonl_the_readers_take_in_the_sources_order(tmp_path: Path) -> None:
+    from trainer.data.labelled import read_labeled
+
+    _allocine_fetch(tmp_path)
+    got = tmp_path / "allocine-fr"
+    assert sorted(p.name for p in got.iterdir()) == ["SOURCE.json", "test.jsonl", "train.jsonl.gz", "valid.jsonl"]
+    assert (got / "valid.jsonl").read_bytes() == ('{"text": "Ennuyeux à mourir.", "label": 0}\n'
+                                                  '{"text": "Très réussi.", "label": 1}\n'
+                                                  '{"text": "Scénario creux.", "label": 0}\n').encode()
+    train = gzip.open(got / "train.jsonl.gz", "rb").read().decode("utf-8").split("\n")
+    assert train[2] == '{"text": "Drôle\\net touchant, sur deux lignes\u2028et un séparateur.", "label": 1}'
+    for name, split in (("train.jsonl.gz", "train"), ("valid.jsonl", "val"), ("test.jsonl", "test")):
+        examples = read_labeled(got / name, ["0", "1"])
+        assert [(e.text, e.label) for e in examples] == ALLOCINE_ROWS[split], name
+    assert not list(tmp_path.rglob("*.pickle")) and not list(tmp_path.rglob("*.orig"))  # never extracted
+
+
+@pytest.mark.parametrize(("row", "error"), [
+    ('{"review": "Très bien", "polarity": 2}', '"polarity" is 2, not 0 or 1'),
+    ('{"review": "Bien", "polarity": true}', '"polarity" is true, not 0 or 1'),
+    ('{"film-url": "x", "polarity": 1}', 'no "review" field (fields: film-url, polarity)'),
+    ('{"review": null, "polarity": 1}', '"review" is null, not a string'),
+    ('{"review": "Bien", "polarity": 1', "not JSON (Expecting ',' delimiter at column 33)"),
+])
+def test_an_allocine_row_that_is_not_a_review_fails_naming_member_line_and_field_and_leaves_no_set(
+        tmp_path: Path, row: str, error: str) -> None:
+    lines = _allocine_split("val").splitlines()
+    bad = "\n".join([lines[0], row, *lines[1:]]) + "\n"
+    with pytest.raises(ValueError) as e:
+        _allocine_fetch(tmp_path, val=bad)
+    assert str(e.value) == f"data.tar.bz2: data/val.jsonl:2: {error}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".downloads", ".fetch.lock"]  # no set, no partial folder
+
+
+def test_an_allocine_archive_without_a_split_or_a_class_fails_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^data.tar.bz2: no data/test.jsonl among the archive's files$"):
+        _allocine_fetch(tmp_path / "a", test=None)
+    one_class = "".join(line + "\n" for line in _allocine_split("test").splitlines() if line.endswith("1}"))
+    with pytest.raises(ValueError, match=r"^data.tar.bz2: data/test.jsonl: no negative review \(polarity 0\) "
+                                         r"among its 1 review$"):
+        _allocine_fetch(tmp_path / "b", test=one_class)
+    assert not (tmp_path / "a" / "allocine-fr").exists() and not (tmp_path / "b" / "allocine-fr").exists()
 
 
 def test_fetch_refuses_a_download_larger_than_pinned(tmp_path: Path) -> None:

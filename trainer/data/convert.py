@@ -14,8 +14,10 @@ import re
 import shutil
 import tarfile
 import zipfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 from xml.etree import ElementTree
 
 from trainer.data.sources import DataSet
@@ -32,6 +34,12 @@ def _gzip_text(path: Path, lines: Iterator[str]) -> None:
             w.write(line + "\n")
         w.flush()
         w.detach()
+
+
+def _plain_text(path: Path, lines: Iterator[str]) -> None:
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for line in lines:
+            f.write(line + "\n")
 
 
 def cls_books(ds: DataSet, raw: Path, out: Path) -> None:
@@ -136,4 +144,72 @@ def sst2(ds: DataSet, raw: Path, out: Path) -> None:
             (out / f"{split}.tsv").write_text("\n".join(rows) + "\n", encoding="utf-8", newline="\n")
 
 
-CONVERTERS = {"cls_books": cls_books, "eltec": eltec, "imdb": imdb, "sst2": sst2}
+_ALLOCINE_SPLITS = {"data/train.jsonl": "train.jsonl.gz", "data/val.jsonl": "valid.jsonl",
+                    "data/test.jsonl": "test.jsonl"}
+
+
+def allocine(ds: DataSet, raw: Path, out: Path) -> None:
+    """Blard's data.tar.bz2 to one JSON object a line per review ({"text", "label"}: its "review", and its
+    "polarity", 1 positive and 0 negative), each split in the source's order: data/train.jsonl to `train.jsonl.gz`,
+    data/val.jsonl to `valid.jsonl`, data/test.jsonl to `test.jsonl`. The archive is read as one stream, nothing is
+    extracted to disk, and its other members (a pickle, say) are skipped unread, never unpickled."""
+    archive = ds.remotes[0].filename
+    done: set[str] = set()
+    with tarfile.open(raw / archive, "r|bz2") as tar:
+        for member in tar:
+            name = member.name.removeprefix("./")
+            if name not in _ALLOCINE_SPLITS or not member.isfile():
+                continue
+            if name in done:
+                raise ValueError(f"{archive}: {name} is in the archive twice")
+            where, dest = f"{archive}: {name}", out / _ALLOCINE_SPLITS[name]
+            counts: Counter[int] = Counter()
+            rows = _allocine_rows(where, tar.extractfile(member), counts)  # type: ignore[arg-type]
+            (_gzip_text if dest.name.endswith(".gz") else _plain_text)(dest, rows)
+            for polarity, kind in ((0, "negative"), (1, "positive")):
+                if not counts[polarity]:
+                    n = counts.total()
+                    raise ValueError(f"{where}: no {kind} review (polarity {polarity}) among its {n:,} "
+                                     f"review{'s' * (n != 1)}")
+            done.add(name)
+    missing = [name for name in _ALLOCINE_SPLITS if name not in done]
+    if missing:
+        raise ValueError(f"{archive}: no {' nor '.join(missing)} among the archive's files")
+
+
+def _allocine_rows(where: str, f: IO[bytes], counts: Counter[int]) -> Iterator[str]:
+    """The converted lines of one split; a row that is not a JSON object with a string "review" and a "polarity"
+    of 0 or 1 stops the build, naming its line and field. Blank lines are skipped, as the readers skip them."""
+    for n, line in enumerate(f, 1):  # splits on b"\n" only, as the readers do
+        try:
+            text = line.decode("utf-8").removesuffix("\n").removesuffix("\r")  # an error's column: on this line
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}:{n}: not UTF-8 (byte {e.start + 1})") from None
+        if n == 1:
+            text = text.removeprefix("\ufeff")  # a byte-order mark, dropped as the readers drop it
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}:{n}: not JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}:{n}: a JSON {type(row).__name__}, not an object with \"review\" and "
+                             "\"polarity\"")
+        for field in ("review", "polarity"):
+            if field not in row:
+                raise ValueError(f"{where}:{n}: no \"{field}\" field (fields: {', '.join(sorted(row)) or 'none'})")
+        review, polarity = row["review"], row["polarity"]
+        if not isinstance(review, str):
+            raise ValueError(f"{where}:{n}: \"review\" is {json.dumps(review)[:40]}, not a string")
+        if type(polarity) is not int or polarity not in (0, 1):  # not true/false nor 1.0: the source writes 0 or 1
+            raise ValueError(f"{where}:{n}: \"polarity\" is {json.dumps(polarity)[:40]}, not 0 or 1")
+        try:
+            review.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate, from a "\\ud800" escape
+            raise ValueError(f"{where}:{n}: \"review\" holds a lone surrogate at character {e.start + 1}") from None
+        counts[polarity] += 1
+        yield json.dumps({"text": review, "label": polarity}, ensure_ascii=False)
+
+
+CONVERTERS = {"cls_books": cls_books, "eltec": eltec, "imdb": imdb, "sst2": sst2, "allocine": allocine}

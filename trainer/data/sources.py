@@ -8,6 +8,8 @@ file of `files` is there (a fetched set also has its SOURCE.json; a copy laid ou
 The hashes of cls-books-fr and eltec-fr were computed from the repositories' blobs at the pinned commits. The sites of
 imdb and sst2 serve one archive each, unversioned: their sha256 is the one other dataset loaders publish for the same
 URL (tensorflow-datasets and MLDatasets.jl for aclImdb_v1.tar.gz), so a changed archive is refused, not used.
+allocine-fr's archive is a file of its repository at the pinned commit, and its sha256 is the one Hugging Face's
+`datasets` publishes for the same file (its allocine loader's download checksums).
 """
 
 from __future__ import annotations
@@ -122,6 +124,25 @@ SST2 = DataSet(
     files=("train.tsv", "dev.tsv", "test.tsv"),
 )
 
+_ALLOCINE = "TheophileBlard/french-sentiment-analysis-with-bert"
+_ALLOCINE_REV = "719f09fb11024061728458511570d9e5e73162dd"  # the archive last changed in 0a3a847 (2020-02-07)
+
+ALLOCINE = DataSet(
+    name="allocine-fr",
+    title="Allociné French film reviews: train 160,000, valid 20,000, test 20,000 (each split its own films, "
+          "balanced classes)",
+    source=f"https://github.com/{_ALLOCINE}",
+    revision=_ALLOCINE_REV,
+    license="MIT (the repository's LICENSE: Copyright (c) 2020 Théophile Blard); the reviews were written by "
+            "allocine.fr's users",
+    citation="Blard, T. (2020). French sentiment analysis with BERT. GitHub repository, "
+             f"https://github.com/{_ALLOCINE}",
+    remotes=(Remote(f"{RAW}/{_ALLOCINE}/{_ALLOCINE_REV}/allocine_dataset/data.tar.bz2",
+                    "8c49a8cac783da201697ed1a91b36d2f6618222b3b7ea1c2996f2a3fbc37dfb4", 66625305),),
+    build="allocine",
+    files=("train.jsonl.gz", "valid.jsonl", "test.jsonl"),
+)
+
 
 def _with_eltec_files(base: DataSet) -> DataSet:
     from trainer.data.eltec_files import METADATA, NOVELS
@@ -131,4 +152,4 @@ def _with_eltec_files(base: DataSet) -> DataSet:
     return dataclasses.replace(base, remotes=tuple(remotes))
 
 
-SETS: dict[str, DataSet] = {s.name: s for s in (CLS_BOOKS, _with_eltec_files(ELTEC), IMDB, SST2)}
+SETS: dict[str, DataSet] = {s.name: s for s in (CLS_BOOKS, _with_eltec_files(ELTEC), IMDB, SST2, ALLOCINE)}
