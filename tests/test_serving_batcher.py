@@ -169,6 +169,37 @@ def test_a_failed_run_fails_only_its_own_requests(predictor: Predictor) -> None:
     batcher.close()
 
 
+def test_a_lone_blocking_caller_runs_its_batch_itself_and_the_slots_still_bound_the_runs(predictor: Predictor) -> None:
+    """With nothing queued, every slot free and a previous batch of one, a caller that blocks on its answer
+    (`inline`, ServingCore.classify's) computes its batch in its own thread; a caller that does not (an event loop's
+    `submit`) hands it to a worker. While an inline caller holds the one slot, the worker runs nothing beside it."""
+    ids = predictor.tokenizer.encode("Seul, sans attente.").ids
+    threads: list[str] = []
+
+    def infer(rows: Sequence[np.ndarray]) -> np.ndarray:
+        threads.append(threading.current_thread().name)
+        return predictor.infer(rows)
+
+    batcher = Batcher(infer, workers=1)
+    assert batcher.submit([ids], inline=True).done()  # answered before submit returned: computed by this thread
+    batcher.submit([ids]).result(10)
+    assert threads == [threading.current_thread().name, "batcher-0"], threads
+
+    held = HeldRuns(batcher)
+    inline = threading.Thread(target=lambda: batcher.submit([ids], inline=True), name="inline-caller")
+    inline.start()
+    assert held.wait_entered(10)  # the inline caller is inside its run, holding the one slot
+    queued = batcher.submit([ids])
+    time.sleep(0.3)  # room for a worker that ignored the slot to start a second run (it must not)
+    assert len(held.batches) == 1 and not queued.done() and batcher.queued == 1
+    held.stop_holding()
+    held.release()
+    inline.join(10)
+    queued.result(10)
+    batcher.close()
+    assert threads[2:] == ["inline-caller", "batcher-0"], threads
+
+
 def test_batching_off_runs_each_request_alone(predictor: Predictor) -> None:
     batcher = Batcher(predictor.infer, enabled=False, max_queue=8)
     ids = predictor.tokenizer.encode("Sans batching.").ids

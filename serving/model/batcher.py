@@ -9,6 +9,9 @@ Callers `submit` a request's encoded rows and get a Future of its (n, C) probabi
   - before forming one, the worker waits for company at most `max_queue_delay_s` after the oldest text
     arrived, and stops waiting as soon as as many texts wait as the previous batch held: under steady load the
     callers of the last batch are back, while a lone caller (previous batch of 1) pays no delay at all;
+  - a lone caller that blocks on its answer (`inline`) and finds nothing queued and a slot free computes its
+    batch in its own thread: no hand-over to a worker and back, two thread wake-ups on its path (the workers and
+    such callers together never run more than `workers` batches at once);
   - texts whose request expired or was cancelled are dropped before compute (the caller gets DEADLINE_EXCEEDED
     or CANCELLED);
   - the queue is bounded (`max_queue` texts): past it, `submit` raises Overloaded at once.
@@ -99,6 +102,8 @@ class Batcher:
         self._last_batch = 1  # texts in the previous batch: how much company to wait for
         self._closing = False
         self._waiting = 0  # workers waiting for company before forming a batch
+        self._slots = workers if enabled else 0  # batches computed at once, by workers or by callers (below)
+        self._busy = 0  # batches being taken or computed now
         self._workers = [threading.Thread(target=self._loop, name=f"batcher-{i}", daemon=True)
                          for i in range(workers if enabled else 0)]
         for w in self._workers:
@@ -112,12 +117,16 @@ class Batcher:
         deadline: float | None = None,
         cancelled: Callable[[], bool] | None = None,
         trace: Any = None,
+        inline: bool = False,
     ) -> Future:
         """Queue one request's rows; the Future gives (n, C) probabilities or raises a ServingError. trace: the span
-        context of its call (serving/telemetry/call_log.py, Call.link), for the spans of its queue wait and batch."""
+        context of its call (serving/telemetry/call_log.py, Call.link), for the spans of its queue wait and batch.
+        inline: the caller blocks on the Future anyway (never an event loop): when nothing is queued and a slot is
+        free, it computes its rows' batch in its own thread before returning (`_run_inline`)."""
         now = time.monotonic()
         req = _Request(rows, deadline, cancelled, now, trace, time.time_ns() if trace is not None else 0,
                        remaining=len(rows))
+        idle = False
         with self._cond:
             if self._closing:
                 raise NotReady("server is shutting down: no new requests")
@@ -127,9 +136,18 @@ class Batcher:
             if not self.enabled:
                 self._in_flight += len(rows)
             else:
+                idle = inline and self._last_batch <= 1 and not self._pending and not self._waiting \
+                    and self._busy < self._slots
                 self._pending.extend(_Row(req, i, int(r.shape[0])) for i, r in enumerate(rows))
                 self.metrics.queue_depth.set(len(self._pending))
-                self._cond.notify()
+                # A lone caller (the previous batch held one text: no company to wait for) that finds nothing
+                # queued and a slot free computes its batch itself (below); under load the workers form batches.
+                if idle:
+                    self._busy += 1
+                else:
+                    self._cond.notify()
+        if idle:
+            self._run_inline()
         if not self.enabled:
             try:
                 self._run_alone(req)
@@ -137,6 +155,29 @@ class Batcher:
                 with self._cond:
                     self._in_flight -= len(rows)
         return req.future
+
+    def _run_inline(self) -> None:
+        """A caller that found every worker idle and nothing queued computes the batch its texts start, in its own
+        thread: a lone call pays no hand-over to a worker and back (two thread wake-ups). It holds one of the
+        `workers` slots meanwhile, so no more batches run at once than with workers alone."""
+        if self.turns is not None:
+            self.turns.take(self.model)
+        start = time.monotonic()
+        try:
+            with self._cond:
+                batch = self._take(time.monotonic())
+                self.metrics.queue_depth.set(len(self._pending))
+                if self._pending:  # texts of the call beyond one batch, or of calls since: the workers' now
+                    self._cond.notify()
+            if batch:
+                self._compute(batch)
+        finally:
+            if self.turns is not None:
+                self.turns.give(self.model, time.monotonic() - start)
+            with self._cond:
+                self._busy -= 1
+                if self._pending:
+                    self._cond.notify()
 
     def _run_alone(self, req: _Request) -> None:
         error = req.dead(time.monotonic())
@@ -207,10 +248,11 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closing:
+                while (not self._pending or self._busy >= self._slots) and not self._closing:
                     self._cond.wait()
                 if not self._pending:  # closing and drained
                     return
+                self._busy += 1
                 self._wait_for_company()
             if self.turns is not None:  # the cores, shared with the other models' batchers (serving/model/turns.py)
                 self.turns.take(self.model)
@@ -224,6 +266,10 @@ class Batcher:
             finally:
                 if self.turns is not None:
                     self.turns.give(self.model, time.monotonic() - start)
+                with self._cond:
+                    self._busy -= 1
+                    if self._pending:
+                        self._cond.notify()
 
     def _wait_for_company(self) -> None:
         """Called with the lock held and a non-empty queue."""

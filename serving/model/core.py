@@ -162,7 +162,7 @@ class ServingCore:
         cancelled: Callable[[], bool] | None,
     ) -> list[Prediction]:
         encoded = self._encode(texts)
-        future = self._queue(encoded, deadline, cancelled)
+        future = self._queue(encoded, deadline, cancelled, inline=True)  # this thread waits for it anyway
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             probs = future.result(timeout)  # (n, C)
@@ -175,11 +175,13 @@ class ServingCore:
             del future
         return self.predictor.predictions(encoded, probs)
 
-    def _queue(self, encoded: list[Encoded], deadline: float | None, cancelled: Callable[[], bool] | None) -> Future:
-        """The texts into the batcher, with their call's span context when traced (its queue wait and batch spans)."""
+    def _queue(self, encoded: list[Encoded], deadline: float | None, cancelled: Callable[[], bool] | None,
+               inline: bool = False) -> Future:
+        """The texts into the batcher, with their call's span context when traced (its queue wait and batch spans);
+        inline: Batcher.submit's, for a caller that blocks on the answer."""
         call = call_log.current()
         return self.batcher.submit([e.ids for e in encoded], deadline, cancelled,
-                                   trace=call.link() if call is not None else None)
+                                   trace=call.link() if call is not None else None, inline=inline)
 
     def _encode(self, texts: Sequence[str]) -> list[Encoded]:
         """The texts checked against the limits, then tokenized; InvalidInput or Overloaded naming the problem."""
