@@ -122,7 +122,7 @@ class Batcher:
         """Queue one request's rows; the Future gives (n, C) probabilities or raises a ServingError. trace: the span
         context of its call (serving/telemetry/call_log.py, Call.link), for the spans of its queue wait and batch.
         inline: the caller blocks on the Future anyway (never an event loop): when nothing is queued and a slot is
-        free, it computes its rows' batch in its own thread before returning (`_run_inline`)."""
+        free, it computes its rows' batch in its own thread before returning (`_run_batch`)."""
         now = time.monotonic()
         req = _Request(rows, deadline, cancelled, now, trace, time.time_ns() if trace is not None else 0,
                        remaining=len(rows))
@@ -147,7 +147,7 @@ class Batcher:
                 else:
                     self._cond.notify()
         if idle:
-            self._run_inline()
+            self._run_batch()
         if not self.enabled:
             try:
                 self._run_alone(req)
@@ -156,19 +156,17 @@ class Batcher:
                     self._in_flight -= len(rows)
         return req.future
 
-    def _run_inline(self) -> None:
-        """A caller that found every worker idle and nothing queued computes the batch its texts start, in its own
-        thread: a lone call pays no hand-over to a worker and back (two thread wake-ups). It holds one of the
-        `workers` slots meanwhile, so no more batches run at once than with workers alone."""
-        if self.turns is not None:
+    def _run_batch(self) -> None:
+        """Take the next batch and compute it, holding the slot its caller took (a worker, or a lone caller that
+        blocks on its answer: `submit(inline=True)`, no hand-over to a worker and back); the slot is given back
+        after, and a worker is woken for any texts left queued."""
+        if self.turns is not None:  # the cores, shared with the other models' batchers (serving/model/turns.py)
             self.turns.take(self.model)
         start = time.monotonic()
         try:
             with self._cond:
                 batch = self._take(time.monotonic())
                 self.metrics.queue_depth.set(len(self._pending))
-                if self._pending:  # texts of the call beyond one batch, or of calls since: the workers' now
-                    self._cond.notify()
             if batch:
                 self._compute(batch)
         finally:
@@ -254,22 +252,7 @@ class Batcher:
                     return
                 self._busy += 1
                 self._wait_for_company()
-            if self.turns is not None:  # the cores, shared with the other models' batchers (serving/model/turns.py)
-                self.turns.take(self.model)
-            start = time.monotonic()
-            try:
-                with self._cond:
-                    batch = self._take(time.monotonic())
-                    self.metrics.queue_depth.set(len(self._pending))
-                if batch:
-                    self._compute(batch)
-            finally:
-                if self.turns is not None:
-                    self.turns.give(self.model, time.monotonic() - start)
-                with self._cond:
-                    self._busy -= 1
-                    if self._pending:
-                        self._cond.notify()
+            self._run_batch()
 
     def _wait_for_company(self) -> None:
         """Called with the lock held and a non-empty queue."""
