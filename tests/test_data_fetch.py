@@ -315,9 +315,9 @@ def test_allocine_archive_becomes_the_labelled_jsonl_the_readers_take_in_the_sou
 @pytest.mark.parametrize(("row", "error"), [
     ('{"review": "Très bien", "polarity": 2}', '"polarity" is 2, not 0 or 1'),
     ('{"review": "Bien", "polarity": true}', '"polarity" is true, not 0 or 1'),
-    ('{"film-url": "x", "polarity": 1}', 'no "review" field (fields: film-url, polarity)'),
-    ('{"review": null, "polarity": 1}', '"review" is null, not a string'),
-    ('{"review": "Bien", "polarity": 1', "not JSON (Expecting ',' delimiter at column 33)"),
+    ('{"film-url": "x", "polarity": 1}', "no field 'review' (fields: ['film-url', 'polarity'])"),
+    ('{"review": null, "polarity": 1}', "field 'review' must be a string, got NoneType"),
+    ('{"review": "Bien", "polarity": 1', "malformed JSON at column 33: Expecting ',' delimiter"),
 ])
 def test_an_allocine_row_that_is_not_a_review_fails_naming_member_line_and_field_and_leaves_no_set(
         tmp_path: Path, row: str, error: str) -> None:

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import IO
 from xml.etree import ElementTree
 
+from trainer.data.errors import DataError
+from trainer.data.readers import jsonl_records, stream_lines
 from trainer.data.sources import DataSet
 
 
@@ -178,38 +180,19 @@ def allocine(ds: DataSet, raw: Path, out: Path) -> None:
 
 
 def _allocine_rows(where: str, f: IO[bytes], counts: Counter[int]) -> Iterator[str]:
-    """The converted lines of one split; a row that is not a JSON object with a string "review" and a "polarity"
-    of 0 or 1 stops the build, naming its line and field. Blank lines are skipped, as the readers skip them."""
-    for n, line in enumerate(f, 1):  # splits on b"\n" only, as the readers do
-        try:
-            text = line.decode("utf-8").removesuffix("\n").removesuffix("\r")  # an error's column: on this line
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{where}:{n}: not UTF-8 (byte {e.start + 1})") from None
-        if n == 1:
-            text = text.removeprefix("\ufeff")  # a byte-order mark, dropped as the readers drop it
-        if not text.strip():
-            continue
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}:{n}: not JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}:{n}: a JSON {type(row).__name__}, not an object with \"review\" and "
-                             "\"polarity\"")
-        for field in ("review", "polarity"):
-            if field not in row:
-                raise ValueError(f"{where}:{n}: no \"{field}\" field (fields: {', '.join(sorted(row)) or 'none'})")
-        review, polarity = row["review"], row["polarity"]
-        if not isinstance(review, str):
-            raise ValueError(f"{where}:{n}: \"review\" is {json.dumps(review)[:40]}, not a string")
-        if type(polarity) is not int or polarity not in (0, 1):  # not true/false nor 1.0: the source writes 0 or 1
-            raise ValueError(f"{where}:{n}: \"polarity\" is {json.dumps(polarity)[:40]}, not 0 or 1")
+    """The converted lines of one split, read as the readers read a .jsonl file (trainer/data/readers.py): a row
+    that is not a JSON object with a string "review" and a "polarity" of 0 or 1 stops the build, naming its line and
+    field."""
+    rows = jsonl_records(Path(where), stream_lines(f, where), "review", "polarity", True, fields_are_the_users=False)
+    for n, review, polarity in rows:  # polarity as its JSON text: true or 1.0 are not the source's 0 or 1
+        if polarity not in ("0", "1"):
+            raise DataError(f"{where}:{n}: \"polarity\" is {str(polarity)[:40]}, not 0 or 1")
         try:
             review.encode("utf-8")
         except UnicodeEncodeError as e:  # a lone surrogate, from a "\\ud800" escape
-            raise ValueError(f"{where}:{n}: \"review\" holds a lone surrogate at character {e.start + 1}") from None
-        counts[polarity] += 1
-        yield json.dumps({"text": review, "label": polarity}, ensure_ascii=False)
+            raise DataError(f"{where}:{n}: \"review\" holds a lone surrogate at character {e.start + 1}") from None
+        counts[int(polarity)] += 1
+        yield json.dumps({"text": review, "label": int(polarity)}, ensure_ascii=False)
 
 
 CONVERTERS = {"cls_books": cls_books, "eltec": eltec, "imdb": imdb, "sst2": sst2, "allocine": allocine}

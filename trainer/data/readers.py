@@ -39,7 +39,7 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from trainer.data.errors import DataError, name_it
 
@@ -143,11 +143,14 @@ def _records(path: Path, text_field: str, label_field: str, labeled: bool,
             if blank_lines or line.strip():
                 yield n, line, None
     else:  # .jsonl
-        yield from _jsonl(path, lines, text_field, label_field, labeled)
+        yield from jsonl_records(path, lines, text_field, label_field, labeled)
 
 
-def _jsonl(path: Path, lines: Iterator[tuple[int, str]], text_field: str, label_field: str,
-           labeled: bool) -> Iterator[tuple[int, str, object]]:
+def jsonl_records(path: Path, lines: Iterable[tuple[int, str]], text_field: str, label_field: str,
+                  labeled: bool, fields_are_the_users: bool = True) -> Iterator[tuple[int, str, object]]:
+    """(line, text, label as its JSON text: 1 -> "1", true -> "true") of every non-blank line of a .jsonl file;
+    DataError names the line of a row that is not an object holding a string text (and a label). A missing field's
+    message tells the user how to name theirs, unless the fields are a pinned source's (trainer/data/convert.py)."""
     for n, line in lines:
         if not line.strip():
             continue
@@ -159,7 +162,8 @@ def _jsonl(path: Path, lines: Iterator[tuple[int, str]], text_field: str, label_
             raise DataError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
         for key, option in ((text_field, "text_field"), (label_field, "label_field"))[:2 if labeled else 1]:
             if key not in obj:
-                raise DataError(f"{path}:{n}: no field {key!r} (fields: {sorted(obj)}); {name_it(option)}")
+                hint = f"; {name_it(option)}" if fields_are_the_users else ""
+                raise DataError(f"{path}:{n}: no field {key!r} (fields: {sorted(obj)}){hint}")
         text = obj[text_field]
         if not isinstance(text, str):
             raise DataError(f"{path}:{n}: field {text_field!r} must be a string, got {type(text).__name__}")
@@ -315,7 +319,13 @@ def has_labels(path: str | Path, label_field: str = "label", lines: Iterable[tup
 
 def stdin_lines(stream: BinaryIO, name: str = "<stdin>") -> list[tuple[int, str]]:
     """Every line of a binary stream (standard input), numbered from 1 and decoded as `_lines` does a file's."""
-    return [(n, _decode_line(Path(name), n, raw)) for n, raw in enumerate(stream, 1)]
+    return list(stream_lines(stream, name))
+
+
+def stream_lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, str]]:
+    """The lines of a binary stream (an archive's member, standard input), streamed, numbered from 1 and decoded
+    as `_lines` does a file's; `name` is what an error calls the stream."""
+    return ((n, _decode_line(Path(name), n, raw)) for n, raw in enumerate(stream, 1))
 
 
 def _labelled(path: Path, text_field: str, label_field: str, lines: Iterable[tuple[int, str]] | None = None,
