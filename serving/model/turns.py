@@ -3,12 +3,11 @@ calls wait for the request path: the process' onnxruntime runs and its model cal
 
 Each model has its own batcher and queue (serving/model/models.py), but they all run on the same cores. Left alone,
 they share the cores in proportion to their callers: a model flooded by 64 callers takes most of them from one with
-16. Here at most `slots` runs happen at once in the process,
-and a free slot goes to the waiting model that has used the least run time so far (start-time fair queueing, as a
-CPU scheduler shares a core between processes): two busy models get half of the run time each, whatever their
-callers. A model that was idle comes back at the level of the least served of the others, never with saved-up
-credit. One model alone takes every slot as soon as it is free: nothing changes for a server of one model but a lock
-per batch.
+16. Here at most `slots` runs happen at once in the process, and a free slot goes to the waiting model that has
+used the least run time so far (start-time fair queueing, as a CPU scheduler shares a core between processes): two
+busy models get half of the run time each, whatever their callers. A model that was idle comes back at the level of
+the least served of the others, never with saved-up credit. One model alone takes every slot as soon as it is free:
+nothing changes for a server of one model but a lock per batch.
 
 The runs are not all: on 2 cores the request path (gRPC, protobuf, tokenizing, under one interpreter lock) costs more
 than the runs, and it is shared by calls, not runs. So the calls take turns too (`alone=True`, `slots` =
