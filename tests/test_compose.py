@@ -30,7 +30,7 @@ import pytest
 from http_fixtures import classify
 from images import need, ok, proxy_image, unavailable, wait_serving
 from procs import REPO, free_port, run
-from serving_fixtures import reviews
+from serving_fixtures import reviews, wait_until
 from test_container import TOKEN, _tritonclient, base_image, build, image, wheelhouse  # noqa: F401 (fixtures)
 from test_deploy_manifests import _server_config
 
@@ -79,13 +79,17 @@ def _podman(env: dict[str, str], *args: str) -> str:
 
 
 def _serving(target: str, env: dict[str, str], project: str) -> None:
-    """Until the server answers SERVING through the proxy and the proxy routes model calls to it: health passes
-    straight through, while model calls are answered UNAVAILABLE until the proxy's own check (every second) has seen
-    the server up (a fresh clone's CI run called in that second)."""
+    """Until the server answers SERVING through the proxy and the proxy routes model calls to it, over gRPC and over
+    HTTP: health passes straight through, while model calls are answered UNAVAILABLE (HTTP: 503, "cannot be reached
+    (proxy)") until the proxy's own check of each port (every second) has seen the server up (a fresh clone's CI run
+    called in that second, once on gRPC's port and once on HTTP's)."""
     try:
         wait_serving(target, 120)
         with SentimentClient(target, token=TOKEN, timeout=30, retries=30, backoff=0.1) as client:
             client.classify(["prêt"])
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        wait_until(lambda: classify(int(env["HTTP_PORT"]), ["prêt"], bearer).status != 503, 30,
+                   what="the proxy routing HTTP to the server")
     except (AssertionError, Unavailable) as e:
         raise AssertionError(f"{e}\n{_logs(env, project)}") from None
 
