@@ -22,9 +22,7 @@ import argparse
 import dataclasses
 import logging
 import os
-import signal
 import sys
-import threading
 import types
 import typing
 from pathlib import Path
@@ -34,6 +32,7 @@ from contract.extras import missing_extra
 from contract.version import version_line
 from serving.config import ServerConfig
 from serving.errors import BundleError, ServerConfigError
+from serving.process.stop_signal import StopSignal
 from serving.telemetry import logs, tracing
 
 log = logging.getLogger("serving.server")  # its own name also when run as __main__
@@ -142,14 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     except (BundleError, ServerConfigError) as e:
         print(f"sentiment-server: error: {e}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
-    server.start()
-    while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
-        pass
-    log.info("signal received: NOT_SERVING, draining in-flight requests (grace %.1f s)", server.cfg.grace_s)
-    server.stop()
+    with StopSignal() as stop:  # kept through the drain: a second SIGTERM does not cut it short
+        server.start()
+        while not stop.wait(0.5):
+            pass
+        log.info("signal received: NOT_SERVING, draining in-flight requests (grace %.1f s)", server.cfg.grace_s)
+        server.stop()
     tracing.shutdown()  # the spans still queued are exported
     return 0
 

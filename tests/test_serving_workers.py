@@ -269,3 +269,35 @@ def test_a_corrupt_bundle_exits_2_naming_its_file(tiny_bundle: Path, tmp_path: P
         server.log
     assert "Traceback" not in server.log, server.log
 
+
+
+
+STUCK = """import faulthandler, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+open({ready!r}, "w").close()
+time.sleep(600)  # the worker that will not drain
+"""
+
+
+@pytest.mark.slow  # the parent's wait is grace_s twice plus 10 s
+def test_a_worker_stuck_past_its_grace_shows_its_stacks_before_it_is_killed(tiny_bundle: Path, tmp_path: Path, capfd,
+                                                                            caplog) -> None:
+    """Which line a stuck worker was in is what its log must say: the parent asks it for its threads' stacks
+    (faulthandler, SIGUSR1) before SIGKILL, and exits 1. A worker of this kind hung once in CI with nothing to go on."""
+    import multiprocessing
+
+    from serving.protocols.grpc.health import Health
+
+    parent = _Parent(tiny_bundle, ServerConfig(workers=1, grace_s=0.1), "INFO")
+    slot = parent.slots[0]
+    ready = tmp_path / "ready"
+    slot.process = multiprocessing.get_context("spawn").Process(target=exec, args=(STUCK.format(ready=str(ready)),))
+    slot.process.start()
+    wait_until(ready.exists, 30, what="the stuck worker's handlers set")
+    with caplog.at_level(logging.INFO, logger="serving.process.workers"):
+        assert parent._drain(Health()) == 1
+    assert f"worker 0 (pid {slot.process.pid}) still running after the grace period: killed" in caplog.text
+    assert slot.process.exitcode == -signal.SIGKILL
+    err = capfd.readouterr().err
+    assert "most recent call first" in err and 'File "<string>", line 5 in <module>' in err, err

@@ -28,6 +28,7 @@ is gone drains and exits.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -36,7 +37,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,6 +53,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from contract.bundle import bundle_manifest
 from serving.config import ServerConfig
 from serving.errors import BundleError, ServerConfigError
+from serving.process.stop_signal import StopSignal
 from serving.protocols.grpc.health import Health
 from serving.protocols.grpc.health_port import HealthPort
 from serving.telemetry import logs, tracing
@@ -150,21 +151,17 @@ class _Parent:
         self.cfg, self.log_level, self.log_format = worker_cfg, log_level, log_format
         self.slots = [_Slot(i) for i in range(worker_cfg.workers)]
         self._context = multiprocessing.get_context("spawn")
-        self._stop = threading.Event()
+        self._stop = StopSignal()
         self._serving = False
         self._announced = False
 
     def run(self, health: Health, services: tuple[str, ...], where: str) -> int:
-        previous = {sig: signal.signal(sig, lambda signum, frame: self._stop.set())
-                    for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:  # the handlers stay through the drain: a second SIGTERM must not kill the parent under its workers
+        # The handlers stay through the drain: a second SIGTERM must not kill the parent under its workers.
+        with self._stop:
             for slot in self.slots:
                 self._start(slot)
             code = self._watch(health, services, where)
             return self._drain(health) if code is None else self._kill_all(code)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
     def _start(self, slot: _Slot) -> None:
         parent_end, child_end = self._context.Pipe(duplex=False)
@@ -180,7 +177,7 @@ class _Parent:
 
     def _watch(self, health: Health, services: tuple[str, ...], where: str) -> int | None:
         """Until SIGTERM (None) or a worker's exit 2 (2)."""
-        while not self._stop.is_set():
+        while not self._stop.signum:
             now = time.monotonic()
             waits = [s.restart_at - now for s in self.slots if s.restart_at is not None]
             timeout = max(0.0, min([0.5, *waits]))  # a timed wait lets the signal handler run promptly
@@ -265,8 +262,10 @@ class _Parent:
             assert slot.process is not None
             slot.process.join(max(0.0, end - time.monotonic()))
             if slot.process.exitcode is None:
-                log.error("worker %d (pid %d) still running after the grace period: killed", slot.index,
-                          slot.process.pid)
+                log.error("worker %d (pid %d) still running after the grace period: killed (its threads' stacks "
+                          "follow on stderr)", slot.index, slot.process.pid)
+                _signal(slot.process, signal.SIGUSR1)  # faulthandler in the worker: where it is stuck
+                slot.process.join(1.0)
                 _signal(slot.process, signal.SIGKILL)
                 slot.process.join()
             if slot.process.exitcode not in (0, -signal.SIGTERM):  # SIGTERM before its handler: nothing to drain
@@ -375,21 +374,20 @@ def _worker_main(index: int, bundle: str | None, cfg: ServerConfig, conn: Connec
     from serving.process.app import SentimentServer, configure_process
 
     logs.configure(log_level, log_format, worker=index)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
-    try:
-        configure_process(cfg, worker=index)
-        server = SentimentServer(bundle, cfg, shared_port=True).bind()
-    except (BundleError, ServerConfigError) as e:
-        print(f"sentiment-server: error: worker {index}: {e}", file=sys.stderr)
-        sys.exit(2)
-    server.start()
-    conn.send("ready")
-    while not stop.wait(0.5):
-        if os.getppid() != parent_pid:
-            log.error("the parent process is gone: draining")
-            break
-    server.stop()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a worker stuck past its grace: its parent asks
+    with StopSignal() as stop:
+        try:
+            configure_process(cfg, worker=index)
+            server = SentimentServer(bundle, cfg, shared_port=True).bind()
+        except (BundleError, ServerConfigError) as e:
+            print(f"sentiment-server: error: worker {index}: {e}", file=sys.stderr)
+            sys.exit(2)
+        server.start()
+        conn.send("ready")
+        while not stop.wait(0.5):
+            if os.getppid() != parent_pid:
+                log.error("the parent process is gone: draining")
+                break
+        server.stop()
     tracing.shutdown()
     sys.exit(0)
