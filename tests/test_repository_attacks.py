@@ -237,7 +237,7 @@ def test_a_version_linked_out_of_the_repository_is_listed_unavailable_and_a_link
         rows = index(server)
         assert rows[("m", "1")] == ("READY", "") and rows[("m", "3")] == ("READY", ""), rows
         state, reason = rows[("m", "2")]
-        assert state == "UNAVAILABLE" and str(repo / "m" / "2") in reason and "outside the repository" in reason, \
+        assert state == "UNAVAILABLE" and reason == "m/2 leads outside the repository: not loaded", \
             rows
         assert sorted(c.version for c in server.models.cores) == ["1", "3"]
         assert classify.Classify(pb.ClassifyRequest(texts=TEXTS, model_name="m", model_version="3"),
@@ -258,13 +258,14 @@ def test_a_model_folder_linked_out_of_the_repository_is_not_loaded_and_a_link_in
     probe = ReadProbe(evil)
     with serving(repo, repository_api_open=True) as (server, kserve, classify):
         e = refusal(load, kserve, "evil")
-        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and str(repo / "evil") in e.details(), e
-        assert "leads outside the repository" in e.details(), e
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e
+        # where the link leads, and where the server keeps its repository, are not the client's to read
+        assert e.details() == "evil leads outside the repository: not loaded; no version serves", e
         assert "evil" not in server.models.names() and sorted(server.models.names()) == ["alias", "m"]
         assert classify.Classify(pb.ClassifyRequest(texts=TEXTS, model_name="alias"), timeout=10).model_name == \
             "alias"
     assert probe.read() == [], f"read through the link out of the repository: {probe.read()}"
-    assert any(str(repo / "evil") in r.getMessage() for r in errors_logged(caplog)), "the link is not reported"
+    assert any("evil" in r.getMessage() for r in errors_logged(caplog)), "the link is not reported"
 
 
 def test_a_model_folder_linked_out_of_the_repository_is_listed_unavailable_naming_the_link(
@@ -275,7 +276,7 @@ def test_a_model_folder_linked_out_of_the_repository_is_listed_unavailable_namin
         rows = index(server)
         assert ("evil", "") in rows or ("evil", "1") in rows, rows
         state, reason = rows.get(("evil", ""), rows.get(("evil", "1")))
-        assert state == "UNAVAILABLE" and str(repo / "evil") in reason and "outside" in reason, rows
+        assert state == "UNAVAILABLE" and reason == "evil leads outside the repository: not loaded", rows
 
 
 def test_a_version_written_with_a_leading_zero_is_refused_not_taken_for_another(repo: Path,
@@ -287,7 +288,7 @@ def test_a_version_written_with_a_leading_zero_is_refused_not_taken_for_another(
         rows = index(server)
         assert rows[("m", "7")] == ("READY", "") and server.models.versions("m") == ["7"]
         state, reason = rows[("m", "07")]
-        assert state == "UNAVAILABLE" and str(repo / "m" / "07") in reason and "leading zero" in reason, rows
+        assert state == "UNAVAILABLE" and "m/07" in reason and "leading zero" in reason, rows
 
 
 # ---------------------------------------------------------------------------------------------- a version copied in
@@ -336,7 +337,7 @@ def test_a_version_copied_in_while_polled_is_never_served_half_written(repo: Pat
         callers = Callers(classify)
         half = copy_slowly(server, tiny_bundle, repo / "m" / "7", last, caplog)
         completed = time.monotonic()
-        assert str(repo / "m" / "7" / last) in half and one_line(half), half
+        assert f"m/7/{last}" in half and one_line(half), half
         load(kserve, "m")  # an explicit load tries it again whatever the poller decided
         loaded = time.monotonic()
         wait_until(lambda: sum(o[0] > loaded for o in callers.outcomes) >= 5, 20, what="calls after the load")
@@ -382,18 +383,18 @@ def test_a_broken_model_json_is_one_line_and_the_versions_serving_keep_serving(
         policy.write_bytes(content)
         wait_until(lambda: ("m", "") in index(server), 10, what="the policy file listed as refused")
         state, reason = index(server)[("m", "")]
-        assert state == "UNAVAILABLE" and str(policy) in reason and one_line(reason), reason
+        assert state == "UNAVAILABLE" and "m/model.json" in reason and one_line(reason), reason
         reply = rest(server, "load", "m")
         assert reply.status == 400 and reply.json["code"] == "FAILED_PRECONDITION", reply.body
-        assert str(policy) in reply.json["error"] and one_line(reply.json["error"]), reply.json
+        assert "m/model.json" in reply.json["error"] and one_line(reply.json["error"]), reply.json
         e = refusal(load, kserve, "m")
-        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and str(policy) in e.details(), e
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "m/model.json" in e.details(), e
         time.sleep(5 * POLL_S)  # polls of the same broken file
         policy.unlink()
         wait_until(lambda: ("m", "") not in index(server), 10, what="the refusal gone once the file is")
         outcomes = callers.stop()
         assert outcomes and {(o[2], o[3]) for o in outcomes} == {("OK", "1")}
-    logged = [r.getMessage() for r in errors_logged(caplog) if str(policy) in r.getMessage()]
+    logged = [r.getMessage() for r in errors_logged(caplog) if "m/model.json" in r.getMessage()]
     assert len(logged) == 1 and one_line(logged[0], 600), logged  # once per reason, not at every poll
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
 
@@ -411,7 +412,7 @@ def test_a_deeply_nested_model_json_at_start_is_one_line_and_the_other_models_se
     with serving(repo) as (server, _, _):
         assert server.models.names() == ["m"]
         state, reason = index(server)[("a", "")]
-        assert state == "UNAVAILABLE" and str(repo / "a" / "model.json") in reason and one_line(reason), reason
+        assert state == "UNAVAILABLE" and "a/model.json" in reason and one_line(reason), reason
 
 
 def test_a_deeply_nested_model_json_while_polled_is_one_line_and_the_poll_goes_on(
@@ -436,7 +437,7 @@ def test_a_huge_model_json_is_refused_by_its_size(repo: Path, tiny_bundle: Path)
     with serving(repo) as (server, _, _):
         assert server.models.versions("m") == []  # neither this file's policy nor a guess at another
         state, reason = index(server)[("m", "")]
-        assert state == "UNAVAILABLE" and str(policy) in reason and one_line(reason), reason
+        assert state == "UNAVAILABLE" and "m/model.json" in reason and one_line(reason), reason
 
 
 @pytest.mark.parametrize("content", [{"version_policy": {"latest": {"num_version": 2}}},

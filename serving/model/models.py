@@ -26,6 +26,7 @@ before it gets there.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -239,14 +240,15 @@ class Models:
             except RepositoryError as e:  # its policy file: the versions serving keep serving
                 with self._lock:
                     self._known.add(name)
-                    self._refused = {k: v for k, v in self._refused.items() if k[0] != name} | {(name, ""): str(e)}
+                    self._refused = {k: v for k, v in self._refused.items() if k[0] != name}
+                    self._refused[(name, "")] = self._shown(e)
                 serving = self.versions(name)
-                raise LoadFailed(f"{e}; " + (f"version {serving[-1]} keeps serving" if serving else
+                raise LoadFailed(f"{self._shown(e)}; " + (f"version {serving[-1]} keeps serving" if serving else
                                              "no version serves")) from None
             with self._lock:
                 self._known.add(name)
                 self._refused = {k: v for k, v in self._refused.items() if k[0] != name}
-                self._refused |= {(name, v): why for v, why in found.refused.items()}
+                self._refused |= {(name, v): self._shown(why) for v, why in found.refused.items()}
             failed: dict[int, str] = {}  # every version that could not be loaded
             fresh: dict[int, str] = {}  # of those, the ones tried now (not skipped as unchanged since they failed)
             while True:
@@ -327,6 +329,15 @@ class Models:
 
     # ------------------------------------------------------------------------------------------ inside
 
+    def _shown(self, reason: object) -> str:
+        """A reason as clients read it (the index, a load's error): paths inside the repository relative to it, as
+        NAME/VERSION/FILE. The server's own paths are for its log only."""
+        text = str(reason)
+        if self.root is not None:
+            for path in sorted({str(self.root), str(self.root.resolve())}, key=len, reverse=True):
+                text = text.replace(path + os.sep, "")
+        return text
+
     def _held(self, name: str, version: int) -> bool:
         with self._lock:
             return version in self._ready.get(name, {})
@@ -350,6 +361,7 @@ class Models:
         except (BundleError, ServerConfigError, LoadFailed, OSError) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             log.error("model %r version %d refused, the versions serving keep serving: %s", name, version, reason)
+            reason = self._shown(reason)
             with self._lock:
                 self._index[(name, version)] = _Version(UNAVAILABLE, reason, stamp=stamp)
             self._on_change(name, "failed")
@@ -419,3 +431,4 @@ def _stamp(folder: Path) -> tuple[int, ...] | None:
     except OSError:
         return None
     return (stats[0].st_ino, max(st.st_ctime_ns for st in stats), len(stats), sum(st.st_size for st in stats))
+

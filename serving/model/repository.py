@@ -94,7 +94,7 @@ def read_model(root: Path, name: str) -> Found:
     if not folder.is_dir():
         raise NoSuchModel(f"model {name!r}: no folder {folder} inside the repository")
     if not _inside(folder, real_root):
-        raise LeadsOutside(f"{folder} leads outside the repository ({folder.resolve()}): not loaded")
+        raise LeadsOutside(f"{folder} leads outside the repository: not loaded")  # not where: a client reads it
     policy = read_policy(folder / POLICY_FILE)
     available: dict[int, Path] = {}
     refused: dict[str, str] = {}
@@ -109,7 +109,7 @@ def read_model(root: Path, name: str) -> Found:
                                        "digits): not loaded")
             continue  # a temporary name, the policy file, anything else: not a version
         if not _inside(entry, real_root):
-            refused[entry.name] = f"{entry} leads outside the repository ({entry.resolve()}): not loaded"
+            refused[entry.name] = f"{entry} leads outside the repository: not loaded"  # not where: a client reads it
         elif not entry.is_dir():
             refused[entry.name] = f"{entry} is not a folder"
         else:
