@@ -262,7 +262,8 @@ def test_gpu_image_holds_the_cuda_libraries_its_onnxruntime_is_built_for(
             return run(["buildah", "run", "--isolation", "chroot", "--volume", f"{tiny_bundle}:/mnt/models:ro", ctr,
                         "--", *cmd], timeout=timeout)
 
-        assert inside("id", "-u").stdout.strip() == str(APP_UID)
+        who = inside("id", "-u")
+        assert who.stdout.strip() == str(APP_UID), (who.returncode, who.stderr)  # once empty in CI, nothing said
         facts = json.loads(ok(["buildah", "run", "--isolation", "chroot", ctr, "--", "python", "-c", GPU_FACTS],
                               timeout=300).stdout)
         assert "CUDAExecutionProvider" in facts["providers"], facts["providers"]

@@ -431,4 +431,3 @@ def _stamp(folder: Path) -> tuple[int, ...] | None:
     except OSError:
         return None
     return (stats[0].st_ino, max(st.st_ctime_ns for st in stats), len(stats), sum(st.st_size for st in stats))
-
