@@ -12,6 +12,7 @@ each with its own connection (a local subchannel pool): 16 connections all on on
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import re
 import shutil
@@ -285,10 +286,6 @@ def test_a_worker_stuck_past_its_grace_shows_its_stacks_before_it_is_killed(tiny
                                                                             caplog) -> None:
     """Which line a stuck worker was in is what its log must say: the parent asks it for its threads' stacks
     (faulthandler, SIGUSR1) before SIGKILL, and exits 1. A worker of this kind hung once in CI with nothing to go on."""
-    import multiprocessing
-
-    from serving.protocols.grpc.health import Health
-
     parent = _Parent(tiny_bundle, ServerConfig(workers=1, grace_s=0.1), "INFO")
     slot = parent.slots[0]
     ready = tmp_path / "ready"
