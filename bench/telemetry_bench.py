@@ -234,11 +234,13 @@ def _one_call(log: Any, served: list | None) -> None:
     from serving.telemetry import call_log
 
     call = log.begin("grpc", "sentiment.v1.SentimentService/Classify", _HEADERS, _ATTRIBUTES)
-    with call.step("auth"):
-        pass
-    with call.serving():
-        with call.step("admission"), call_log.step("tokenize"):
-            pass
+    start = time.time_ns() if call.traced else 0
+    if start:
+        call.timed("auth", start)
+    with call:
+        for step in ("admission", "tokenize"):
+            if start:
+                call.timed(step, time.time_ns())
         link = call_log.current().link()  # type: ignore[union-attr]
         if served is not None:
             served.append((link, time.time_ns()))

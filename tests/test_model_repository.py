@@ -5,9 +5,11 @@ reach the model. Real servers on 127.0.0.1 (tests/test_repository_attacks.py att
 
 from __future__ import annotations
 
+import gc
 import shutil
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import grpc
@@ -125,6 +127,25 @@ def test_load_swap_unload_over_http_and_grpc_and_answers_name_the_version(tmp_pa
         kserve.RepositoryModelLoad(kpb.RepositoryModelLoadRequest(model_name="fr"), metadata=GRPC_AUTH)
         assert classify_http(server)["model_version"] == "2"
         channel.close()
+
+
+def test_an_unloaded_version_is_freed_at_once_not_by_the_cyclic_collector(tmp_path: Path, tiny_bundle: Path) -> None:
+    """A version's graph is the server's largest allocation: once unloaded and drained, nothing may keep it in a
+    reference cycle, which only Python's collector frees (an idle server runs none). The metrics' gauges read the
+    version at each scrape: their functions let go of it when it is unloaded."""
+    repo = tmp_path / "repo"
+    add_version(repo, "fr", 1, tiny_bundle)
+    with serve(repo, metrics_port=0, memory_reclaim_idle_s=0) as server:  # no reclaimer: its collections neither
+        classify_http(server)
+        assert "sentiment_queue_depth" in call(server.metrics_port, "GET", "/metrics").body.decode()
+        version = weakref.ref(server.models.get("fr").predictor)
+        gc.collect()
+        gc.disable()
+        try:
+            assert call(server.http_port, "POST", "/v2/repository/models/fr/unload", headers=AUTH).status == 200
+            wait_until(lambda: version() is None, 10, what="the unloaded version's predictor freed")
+        finally:
+            gc.enable()
 
 
 def test_swap_under_load_fails_no_call_and_traffic_moves_to_the_new_version(tmp_path: Path,

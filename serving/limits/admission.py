@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 from serving.errors import BodyTimeout, Overloaded
-from serving.limits.bounds import Busy, ResponseBudget, Slots, Watchdog
+from serving.limits.bounds import Busy, ResponseBudget, Slots, Watch, Watchdog
 from serving.telemetry.prometheus import Metrics
 
 _SCHEME = b"bearer"
@@ -134,7 +133,7 @@ class Admission:
     def check_answers(self) -> None:
         """Overloaded while the answers in flight fill their budget: checked again before a call computes anything."""
         budget = self._budget
-        if budget.spent:
+        if budget.used >= budget.limit:  # ResponseBudget.spent, without a call: on every call's path
             raise Overloaded(f"{budget.used} bytes of answers wait for their clients (max_response_bytes_in_flight "
                              f"{budget.limit}); retry later")
 
@@ -146,11 +145,14 @@ class Admission:
         """The answer has left (or its client has): its bytes no longer count. Cheap: a lock and a notify."""
         self._budget.release(size)
 
-    def watching(self, cancel: Callable[[], None]) -> AbstractContextManager:
-        """For a reader that blocks a thread (gRPC's): arms the body watchdog around a `with` that waits for a
-        message; `cancel` is called (and counted) when it has not come within body_timeout_s. `.fired` on the value
-        of the `with` says whether it was."""
-        return self._watchdog.watching(cancel)
+    def watch(self, cancel: Callable[[], None]) -> Watch:
+        """For a reader that blocks a thread (gRPC's), before it waits for a message: the body watchdog calls (and
+        counts) `cancel` when the message has not come within body_timeout_s. Give what it returns to `unwatch` once
+        the wait is over: True then says that the watchdog fired."""
+        return self._watchdog.arm(cancel)
+
+    def unwatch(self, watch: Watch) -> bool:
+        return self._watchdog.disarm(watch)
 
     def late_body(self) -> BodyTimeout:
         """For a reader on an event loop, which times its own read (a thread cannot cancel the read without racing

@@ -28,45 +28,52 @@ class Busy(Protocol):
     def leave(self) -> None: ...
 
 
-class _Watch:
-    def __init__(self, cancel: Callable[[], None]) -> None:
-        self.cancel = cancel
+class Watch:
+    """One armed wait for a message (Watchdog.arm); `fired`: the watchdog cancelled the call."""
+
+    __slots__ = ("token", "cancel", "fired")
+
+    def __init__(self, token: int, cancel: Callable[[], None]) -> None:
+        self.token, self.cancel = token, cancel
         self.fired = False
 
 
 class Watchdog:
-    """Cancels a call whose next request message has not arrived `timeout` s after it was armed. One thread for
-    all calls: arming is a heap push (deadlines come in order, so the thread is woken only when idle)."""
+    """Cancels a call whose next request message has not arrived `timeout` s after it was armed (`arm`, then
+    `disarm` once it has). One thread for all calls: arming is a heap push (deadlines come in order, so the thread
+    is woken only when idle)."""
 
     def __init__(self, timeout: float, on_fire: Callable[[], None] = lambda: None) -> None:
         self.timeout = timeout
         self.on_fire = on_fire
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()  # `with` takes it, not the Condition: its __enter__ is Python
+        self._cond = threading.Condition(self._lock)
         self._heap: list[tuple[float, int]] = []  # (deadline, token), lazily cleaned
-        self._armed: dict[int, _Watch] = {}  # token -> the watch of a call waiting for a message
+        self._armed: dict[int, Watch] = {}  # token -> the watch of a call waiting for a message
         self._next = 0
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="body-watchdog", daemon=True)
         self._thread.start()
 
-    @contextmanager
-    def watching(self, cancel: Callable[[], None]) -> Iterator[_Watch]:
-        """Arms the watchdog for the body of the `with`; `.fired` says afterwards whether it cancelled."""
-        watch = _Watch(cancel)
-        with self._cond:
-            token, self._next = self._next, self._next + 1
-            self._armed[token] = watch
-            heapq.heappush(self._heap, (time.monotonic() + self.timeout, token))
+    def arm(self, cancel: Callable[[], None]) -> Watch:
+        """Watch a call until `disarm`: `cancel` is called if that has not come within `timeout`."""
+        with self._lock:
+            watch = Watch(self._next, cancel)
+            self._next += 1
+            self._armed[watch.token] = watch
+            heapq.heappush(self._heap, (time.monotonic() + self.timeout, watch.token))
             if len(self._heap) == 1:
                 self._cond.notify()
-        try:
-            yield watch
-        finally:
-            with self._cond:
-                self._armed.pop(token, None)
+        return watch
+
+    def disarm(self, watch: Watch) -> bool:
+        """The call's message has come (or it has ended): True when the watchdog had already cancelled it."""
+        with self._lock:
+            self._armed.pop(watch.token, None)
+        return watch.fired
 
     def _loop(self) -> None:
-        with self._cond:
+        with self._lock:
             while not self._closed:
                 if not self._heap:
                     self._cond.wait()
@@ -84,7 +91,7 @@ class Watchdog:
                     self.on_fire()
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._cond.notify()
         self._thread.join(5)
@@ -99,7 +106,7 @@ class ResponseBudget:
         self.limit = limit
         self.used = 0
         self._lock = threading.Lock()
-        self._gauge = metrics.response_bytes
+        self._gauge = metrics.live(metrics.response_bytes, lambda: self.used)  # None: a scrape reads `used`
         self._reclaimer = reclaimer
 
     @property
@@ -113,7 +120,8 @@ class ResponseBudget:
                 raise Overloaded(f"{self.used} bytes of answers wait for their clients + {size} > "
                                  f"max_response_bytes_in_flight {self.limit}; retry later")
             self.used += size
-            self._gauge.set(self.used)
+            if self._gauge is not None:
+                self._gauge.set(self.used)
         if self._reclaimer is not None:
             self._reclaimer.enter()
 
@@ -121,7 +129,8 @@ class ResponseBudget:
         """Runs in gRPC's polling thread (a call's done-callback): a lock and a notify, nothing more."""
         with self._lock:
             self.used -= size
-            self._gauge.set(self.used)
+            if self._gauge is not None:
+                self._gauge.set(self.used)
         if self._reclaimer is not None:
             self._reclaimer.leave()
 

@@ -96,7 +96,8 @@ class Batcher:
         self.max_padding = max_padding
         self.enabled = enabled
         self.metrics = metrics or Metrics().for_model("model", "1")
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()  # `with` takes it, not the Condition: its __enter__ is Python
+        self._cond = threading.Condition(self._lock)
         self._pending: list[_Row] = []  # arrival order
         self._in_flight = 0  # texts accepted and not answered (the bound when batching is off)
         self._last_batch = 1  # texts in the previous batch: how much company to wait for
@@ -104,6 +105,7 @@ class Batcher:
         self._waiting = 0  # workers waiting for company before forming a batch
         self._slots = workers if enabled else 0  # batches computed at once, by workers or by callers (below)
         self._busy = 0  # batches being taken or computed now
+        self._depth = self.metrics.live(self.metrics.queue_depth, lambda: len(self._pending))  # None: nothing to set
         self._workers = [threading.Thread(target=self._loop, name=f"batcher-{i}", daemon=True)
                          for i in range(workers if enabled else 0)]
         for w in self._workers:
@@ -127,7 +129,7 @@ class Batcher:
         req = _Request(rows, deadline, cancelled, now, trace, time.time_ns() if trace is not None else 0,
                        remaining=len(rows))
         idle = False
-        with self._cond:
+        with self._lock:
             if self._closing:
                 raise NotReady("server is shutting down: no new requests")
             full = self.no_room(len(rows))  # under the lock: exact
@@ -139,7 +141,8 @@ class Batcher:
                 idle = inline and self._last_batch <= 1 and not self._pending and not self._waiting \
                     and self._busy < self._slots
                 self._pending.extend(_Row(req, i, int(r.shape[0])) for i, r in enumerate(rows))
-                self.metrics.queue_depth.set(len(self._pending))
+                if self._depth is not None:
+                    self._depth.set(len(self._pending))
                 # A lone caller (the previous batch held one text: no company to wait for) that finds nothing
                 # queued and a slot free computes its batch itself (below); under load the workers form batches.
                 if idle:
@@ -152,7 +155,7 @@ class Batcher:
             try:
                 self._run_alone(req)
             finally:
-                with self._cond:
+                with self._lock:
                     self._in_flight -= len(rows)
         return req.future
 
@@ -164,15 +167,16 @@ class Batcher:
             self.turns.take(self.model)
         start = time.monotonic()
         try:
-            with self._cond:
+            with self._lock:
                 batch = self._take(time.monotonic())
-                self.metrics.queue_depth.set(len(self._pending))
+                if self._depth is not None:
+                    self._depth.set(len(self._pending))
             if batch:
                 self._compute(batch)
         finally:
             if self.turns is not None:
                 self.turns.give(self.model, time.monotonic() - start)
-            with self._cond:
+            with self._lock:
                 self._busy -= 1
                 if self._pending:
                     self._cond.notify()
@@ -217,24 +221,24 @@ class Batcher:
     @property
     def queued(self) -> int:
         """Texts waiting for a batch."""
-        with self._cond:
+        with self._lock:
             return len(self._pending)
 
     @property
     def waiting_for_company(self) -> int:
         """Workers that have texts to run and wait (up to max_queue_delay_s) for more to join them."""
-        with self._cond:
+        with self._lock:
             return self._waiting
 
     @property
     def closing(self) -> bool:
         """close() has begun: new requests are refused, queued ones still run."""
-        with self._cond:
+        with self._lock:
             return self._closing
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse new requests, finish the queued ones, stop the worker."""
-        with self._cond:
+        with self._lock:
             self._closing = True
             self._cond.notify_all()
         end = None if timeout is None else time.monotonic() + timeout
@@ -245,7 +249,7 @@ class Batcher:
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while (not self._pending or self._busy >= self._slots) and not self._closing:
                     self._cond.wait()
                 if not self._pending:  # closing and drained
@@ -318,7 +322,7 @@ class Batcher:
         except Exception as e:  # a failed run fails every request in it, and only those
             if traced:
                 self._trace(batch, traced, start_ns, time.time_ns(), e)
-            with self._cond:
+            with self._lock:
                 for req in {id(r.request): r.request for r in batch}.values():
                     if not req.future.done():
                         req.future.set_exception(e)
@@ -331,7 +335,7 @@ class Batcher:
         m.texts.inc(len(batch))
         if m.worker_texts is not None:
             m.worker_texts.inc(len(batch))
-        with self._cond:  # several workers may finish rows of one request
+        with self._lock:  # several workers may finish rows of one request
             for row, p in zip(batch, probs, strict=True):
                 req = row.request
                 if req.future.done():  # failed earlier (expired between two of its batches)

@@ -41,8 +41,10 @@ class ServingCore:
         self.retired = False  # unloaded: a newer version (or none) takes the calls
         self.max_active = 1 << 30  # calls accepted at once (its model's share when several are served)
         self._active = 0  # accepted classify calls not answered yet
-        self._idle = threading.Condition()
+        self._lock = threading.RLock()  # `with` takes it, not the Condition: its __enter__ is Python
+        self._idle = threading.Condition(self._lock)
         self.call_turns = call_turns
+        self._in_flight = batcher.metrics.live(batcher.metrics.calls_in_flight, lambda: self._active)  # None: unset
 
     @property
     def reports_ready(self) -> bool:
@@ -111,7 +113,7 @@ class ServingCore:
             raise
 
     def _count(self) -> None:
-        with self._idle:
+        with self._lock:
             if not self.ready:
                 if self.retired:
                     raise Retired(f"model {self.name!r} version {self.version} was unloaded; retry (the newest "
@@ -122,7 +124,8 @@ class ServingCore:
                                  f"({self.max_active}, of max_concurrent_rpcs; the rest is kept for the other "
                                  "models); retry later")
             self._active += 1
-            self.batcher.metrics.calls_in_flight.inc()
+            if self._in_flight is not None:
+                self._in_flight.inc()
 
     def _check_alive(self, texts: int, deadline: float | None, cancelled: Callable[[], bool] | None) -> None:
         """A call whose deadline has passed or whose client has gone costs nothing more: dropped before its texts are
@@ -138,10 +141,12 @@ class ServingCore:
         raise kind(why)  # made here, not held in a local: its traceback's frame would hold it, a cycle
 
     def _leave(self) -> None:
-        with self._idle:
+        with self._lock:
             self._active -= 1
-            self.batcher.metrics.calls_in_flight.dec()
-            self._idle.notify_all()
+            if self._in_flight is not None:
+                self._in_flight.dec()
+            if not self.ready:  # refuse_and_wait is waiting (it made ready false first, under this lock)
+                self._idle.notify_all()
         if self.call_turns is not None:
             self.call_turns.give(self.name, 1.0)
 
@@ -151,7 +156,7 @@ class ServingCore:
 
     def refuse_and_wait(self, timeout: float) -> bool:
         """Refuse new calls (UNAVAILABLE), wait up to `timeout` s for the accepted ones; True when all done."""
-        with self._idle:
+        with self._lock:
             self.ready = False
             return self._idle.wait_for(lambda: self._active == 0, timeout)
 
@@ -181,7 +186,7 @@ class ServingCore:
         inline: Batcher.submit's, for a caller that blocks on the answer."""
         call = call_log.current()
         return self.batcher.submit([e.ids for e in encoded], deadline, cancelled,
-                                   trace=call.link() if call is not None else None, inline=inline)
+                                   trace=call.link() if call is not None and call.traced else None, inline=inline)
 
     def _encode(self, texts: Sequence[str]) -> list[Encoded]:
         """The texts checked against the limits, then tokenized; InvalidInput or Overloaded naming the problem."""
@@ -205,10 +210,12 @@ class ServingCore:
         full = self.batcher.no_room(len(texts))
         if full:  # refused before its texts are tokenized, work the batcher would throw away
             raise Overloaded(full)
-        with call_log.step("tokenize"):
-            encoded = self.predictor.encode(texts)
+        start = time.time_ns() if call is not None and call.traced else 0
+        encoded = self.predictor.encode(texts)
         if call is not None:
-            call.tokens = sum(e.token_count for e in encoded)
+            if start:
+                call.timed("tokenize", start)  # a child span of a sampled call
+            call.tokens = sum([e.token_count for e in encoded])
         for i, e in enumerate(encoded):
             if e.token_count <= 2:  # <sos> <eos> only: nothing to classify, answered as blank text is
                 raise InvalidInput(f"texts[{i}]: no tokens: the text holds only characters the tokenizer drops "

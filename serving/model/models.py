@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from serving.config import ServerConfig
 from serving.errors import BundleError, InvalidInput, LoadFailed, ModelNotFound, NotReady, Retired, ServerConfigError
@@ -124,18 +124,19 @@ class Models:
     def classify(self, name: str, version: str, texts: Sequence[str], deadline: float | None = None,
                  cancelled: Callable[[], bool] | None = None) -> tuple[ServingCore, list[Prediction]]:
         """The core that answered and its predictions; a call that found its version retired runs on the newest."""
-        return self._run(name, version, lambda core: core.classify(texts, deadline, cancelled))
+        return self._run(name, version, ServingCore.classify, texts, deadline, cancelled)
 
     def submit(self, name: str, version: str, texts: Sequence[str], deadline: float | None = None,
                cancelled: Callable[[], bool] | None = None) -> tuple[ServingCore, Future]:
         """`classify` without blocking (ServingCore.submit)."""
-        return self._run(name, version, lambda core: core.submit(texts, deadline, cancelled))
+        return self._run(name, version, ServingCore.submit, texts, deadline, cancelled)
 
-    def _run(self, name: str, version: str, work: Callable[[ServingCore], T]) -> tuple[ServingCore, T]:
+    def _run(self, name: str, version: str, work: Callable[..., T], *args: Any) -> tuple[ServingCore, T]:
+        """`work(core, *args)` on the core of `name` and `version`."""
         core = self.get(name, version)
         while True:  # a retired core is off the list before it refuses: the next `get` finds another, or raises
             try:
-                return core, work(core)
+                return core, work(core, *args)
             except Retired:
                 if version:
                     raise

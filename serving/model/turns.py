@@ -41,6 +41,13 @@ class Turns:
         """Wait for `model`'s turn; False (no turn taken) once time.monotonic() passes `until` or `gone()` says the
         caller has left, which is asked every 0.1 s while it waits."""
         with self._lock:
+            if not self._waiting and self._free > 0:  # a place is free and no one is before it: the turn is its own
+                if model not in self._running:  # back from idle: no saved-up credit
+                    others = [self._used[m] for m in self._running if m in self._used]
+                    self._used[model] = max(self._used.get(model, 0.0), min(others, default=0.0))
+                self._free -= 1
+                self._running[model] = self._running.get(model, 0) + 1
+                return True
             if model not in self._waiting and model not in self._running:  # back from idle: no saved-up credit
                 others = [self._used[m] for m in self._active() if m in self._used]
                 self._used[model] = max(self._used.get(model, 0.0), min(others, default=0.0))
@@ -80,7 +87,8 @@ class Turns:
                 del self._running[model]
                 if model not in self._waiting:  # idle: what it used is forgotten (take sets it again)
                     del self._used[model]
-            self._next()
+            if self._waiting:
+                self._next()
 
     def _active(self) -> set[str]:
         return {*self._waiting, *self._running}

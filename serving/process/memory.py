@@ -57,37 +57,42 @@ class Reclaimer:
         self.on_reclaim = on_reclaim
         self.reclaims = 0  # done so far
         self._trim = _malloc_trim()
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()  # `with` takes it, not the Condition: its __enter__ is Python
+        self._cond = threading.Condition(self._lock)
         self._busy = 0  # calls (and held answers) in progress
         self._dirty = False  # some started since the last reclaim
         self._idle_since = time.monotonic()
         self._last = -float("inf")  # time.monotonic() of the last reclaim
         self._closed = False
+        self._asleep = False  # the thread waits for an idle moment without a timeout (only `leave` wakes it)
         self._thread = threading.Thread(target=self._loop, name="memory-reclaim", daemon=True)
         self._thread.start()
 
     def enter(self) -> None:
-        with self._cond:
+        with self._lock:
             self._busy += 1
             self._dirty = True
 
     def leave(self) -> None:
-        with self._cond:
+        with self._lock:
             self._busy -= 1
             if self._busy == 0:
                 self._idle_since = time.monotonic()
-                self._cond.notify()
+                if self._asleep:  # else it is counting down already, and sees the new idle_since when it wakes:
+                    self._asleep = False  # one wake-up per burst, not one per call
+                    self._cond.notify()
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._cond.notify()
         self._thread.join(5)
 
     def _loop(self) -> None:
-        with self._cond:
+        with self._lock:
             while not self._closed:
                 if self._busy or not self._dirty:
+                    self._asleep = True
                     self._cond.wait()
                     continue
                 left = max(self._idle_since + self.settle_s, self._last + self.every_s) - time.monotonic()
@@ -95,11 +100,11 @@ class Reclaimer:
                     self._cond.wait(left)
                     continue
                 self._dirty = False
-                self._cond.release()  # calls may come and go while it runs: they only mark it dirty again
+                self._lock.release()  # calls may come and go while it runs: they only mark it dirty again
                 try:
                     self._reclaim()
                 finally:
-                    self._cond.acquire()
+                    self._lock.acquire()
                 self._last = time.monotonic()
 
     def _reclaim(self) -> None:

@@ -2,24 +2,26 @@
 line. Every protocol uses the same four steps:
 
     call = call_log.begin("grpc", "sentiment.v1.SentimentService/Classify", headers, span_attributes)
-    with call.step("auth"): ...              # a child span (when traced) around a step done before the handler
-    with call.serving(): handler(...)        # the handler's thread (or task) sees it: current(), the log lines
-    call.finish("OK", failed=False)          # ends the span, writes the access line (rate-limited)
+    start = time.time_ns() if call.traced else 0   # a step done before the handler (auth, admission)...
+    if start: call.timed("auth", start)            # ...is a child span when the call is sampled
+    with call: handler(...)                        # the handler's thread (or task) sees it: current(), the log lines
+    call.finish("OK", failed=False)                # ends the span, writes the access line (rate-limited)
 
-`headers` are the call's (name, value) pairs (gRPC metadata, HTTP headers): `x-request-id` is taken from them when
-it is a sane token, else one is made; the caller returns `call.request_id` (gRPC: trailing metadata; HTTP: a response
-header). The W3C `traceparent` among them makes the span a child of the client's. The model's code reaches the call
-through `current()`: the core counts texts and tokens and times its steps on it, the batcher takes `link()`.
+A step is timed by hand rather than in a `with` block: on every call that is not sampled (all of them, tracing off)
+a `with` would run a context manager's Python for nothing. `headers` are the call's (name, value) pairs (gRPC
+metadata, HTTP headers): `x-request-id` is taken from them when it is a sane token, else one is made; the caller
+returns `call.request_id` (gRPC: trailing metadata; HTTP: a response header). The W3C `traceparent` among them makes
+the span a child of the client's. The model's code reaches the call through `current()`: the core counts texts and
+tokens and times its steps on it, the batcher takes `link()`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from serving.telemetry import tracing
@@ -30,7 +32,6 @@ access = logging.getLogger("serving.access")
 
 REQUEST_ID = "x-request-id"
 _SANE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")  # a client's id is kept only if it is this (it goes in logs)
-_NOTHING = nullcontext()
 
 
 def current() -> Call | None:
@@ -38,27 +39,35 @@ def current() -> Call | None:
     return _current.get()
 
 
-def step(name: str) -> Any:
-    """A child span of the current call around a `with` block (nothing when it is not traced)."""
-    call = _current.get()
-    return _NOTHING if call is None or call.span is None else call.step(name)
-
-
 class Call:
-    """One call: see the module docstring. `texts` and `tokens` are filled in by the core; `peer` by the protocol."""
+    """One call: see the module docstring. `texts` and `tokens` are filled in by the core; `peer` by the protocol:
+    its client's address, or a function that says it (gRPC's `context.peer`), asked only when a line or a span needs
+    it."""
 
-    __slots__ = ("protocol", "method", "request_id", "peer", "texts", "tokens", "model", "model_version", "span",
-                 "_log", "_started")
+    __slots__ = ("protocol", "method", "request_id", "_peer", "texts", "tokens", "model", "model_version", "span",
+                 "traced", "_log", "_started", "_token")
 
     def __init__(self, log: CallLog, protocol: str, method: str, request_id: str,
                  span: tracing.ServerSpan | None) -> None:
         self.protocol, self.method, self.request_id = protocol, method, request_id
-        self.peer = ""
+        self._peer: str | Callable[[], str] = ""
         self.texts = self.tokens = 0
         self.model = self.model_version = ""  # the model version that took the call (serving/model/core.py)
         self.span = span  # its server span when tracing is on, else None
+        self.traced = span is not None and span.recording  # sampled: its steps are child spans
         self._log = log
         self._started = time.perf_counter()
+        self._token: Any = None
+
+    @property
+    def peer(self) -> str:
+        if callable(self._peer):
+            self._peer = self._peer()
+        return self._peer
+
+    @peer.setter
+    def peer(self, value: str | Callable[[], str]) -> None:
+        self._peer = value
 
     @property
     def trace_id(self) -> str | None:
@@ -70,27 +79,20 @@ class Call:
         immutable value, so that a batch never holds the call itself."""
         return self.span.context if self.span is not None and self.span.recording else None
 
-    @contextmanager
-    def step(self, name: str) -> Iterator[None]:
-        """A child span around the block (nothing when not sampled)."""
+    def timed(self, name: str, start_ns: int) -> None:
+        """A step of a sampled call (`traced`) that began at `start_ns` (time.time_ns()) and ends now: a child span."""
         t = tracing.active()
-        if self.span is None or not self.span.recording or t is None:
-            yield
-            return
-        start = time.time_ns()
-        try:
-            yield
-        finally:
-            t.record(name, self.span.context, start, time.time_ns())
+        if self.span is not None and t is not None:
+            t.record(name, self.span.context, start_ns, time.time_ns())
 
-    @contextmanager
-    def serving(self) -> Iterator[Call]:
-        """The block runs as this call: `current()`, and the request id and trace id of its log lines."""
-        token = _current.set(self)
-        try:
-            yield self
-        finally:
-            _current.reset(token)
+    def __enter__(self) -> Call:
+        """`with call:` the block runs as this call: `current()`, and the request id and trace id of its log lines."""
+        self._token = _current.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _current.reset(self._token)
+        self._token = None
 
     def finish(self, status: str, *, failed: bool, attributes: Mapping[str, Any] | None = None,
                reason: str = "") -> None:
@@ -106,6 +108,12 @@ class Call:
                 span.attributes.update({"sentiment.model": self.model, "sentiment.model_version": self.model_version})
             t.end(span, (reason or status) if failed else None)
         self._log.write(self, status, ms)
+
+
+def _new_id() -> str:
+    """A random (version 4) UUID as uuid.uuid4() writes it, in one call rather than three on every call's path."""
+    h = os.urandom(16).hex()
+    return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{'89ab'[int(h[16], 16) & 3]}{h[17:20]}-{h[20:]}"
 
 
 class CallLog:
@@ -133,7 +141,7 @@ class CallLog:
                 else:
                     carrier[key] = value
         if request_id is None or not _SANE_ID.fullmatch(request_id):
-            request_id = str(uuid.uuid4())
+            request_id = _new_id()
         span = None if t is None else t.start(method, carrier, span_attributes or {})
         return Call(self, protocol, method, request_id, span)
 

@@ -15,6 +15,7 @@ import platform
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
 from urllib.parse import urlsplit
@@ -48,6 +49,8 @@ class Metrics:
                                 "client got", ["protocol", "method", "code"], registry=r)
         self.request_seconds = Histogram("sentiment_request_seconds", "call handling time, by protocol and method",
                                          ["protocol", "method"], buckets=_SECONDS, registry=r)
+        self._counts: dict[tuple[str, str, str], Callable[[], None]] = {}  # `answered`'s children, by their labels
+        self._seconds: dict[tuple[str, str], Callable[[float], None]] = {}
         # Per model version (labels model, version; serving/model/models.py): the batcher's and the calls' series,
         # each made through `for_model`, removed when the version is unloaded.
         mv = ["model", "version"]
@@ -104,6 +107,31 @@ class Metrics:
             self.worker_texts = Gauge("sentiment_worker_texts", "texts classified by this worker process since it "
                                       "started, by pid (--workers > 1)", registry=r, multiprocess_mode="liveall")
 
+    def answered(self, protocol: str, method: str, code: str, seconds: float | None = None) -> None:
+        """A call ended with `code` (sentiment_requests_total), after `seconds` of handling when it was handled
+        (sentiment_request_seconds; a refusal before its handler is counted alone). Each series' child is looked up
+        once: `labels()` takes a lock and checks its values on every call."""
+        key = (protocol, method, code)
+        count = self._counts.get(key)
+        if count is None:
+            count = self._counts[key] = self.requests.labels(*key).inc
+        count()
+        if seconds is not None:
+            observe = self._seconds.get(key[:2])
+            if observe is None:
+                observe = self._seconds[key[:2]] = self.request_seconds.labels(protocol, method).observe
+            observe(seconds)
+
+    def live(self, gauge: Gauge, read: Callable[[], float]) -> Gauge | None:
+        """A gauge of a value the server keeps anyway (texts queued, calls or answer bytes in flight). In a server of
+        one process a scrape reads it (`set_function`) and the call path writes nothing: None is returned. A worker of
+        several gets the gauge back, to set as the value changes (prometheus_client's multiprocess mode, which sums
+        the workers' files, has no gauges read by a function)."""
+        if self.per_worker:
+            return gauge
+        gauge.set_function(read)
+        return None
+
     def for_model(self, model: str, version: str) -> ModelMetrics:
         """The series of one model version (what its batcher and core count)."""
         return ModelMetrics(self, model, version)
@@ -127,6 +155,7 @@ class ModelMetrics:
         for reason in ("DeadlineExpired", "Cancelled"):  # every reason there is, from 0: a rate query finds it
             self.dropped.labels(reason)
         self.worker_texts = m.worker_texts
+        self.live = m.live
         self._info: tuple[str, ...] | None = None
 
     def info(self, bundle_sha256: str, precision: str, provider: str) -> None:
@@ -136,8 +165,12 @@ class ModelMetrics:
 
     def remove(self) -> None:
         m = self.parent
-        self.queue_depth.set(0)
-        self.calls_in_flight.set(0)
+        for gauge in (self.queue_depth, self.calls_in_flight):
+            if m.per_worker:
+                gauge.set(0)
+            else:  # let go of the function a scrape read (it holds the version's batcher or core) now: the child and
+                gauge.set_function(lambda: 0.0)  # its function are a cycle, freed only when the collector runs
+
         if self._info is not None:
             m.model_info.labels(*self._info).set(0)
         if m.per_worker:  # multiprocess mode cannot remove a series: a worker's unloaded version reads 0 until restart

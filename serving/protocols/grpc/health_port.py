@@ -111,7 +111,7 @@ class HealthPort:
                 code = "CANCELLED"
                 raise
             finally:
-                self.metrics.requests.labels("grpc", name, code).inc()
+                self.metrics.answered("grpc", name, code)
                 if self.reclaimer is not None:
                     self.reclaimer.leave()
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -111,23 +110,29 @@ class Gate(grpc.ServerInterceptor):
                                                      {"rpc.system.name": "grpc", "rpc.method": method})
         permit = None
         if tele is not None:  # health is open; every other call is admitted here, in gRPC's polling thread
-            with tele.step("auth") if self.admission.guarded else nullcontext():
+            start = time.time_ns() if tele.traced else 0  # its steps are child spans when it is sampled
+            if self.admission.guarded:
                 authorized = self._authorized(details)
-            if not authorized:
-                return self._refusal(handler, method, Unauthenticated(
-                    "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"), tele)
+                if start:
+                    tele.timed("auth", start)
+                    start = time.time_ns()
+                if not authorized:
+                    return self._refusal(handler, method, Unauthenticated(
+                        "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"), tele)
             # A unary model call takes its permit here, before gRPC queues it for a thread of its pool: a call that
             # got past admission is one the pool has a thread for, never one that waits in the pool's queue to be
             # refused there. (Streams, reflection's, take theirs when they start: a generator's code runs only once
             # iterated.) The permit is released when the behaviour ends (gRPC always runs it).
             try:
-                with tele.step("admission"):
-                    if handler.unary_unary is not None:
-                        permit = self.admission.admit()
-                    else:
-                        self.admission.check()
+                if handler.unary_unary is not None:
+                    permit = self.admission.admit()
+                else:
+                    self.admission.check()
             except Overloaded as refusal:
                 return self._refusal(handler, method, refusal, tele)
+            finally:
+                if start:
+                    tele.timed("admission", start)
         call = _Call(self, method, model=not health, permit=permit, tele=tele)
         parse = _safe(handler.request_deserializer)
         if handler.unary_unary is not None:
@@ -159,9 +164,12 @@ class Gate(grpc.ServerInterceptor):
 
     def next_message(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """The next message of a call (None at its end); BodyTimeout when it took longer than body_timeout_s."""
-        with self.admission.watching(context.cancel) as watch:
+        watch = self.admission.watch(context.cancel)
+        try:
             request = next(requests, None)
-        if watch.fired:
+        finally:
+            fired = self.admission.unwatch(watch)
+        if fired:
             raise BodyTimeout(f"request message not received within body_timeout_s={self.admission.body_timeout_s}")
         return request
 
@@ -178,9 +186,8 @@ class Gate(grpc.ServerInterceptor):
 
     def finish(self, tele: Call, context: grpc.ServicerContext, code: str, reason: str = "") -> None:
         """The call's span and access line ended, with the code its client gets."""
-        tele.peer = context.peer()
-        attributes = {"rpc.response.status_code": code, **_peer(tele.peer)} if tele.span is not None \
-            and tele.span.recording else None
+        tele.peer = context.peer  # asked only when the access line or the span needs it
+        attributes = {"rpc.response.status_code": code, **_peer(tele.peer)} if tele.traced else None
         tele.finish(code, failed=code in SERVER_ERRORS, attributes=attributes, reason=reason)
 
     def _refusal(self, handler: grpc.RpcMethodHandler, method: str, error: ServingError,
@@ -189,7 +196,7 @@ class Gate(grpc.ServerInterceptor):
         holds nothing; it runs in gRPC's polling thread (`_Inline`)."""
 
         def abort(requests: Iterator[Any], context: grpc.ServicerContext, *callback: Any) -> Any:
-            self.metrics.requests.labels("grpc", method, error.code).inc()
+            self.metrics.answered("grpc", method, error.code)
             if tele is not None:
                 context.set_trailing_metadata(((REQUEST_ID, tele.request_id),))
                 self.finish(tele, context, error.code, str(error))
@@ -204,7 +211,10 @@ class Gate(grpc.ServerInterceptor):
 class _Call:
     """The behaviours of one call of `method`: each holds a permit (a model call's, taken at admission or when it
     starts; a health thread's), reads under the watchdog, maps errors to codes, counts the call with the code its
-    client got."""
+    client got. A behaviour runs `with` the call (once: the call is its own context manager, so that a unary call's
+    path runs no generator of contextlib's)."""
+
+    __slots__ = ("gate", "method", "model", "permit", "tele", "context", "_start")
 
     def __init__(self, gate: Gate, method: str, model: bool, permit: Permit | None = None,
                  tele: Call | None = None) -> None:
@@ -212,53 +222,65 @@ class _Call:
         record (None for health)."""
         self.gate, self.method, self.model, self.permit = gate, method, model, permit
         self.tele = tele
+        self.context: grpc.ServicerContext | None = None
+        self._start = 0.0
 
-    @contextmanager
-    def _served(self, context: grpc.ServicerContext) -> Iterator[None]:
-        start, code, reason = time.perf_counter(), None, ""
-        permit, self.permit = self.permit, None  # released at the end whatever happens
-        gate, tele = self.gate, self.tele
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+        gate, tele, context = self.gate, self.tele, self.context
+        if tele is not None:  # the request id is in the trailing metadata whatever the outcome
+            context.set_trailing_metadata(((REQUEST_ID, tele.request_id),))
+            tele.__enter__()
         try:
-            if tele is not None:  # the request id is in the trailing metadata whatever the outcome
-                context.set_trailing_metadata(((REQUEST_ID, tele.request_id),))
             if not self.model:
                 refusal = gate.health_slots.acquire()
                 if refusal is not None:
                     raise refusal
-                permit = Permit(gate.health_slots)
+                self.permit = Permit(gate.health_slots)
             else:
-                if permit is None:
-                    permit = gate.admission.take()
+                if self.permit is None:
+                    self.permit = gate.admission.take()
                 gate.admission.check_answers()  # refused before computing anything
-            with tele.serving() if tele is not None else nullcontext():
-                yield
-        except grpc.RpcError:
-            code = "CANCELLED"  # the client went away: gRPC raised this itself and ends the call quietly
+        except BaseException as e:  # refused: said and counted as any other failure of the call
+            self.__exit__(type(e), e, e.__traceback__)
             raise
-        except ServingError as e:
-            code, reason = e.code, str(e)
-            context.abort(grpc.StatusCode[e.code], str(e))
-        except Exception as e:
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> bool:
+        """The call's code (the error's, or what the handler set), its permit given back, the call counted; a
+        ServingError or a bug is said to the client in its code (context.abort raises here)."""
+        gate, tele, context = self.gate, self.tele, self.context
+        code, reason, abort = None, "", None
+        if tele is not None:
+            tele.__exit__(None, None, None)
+        if isinstance(error, grpc.RpcError):
+            code = "CANCELLED"  # the client went away: gRPC raised this itself and ends the call quietly
+        elif isinstance(error, ServingError):
+            code, reason = error.code, str(error)
+            abort = (grpc.StatusCode[code], reason)
+        elif isinstance(error, Exception):
             chosen = context.code()
             if chosen not in (None, grpc.StatusCode.OK):  # the handler chose its code (set_code, abort), then raised
-                code = chosen.name
-                context.abort(chosen, (context.details() or b"").decode("utf-8", "replace"))
-            code = "INTERNAL"
-            gate.errors.report(self.method, e)
-            context.abort(grpc.StatusCode.INTERNAL, "internal server error (details in the server log)")
-        finally:
-            if permit is not None:
-                permit.release()
-            if code is None:  # also a code set without raising (health Check's NOT_FOUND)
-                code = context.code().name if context.code() is not None else "OK"
-            gate.metrics.requests.labels("grpc", self.method, code).inc()
-            gate.metrics.request_seconds.labels("grpc", self.method).observe(time.perf_counter() - start)
-            if tele is not None:
-                gate.finish(tele, context, code, reason)
+                code, abort = chosen.name, (chosen, (context.details() or b"").decode("utf-8", "replace"))
+            else:
+                code = "INTERNAL"
+                gate.errors.report(self.method, error)
+                abort = (grpc.StatusCode.INTERNAL, "internal server error (details in the server log)")
+        permit, self.permit = self.permit, None
+        if permit is not None:
+            permit.release()
+        if code is None:  # also a code set without raising (health Check's NOT_FOUND)
+            code = context.code().name if context.code() is not None else "OK"
+        gate.metrics.answered("grpc", self.method, code, time.perf_counter() - self._start)
+        if tele is not None:
+            gate.finish(tele, context, code, reason)
+        if abort is not None:
+            context.abort(*abort)
+        return False
 
     def unary(self, inner: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
         def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            with self._served(context):
+            self.context = context
+            with self:
                 request = self.gate.first(requests, context, self.method)
                 return self.gate.account(inner(request, context), context) if self.model else \
                     inner(request, context)
@@ -267,7 +289,8 @@ class _Call:
 
     def watch(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def behavior(requests: Iterator[Any], context: grpc.ServicerContext, send: Any = None) -> Any:
-            with self._served(context):
+            self.context = context
+            with self:
                 return inner(self.gate.first(requests, context, self.method), context, send)
 
         behavior.experimental_non_blocking = getattr(inner, "experimental_non_blocking", False)
@@ -279,7 +302,8 @@ class _Call:
                 yield request
 
         def behavior(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-            with self._served(context):  # held while the stream lives
+            self.context = context
+            with self:  # held while the stream lives
                 yield from inner(messages(requests, context), context)
 
         return behavior

@@ -249,18 +249,24 @@ class HttpCalls:
         code, answer = "OK", None
         permit: Permit | None = None
         try:
+            start = time.time_ns() if tele is not None and tele.traced else 0  # steps: child spans when sampled
             if not open:
-                with tele.step("auth") if tele is not None and admission.guarded else nullcontext():
-                    authorized = admission.authorized(call.header(b"authorization"))
+                authorized = admission.authorized(call.header(b"authorization"))
+                if start and admission.guarded:
+                    tele.timed("auth", start)
+                    start = time.time_ns()
                 if not authorized:
                     raise Unauthenticated("missing or wrong bearer token (header 'Authorization: Bearer <token>')")
             timeout = call.header(TIMEOUT_HEADER)
             if timeout is not None:
                 call.set_timeout(timeout_seconds(timeout))
             if model:
-                with tele.step("admission") if tele is not None else nullcontext():
+                try:
                     permit = admission.admit()
-            with tele.serving() if tele is not None else nullcontext():  # the core sees it: texts, tokens, spans
+                finally:
+                    if start:
+                        tele.timed("admission", start)
+            with tele if tele is not None else nullcontext():  # the core sees it: texts, tokens, spans
                 answer = await work(call)
         except ServingError as e:
             code = e.code
@@ -287,13 +293,12 @@ class HttpCalls:
             finally:
                 if size:
                     admission.answer_gone(size)
-        self.metrics.requests.labels("http", method, code).inc()
-        self.metrics.request_seconds.labels("http", method).observe(time.monotonic() - call.start)
+        self.metrics.answered("http", method, code, time.monotonic() - call.start)
         if tele is not None:
             status = 499 if call.gone else answer.status
             client = scope.get("client") or ("", 0)
             tele.peer = f"{client[0]}:{client[1]}"
-            attributes = {"http.response.status_code": status} if tele.span is not None else None
+            attributes = {"http.response.status_code": status} if tele.traced else None
             tele.finish(str(status), failed=status >= 500, attributes=attributes, reason=code)
 
     def _refusal(self, error: ServingError, call: HttpCall) -> Answer:
