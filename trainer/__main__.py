@@ -18,14 +18,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "params": ("trainer.model.params", "print the trainable-parameter table of a preset (the lab's question 3)"),
     "tokenizer": ("trainer.data.tokenizer_cli", "build the tokenizer of a config (load the lab's, or train one)"),
     "data": ("trainer.data.fetch", "fetch the public data sets the presets read (data fetch --list: their sources)"),
-    "prepare": ("trainer.data.prepare", "tokenize data.pretrain once, in parallel, into shards (pretrain --set "
-                                   "data.prepared=DIR)"),
+    "prepare": ("trainer.data.prepare", "tokenize data.pretrain once, in shards (pretrain --set data.prepared=DIR)"),
     "pretrain": ("trainer.tasks.pretrain", "pretrain the encoder as a language model (DeepSpeed)"),
     "finetune": ("trainer.tasks.finetune", "fine-tune a classifier, pretrained or from scratch, or --compare both"),
     "generate": ("trainer.tasks.generate", "greedy completion of a prompt with a pretrained LM artifact"),
     "export": ("trainer.export", "export a classifier artifact to a validated ONNX bundle, or --check one"),
-    "predict": ("trainer.tasks.predict", "predict (and score, when labelled) a file with an artifact or a bundle, "
-                                         "offline"),
+    "predict": ("trainer.tasks.predict", "predict (and score) a file offline, with an artifact or a bundle"),
     "config": ("trainer.config.cli", "print every config key of a preset with its type, value and meaning"),
 }
 

@@ -70,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default {100 * bound.min_data_agreement:g})")
     g.add_argument("--int8-max-drop", type=float, metavar="POINTS",
                    help=f"auto, with --data: accuracy points int8 may lose (default {bound.max_accuracy_drop:g})")
+    g.add_argument("--per-channel", action="store_true", help="int8: per-channel weight scales")
+    g.add_argument("--reduce-range", action="store_true", help="int8: 7-bit weights (older x86 CPUs)")
     g.add_argument("--optimize", choices=sorted(OPT_LEVELS), default=DEFAULT_OPT_LEVEL,
                    help=f"onnxruntime graph optimisation level to validate at and recommend "
                         f"(default: {DEFAULT_OPT_LEVEL})")
@@ -78,8 +80,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fuse-attention", dest="fuse_attention", action="store_false",
                    help="keep the exporter's decomposed attention (plain ONNX ops only) instead of one "
                         "onnxruntime com.microsoft.Attention node per layer")
-    g.add_argument("--per-channel", action="store_true", help="int8: per-channel weight scales")
-    g.add_argument("--reduce-range", action="store_true", help="int8: 7-bit weights (older x86 CPUs)")
     g.add_argument("--max-len", type=int, help="longest sequence served (default: the tokenizer's max_len)")
     parser.add_argument("--data", metavar="FILE",
                         help="labelled file (.csv, .tsv, .jsonl, .parquet, .spm + .label): record the accuracy "
