@@ -200,6 +200,36 @@ def test_a_lone_blocking_caller_runs_its_batch_itself_and_the_slots_still_bound_
     assert threads[2:] == ["inline-caller", "batcher-0"], threads
 
 
+def test_a_per_row_graphs_blocking_caller_runs_its_rows_itself_whenever_a_slot_is_free(predictor: Predictor) -> None:
+    """A graph that runs one text per run (int8 on the CPU) gains nothing from company: a blocking caller that finds a
+    slot free computes its rows itself even after a batch of several, where a batching graph's caller hands them to
+    a worker that waits for the company the last batch had."""
+    ids = predictor.tokenizer.encode("Une ligne par run.").ids
+
+    def runs_of_a_lone_caller_after_a_batch_of_three(per_row: bool) -> list[str]:
+        threads: list[str] = []
+
+        def infer(rows: Sequence[np.ndarray]) -> np.ndarray:
+            threads.append(threading.current_thread().name)
+            return predictor.infer(rows)
+
+        batcher = Batcher(infer, workers=1, per_row=per_row)
+        held = HeldRuns(batcher)
+        first = batcher.submit([ids, ids, ids])  # a batch of three, computed by the worker
+        assert held.wait_entered(10)
+        held.stop_holding()
+        held.release()
+        first.result(10)
+        caller = threading.Thread(target=lambda: batcher.submit([ids], inline=True).result(10), name="inline-caller")
+        caller.start()
+        caller.join(10)
+        batcher.close()
+        return threads
+
+    assert runs_of_a_lone_caller_after_a_batch_of_three(per_row=True) == ["batcher-0", "inline-caller"]
+    assert runs_of_a_lone_caller_after_a_batch_of_three(per_row=False) == ["batcher-0", "batcher-0"]
+
+
 def test_batching_off_runs_each_request_alone(predictor: Predictor) -> None:
     batcher = Batcher(predictor.infer, enabled=False, max_queue=8)
     ids = predictor.tokenizer.encode("Sans batching.").ids

@@ -12,6 +12,8 @@ Callers `submit` a request's encoded rows and get a Future of its (n, C) probabi
   - a lone caller that blocks on its answer (`inline`) and finds nothing queued and a slot free computes its
     batch in its own thread: no hand-over to a worker and back, two thread wake-ups on its path (the workers and
     such callers together never run more than `workers` batches at once);
+  - a graph that runs one text per run (`per_row`: int8 on the CPU) gains nothing from company: its workers never
+    wait for it, and a blocking caller computes its batch itself whenever a slot is free;
   - texts whose request expired or was cancelled are dropped before compute (the caller gets DEADLINE_EXCEEDED
     or CANCELLED);
   - the queue is bounded (`max_queue` texts): past it, `submit` raises Overloaded at once.
@@ -83,9 +85,11 @@ class Batcher:
         span_attributes: Mapping[str, Any] | None = None,
         turns: Turns | None = None,
         model: str = "",
+        per_row: bool = False,
     ) -> None:
         """span_attributes: what a batch's span says of the model besides the batch (graph, provider). turns: the
-        process' runs, shared fairly with the other models' batchers (serving/model/turns.py); model: whose."""
+        process' runs, shared fairly with the other models' batchers (serving/model/turns.py); model: whose.
+        per_row: `infer` runs each row alone (Predictor.per_row), so a batch only saves hand-overs."""
         self.infer = infer
         self.span_attributes = dict(span_attributes or {})
         self.turns, self.model = turns, model
@@ -95,6 +99,7 @@ class Batcher:
         self.max_queue = max_queue
         self.max_padding = max_padding
         self.enabled = enabled
+        self.per_row = per_row
         self.metrics = metrics or Metrics().for_model("model", "1")
         self._lock = threading.RLock()  # `with` takes it, not the Condition: its __enter__ is Python
         self._cond = threading.Condition(self._lock)
@@ -138,8 +143,8 @@ class Batcher:
             if not self.enabled:
                 self._in_flight += len(rows)
             else:
-                idle = inline and self._last_batch <= 1 and not self._pending and not self._waiting \
-                    and self._busy < self._slots
+                idle = inline and self._busy < self._slots and (self.per_row or self._last_batch <= 1
+                                                                and not self._pending and not self._waiting)
                 self._pending.extend(_Row(req, i, int(r.shape[0])) for i, r in enumerate(rows))
                 if self._depth is not None:
                     self._depth.set(len(self._pending))
@@ -255,7 +260,8 @@ class Batcher:
                 if not self._pending:  # closing and drained
                     return
                 self._busy += 1
-                self._wait_for_company()
+                if not self.per_row:
+                    self._wait_for_company()
             self._run_batch()
 
     def _wait_for_company(self) -> None:

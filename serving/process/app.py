@@ -268,7 +268,7 @@ class SentimentServer:
         batcher = Batcher(p.infer, max_batch_size=cfg.max_batch_size, max_batch_tokens=cfg.max_batch_tokens,
                           max_queue_delay_s=cfg.max_queue_delay_ms / 1000, max_queue=cfg.max_queue,
                           max_padding=cfg.max_padding, workers=cfg.batch_workers, enabled=cfg.batching,
-                          metrics=series, turns=self.turns, model=name,
+                          metrics=series, turns=self.turns, model=name, per_row=p.per_row,
                           span_attributes={"sentiment.model": name, "sentiment.model_version": str(version),
                                            "sentiment.graph": p.graph, "sentiment.precision": p.precision,
                                            "sentiment.provider": p.provider, "sentiment.per_row": p.per_row})

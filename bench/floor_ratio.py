@@ -1,0 +1,78 @@
+"""serving/ against the bare grpcio floor in one run: short slices of the same load, alternating between two servers
+that stay up, so that what the machine's speed does over minutes falls on both.
+
+    python bench/floor_ratio.py --bundle /tmp/lab-bundle [--concurrency 8 64] [--slices 12] [--seconds 2]
+
+Both servers start once (`python -m serving.server BUNDLE --device cpu`, and bench/grpc_floor.py over the same
+bundle) and the idle one waits. For each concurrency, `--slices` pairs of slices: serving/, then the floor, then the
+floor, then serving/ (each slice bench/serve_bench.py's closed loop, its warm-up then `--seconds` measured: one
+review of the cls-books-fr test split a call). Each slice of serving/ is divided by the mean of the floor's slices on
+either side of it; the figure is the median of those ratios, with their spread. On this 2-core machine the rate of one
+server moves 20% from one minute to the next (docs/BENCHMARKS.md): bench/serve_bench.py's `--modes on floor`, one
+after the other, measures that as much as the servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from serve_bench import DEFAULT_DATA, Server, bench_server  # noqa: E402
+
+
+def ratios(texts: list[str], serving: Server, floor: Server, c: int, slices: int, seconds: float) -> dict:
+    """The slices at concurrency c, in the order serving/, floor, floor, serving/, ...: each serving/ slice over the
+    mean of its neighbouring floor slices."""
+    order = [serving, floor, floor, serving] * ((slices + 1) // 2)
+    rates = [(s is serving, bench_server(s, "", texts, c, seconds)["texts_per_s"]) for s in order[:2 * slices]]
+    out = []
+    for i, (is_serving, rate) in enumerate(rates):
+        if is_serving:
+            near = [r for j, (other, r) in enumerate(rates) if abs(j - i) == 1 and not other]
+            out.append(rate / statistics.mean(near))
+    served = [r for s, r in rates if s]
+    floored = [r for s, r in rates if not s]
+    return {"c": c, "ratios": out, "median": statistics.median(out), "serving_texts_per_s": statistics.median(served),
+            "floor_texts_per_s": statistics.median(floored)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", type=Path, required=True, help="bundle both servers serve")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder holding cls-books-fr/")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 64], help="closed-loop callers, one row each")
+    ap.add_argument("--slices", type=int, default=12, help="slices of serving/ (and of the floor) per concurrency")
+    ap.add_argument("--seconds", type=float, default=2.0, help="measured seconds of a slice, after its warm-up")
+    ap.add_argument("--server-args", default="", help="extra options of serving/'s server")
+    args = ap.parse_args()
+    reviews = args.data / "cls-books-fr" / "test.review.txt"
+    if not reviews.is_file():
+        ap.error(f"{reviews} not found: --data names the folder holding cls-books-fr/")
+    lines = reviews.read_text(encoding="utf-8").split("\n")
+    texts = random.Random(0).sample([t for t in lines if t.strip()], 256)
+    serving = Server(args.bundle, "--intra-op-threads", "1", *args.server_args.split())
+    try:
+        floor = Server(args.bundle, "--intra-op-threads", "1", floor=True)
+        try:
+            rows = [ratios(texts, serving, floor, c, args.slices, args.seconds) for c in args.concurrency]
+        finally:
+            floor.stop()
+    finally:
+        serving.stop()
+    print("| callers | serving/ texts/s (median slice) | floor texts/s | serving/ / floor, median | ratios, lowest "
+          "to highest |\n|---|---:|---:|---:|---|")
+    for r in rows:
+        spread = ", ".join(f"{x:.2f}" for x in sorted(r["ratios"]))
+        print(f"| {r['c']} | {r['serving_texts_per_s']:.1f} | {r['floor_texts_per_s']:.1f} | **{r['median']:.2f}** "
+              f"| {spread} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
