@@ -39,6 +39,7 @@ def run_step(steps: dict[str, str], step: str, env: dict[str, str]) -> subproces
                           timeout=600)
 
 
+@pytest.mark.slow  # 50 s of make test's 920 on 2026-12-02; the job file's paths are checked below in it
 def test_the_example_ci_job_runs_on_the_tiny_preset(tiny_classifier_artifact: Path, tiny_bundle: Path,
                                                     data_dir: Path, tmp_path: Path,
                                                     request: pytest.FixtureRequest) -> None:

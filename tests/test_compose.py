@@ -1,5 +1,5 @@
-"""compose.yaml, started as the README starts it (`podman-compose up -d`; podman-compose from PyPI, in .venv-deploy):
-the server behind its proxy on one host, called through the proxy's published ports by the real client
+"""compose.yaml, started as the README starts it (`podman-compose up -d`; podman-compose from PyPI, in .venv-deploy;
+slow suite): the server behind its proxy on one host, called through the proxy's published ports by the real client
 (serving/client.py), by tritonclient and over HTTP; only the proxy's ports and the server's metrics (on loopback) are
 published; the proxy follows the server to a new address when its container starts again; both stop with exit 0.
 compose.repository.yaml (the server on a model repository) is checked as podman-compose merges it with compose.yaml,
@@ -100,6 +100,7 @@ def _logs(env: dict[str, str], project: str) -> str:
                      for service in ("server", "proxy"))
 
 
+@pytest.mark.slow  # 81 s of make test's 920 on 2026-12-02; the merged files' checks below stay in it
 def test_compose_serves_through_the_proxy_follows_a_new_server_and_stops_cleanly(
         compose: tuple[list[str], dict[str, str]], tiny_bundle: Path, data_dir: Path) -> None:
     command, env = compose
