@@ -16,7 +16,7 @@ and, on a labelled file:
     onnxruntime thread count, in interleaved rounds (each graph once per round) so that load spreads over all.
 
   .venv/bin/python bench/batch_invariance.py --artifact runs/demo-ft/artifact \
-      --data ../shared/data/cls-books-fr/test.review.txt --json runs/batch-invariance.json
+      --data "$TS_DATA"/cls-books-fr/test.review.txt --json runs/batch-invariance.json
 
 Results: docs/BENCHMARKS.md, "Answers independent of the batch".
 """

@@ -34,6 +34,8 @@ from typing import Any
 
 import psutil
 
+from trainer.config.presets import data_sets
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("eltec-fr/eltec_fra.txt.gz", "imdb/unsup.txt.gz")
 
@@ -127,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ranks", default="1,2", help="pretraining rank counts")
     p.add_argument("--preset", default="demo", help="config preset the runs use (default: demo)")
     p.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the preset's, built once)")
-    p.add_argument("--data", type=Path, default=Path(os.environ.get("TS_DATA", REPO.parent / "shared" / "data")),
-                   help="folder holding the --sources (default: $TS_DATA)")
+    p.add_argument("--data", type=Path, default=Path(data_sets()),
+                   help="folder holding the --sources (default: $TS_DATA, else where `trainer data fetch` puts them)")
     p.add_argument("--sources", default=",".join(SOURCES), help="text files under --data, repeated to each size")
     p.add_argument("--verify", choices=["size", "sha256"], default="size", help="data.verify of the pretraining runs")
     p.add_argument("--keep", action="store_true", help="keep --work (default: deleted at the end)")

@@ -15,7 +15,6 @@ after the other, measures that as much as the servers.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from serve_bench import DEFAULT_DATA, Server, bench_server  # noqa: E402
+from bench_texts import DEFAULT_DATA, test_texts  # noqa: E402
+from serve_bench import Server, bench_server  # noqa: E402
 
 
 def ratios(texts: list[str], serving: Server, floor: Server, c: int, slices: int, seconds: float) -> dict:
@@ -51,11 +51,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=2.0, help="measured seconds of a slice, after its warm-up")
     ap.add_argument("--server-args", default="", help="extra options of serving/'s server")
     args = ap.parse_args()
-    reviews = args.data / "cls-books-fr" / "test.review.txt"
-    if not reviews.is_file():
-        ap.error(f"{reviews} not found: --data names the folder holding cls-books-fr/")
-    lines = reviews.read_text(encoding="utf-8").split("\n")
-    texts = random.Random(0).sample([t for t in lines if t.strip()], 256)
+    texts = test_texts(ap, args.data, 256)
     serving = Server(args.bundle, "--intra-op-threads", "1", *args.server_args.split())
     try:
         floor = Server(args.bundle, "--intra-op-threads", "1", floor=True)

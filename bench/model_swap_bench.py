@@ -51,8 +51,9 @@ from serving_fixtures import ServerProcess  # noqa: E402
 from swap_loads import OpenLoop, Row, closed_loop, stats, stubs  # noqa: E402
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb  # noqa: E402
+from trainer.config.presets import data_sets  # noqa: E402
 
-DEFAULT_DATA = Path(os.environ.get("TS_DATA") or REPO.parent / "shared" / "data")
+DEFAULT_DATA = Path(data_sets())
 PHASES = ("swap", "bad", "two", "cancel")
 
 

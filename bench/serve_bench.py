@@ -41,8 +41,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-DEFAULT_DATA = Path(os.environ.get("TS_DATA") or REPO.parent / "shared" / "data")
+from bench_texts import DEFAULT_DATA, test_texts  # noqa: E402
 
 
 def random_classifier(data_root: Path, size: str = "lab"):
@@ -385,12 +384,7 @@ def main() -> int:
         ap.error("--bundle is required (or --make-bundle DIR first)")
     if min(args.concurrency + args.per_call) < 1 or args.seconds <= 0:
         ap.error("--concurrency and --per-call take counts >= 1, --seconds a positive time")
-    if not (args.data / "cls-books-fr" / "test.review.txt").is_file():
-        ap.error(f"{args.data / 'cls-books-fr' / 'test.review.txt'} not found: --data names the folder holding "
-                 "cls-books-fr/")
-
-    lines = (args.data / "cls-books-fr" / "test.review.txt").read_text(encoding="utf-8").split("\n")
-    texts = random.Random(0).sample([t for t in lines if t.strip()], args.texts)
+    texts = test_texts(ap, args.data, args.texts)
     swept = sweep(args.bundle, texts, args.sweep, args.threads, args.device) if args.sweep else []
     points = [(k, c) for k in args.per_call for c in args.concurrency]
     local = [(k, c) for k, c in points if k * c <= args.in_process_max_texts]  # in-process and eager

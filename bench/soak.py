@@ -39,8 +39,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+from trainer.config.presets import data_sets  # noqa: E402
 
-DEFAULT_DATA = Path(os.environ.get("TS_DATA") or REPO.parent / "shared" / "data")
+DEFAULT_DATA = Path(data_sets())
 RSS_GROWTH_LIMIT = 0.05  # end RSS may exceed the post-warm-up RSS by less than this fraction
 # The batcher's two refusals past max_queue: a request's texts that do not fit, and a call refused at admission
 # (before its body is read) when a request of max_texts would not fit.

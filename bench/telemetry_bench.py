@@ -37,11 +37,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
-
 from otlp_receiver import ReceiverProcess  # noqa: E402
 from serve_bench import bench_server, cpu_seconds  # noqa: E402
 from serving_fixtures import ServerProcess, reviews  # noqa: E402
 from workers_bench import cores, cpu_list  # noqa: E402
+
+from trainer.config.presets import data_sets  # noqa: E402
 
 MODES = ("before", "off", "on")
 # what the hooks' timings send as a call's headers and span attributes
@@ -103,7 +104,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, required=True, help="bundle folder all three servers serve")
     ap.add_argument("--before", type=Path, help="a tree of the code before tracing (without it: off and on only)")
-    ap.add_argument("--data", type=Path, default=Path(os.environ.get("TS_DATA") or REPO.parent / "shared" / "data"),
+    ap.add_argument("--data", type=Path, default=Path(data_sets()),
                     help="folder holding cls-books-fr/ (its test reviews are the texts)")
     ap.add_argument("--concurrency", type=int, default=64, help="closed-loop callers")
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per turn (after 2 s of warm-up)")

@@ -8,16 +8,16 @@ that share one onnxruntime run; prints each call's trace as a text tree (docs/OB
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
-
 from otlp_receiver import BATCH_PAIRS, OtlpReceiver, paired_calls, tree  # noqa: E402
 from serving_fixtures import ServerProcess, reviews  # noqa: E402
+
+from trainer.config.presets import data_sets  # noqa: E402
 
 SHOWN = ("rpc.method", "rpc.response.status_code", "sentiment.texts", "sentiment.tokens", "sentiment.batch.texts",
          "sentiment.batch.calls", "sentiment.batch.tokens", "sentiment.batch.padded_tokens", "sentiment.graph",
@@ -27,7 +27,7 @@ SHOWN = ("rpc.method", "rpc.response.status_code", "sentiment.texts", "sentiment
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, required=True, help="bundle folder to serve")
-    ap.add_argument("--data", type=Path, default=Path(os.environ.get("TS_DATA") or REPO.parent / "shared" / "data"),
+    ap.add_argument("--data", type=Path, default=Path(data_sets()),
                     help="folder holding cls-books-fr/ (the text sent is its first test review)")
     ap.add_argument("--attempts", type=int, default=3, help="pairs sent until two calls share a run")
     args = ap.parse_args()
