@@ -10,7 +10,9 @@ Every stage runs with `--resume auto` and a finished one is skipped: run the sam
 interruption and it goes on where it stopped (one tokenized corpus, WORK/prepared, is shared by every budget).
   python bench/pretrain_curve.py --work runs/curve --steps 1500,3000,6000,12000 --seeds 3
   python bench/pretrain_curve.py --work runs/curve --steps 1500,3000,6000,12000 --report-only
-writes WORK/curve.{md,csv,json,png}; docs/RESULTS.md ("What pretraining buys") has the demo's.
+  python bench/pretrain_curve.py --work runs/redraw --from-csv docs/figures/pretrain-curve.csv
+writes WORK/curve.{md,csv,json,png}; docs/RESULTS.md ("What pretraining buys") has the demo's, and its curve.csv is
+docs/figures/pretrain-curve.csv (the third command draws its figure again, the runs' folders gone).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = (80.0,)  # accuracies the fitted trend is solved for, beside the TF-IDF baseline's
+CSV = ("steps", "tokens", "seeds", "scratch_mean", "scratch_sd", "pretrained_mean", "pretrained_sd", "gain", "gain_lo",
+       "gain_hi", "p", "ece_after", "tfidf")  # curve.csv: a budget a row, enough to report and draw it again
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -73,21 +77,57 @@ def row(work: Path, steps: int) -> dict[str, Any] | None:
             "tfidf": (base.get("test") or {}).get("accuracy")}
 
 
+def read_csv(path: Path) -> list[dict[str, Any]]:
+    """The rows of a curve.csv (this script's, or one written from a report's table): every CSV column, numbers."""
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+    except OSError as e:
+        sys.exit(f"error: {path}: {e.strerror}")
+    out = []
+    for i, r in enumerate(rows, start=2):
+        missing = [k for k in CSV if k not in r or (r[k] in ("", None) and k != "tfidf")]
+        if missing:
+            sys.exit(f"error: {path}, line {i}: no value for {', '.join(missing)} (columns: {','.join(CSV)})")
+        try:
+            v = {k: (int(r[k]) if k in ("steps", "tokens", "seeds") else float(r[k]) if r[k] else None) for k in CSV}
+        except ValueError as e:
+            sys.exit(f"error: {path}, line {i}: {e}")
+        if v["seeds"] < 2 or v["tokens"] < 1:
+            sys.exit(f"error: {path}, line {i}: seeds must be at least 2 and tokens positive")
+        v["gain_ci95"] = [v.pop("gain_lo"), v.pop("gain_hi")]
+        out.append(v)
+    if len(out) < 1:
+        sys.exit(f"error: {path}: no rows")
+    return sorted(out, key=lambda r: r["steps"])
+
+
+def _arm(r: dict[str, Any]) -> tuple[float, float, int]:
+    """The pretrained arm's mean, sd and seed count: from its seeds' accuracies, or from a curve.csv row."""
+    if r.get("pretrained"):
+        v = np.array(r["pretrained"], dtype=float)
+        return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0, len(v)
+    return float(r["pretrained_mean"]), float(r["pretrained_sd"]), int(r["seeds"])
+
+
 def fit(rows: list[dict[str, Any]], targets: list[float]) -> dict[str, Any]:
-    """accuracy = a + b log2(tokens), over every seed's pretrained accuracy; for each target the tokens where the line
-    reaches it, and where the 95% confidence band of the line does (the optimistic and the pessimistic crossing)."""
+    """accuracy = a + b log2(tokens), least squares over every seed's pretrained accuracy; for each target the tokens
+    where the line reaches it, and where the 95% confidence band of the line does (the optimistic and the pessimistic
+    crossing). Each budget's seeds share one x, so each budget's mean, sd and count are all the fit needs: the line is
+    the means' fit weighted by seeds, the residual adds each budget's spread (the same figures as from the seeds)."""
     from scipy import stats
 
-    x = np.array([math.log2(r["tokens"]) for r in rows for _ in r["pretrained"]])
-    y = np.array([v for r in rows for v in r["pretrained"]])
-    n = len(x)
-    b, a = np.polyfit(x, y, 1)
-    resid = y - (a + b * x)
-    s = math.sqrt(float(resid @ resid) / (n - 2))
-    sxx = float(((x - x.mean()) ** 2).sum())
+    x = np.array([math.log2(r["tokens"]) for r in rows])
+    m, sd, k = (np.array(c, dtype=float) for c in zip(*(_arm(r) for r in rows), strict=True))
+    n = int(k.sum())
+    xm, ym = float(k @ x) / n, float(k @ m) / n
+    sxx = float(k @ (x - xm) ** 2)
+    b = float(k @ ((x - xm) * (m - ym))) / sxx
+    a = ym - b * xm
+    s = math.sqrt((float(k @ (m - a - b * x) ** 2) + float((k - 1) @ sd ** 2)) / (n - 2))
     tq = float(stats.t.ppf(0.975, n - 2))
     grid = np.linspace(x.min(), x.max() + 12, 2000)  # out to 4096x the largest budget
-    half = tq * s * np.sqrt(1 / n + (grid - x.mean()) ** 2 / sxx)
+    half = tq * s * np.sqrt(1 / n + (grid - xm) ** 2 / sxx)
     out: dict[str, Any] = {"a": float(a), "b_per_doubling": float(b), "sd_residual": s, "n": n,
                            "slope_ci95": [float(b - tq * s / math.sqrt(sxx)), float(b + tq * s / math.sqrt(sxx))],
                            "crossings": {}}
@@ -125,17 +165,21 @@ def report(work: Path, rows: list[dict[str, Any]], demo_steps: int) -> None:
                       f"(slope 95% CI {f['slope_ci95'][0]:+.2f} to {f['slope_ci95'][1]:+.2f} points a doubling; "
                       f"{f['n']} seed runs)."]
         for t, c in f["crossings"].items():
+            if c["tokens"] is None and c["earliest"] is None:
+                lines.append(f"- reaches {t}: not within 4096x the largest budget, nor does the line's 95% band")
+                continue
             lines.append(f"- reaches {t}: at {_tok(c['tokens'])} tokens (95% band: {_tok(c['earliest'])} to "
                          f"{_tok(c['latest'])})")
     (work / "curve.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (work / "curve.json").write_text(json.dumps({"rows": rows, "fit": f and {k: v for k, v in f.items()
                                                  if k not in ("grid", "line", "half")}}, indent=1) + "\n")
     with open(work / "curve.csv", "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["steps", "tokens", "scratch_mean", "scratch_sd", "pretrained_mean", "pretrained_sd", "gain", "p"])
+        w = csv.DictWriter(fh, CSV)
+        w.writeheader()
         for r in rows:
-            w.writerow([r["steps"], r["tokens"], *(round(r[k], 4) for k in ("scratch_mean", "scratch_sd",
-                        "pretrained_mean", "pretrained_sd", "gain", "p"))])
+            w.writerow({"seeds": _arm(r)[2], "gain_lo": r["gain_ci95"][0], "gain_hi": r["gain_ci95"][1],
+                        **{k: r[k] if k in ("steps", "tokens") else r[k] if r[k] is None else round(r[k], 4)
+                           for k in CSV if k in r}})
     plot(work / "curve.png", rows, f, tfidf)
     print("\n".join(lines))
 
@@ -162,7 +206,7 @@ def plot(path: Path, rows: list[dict[str, Any]], f: dict[str, Any] | None, tfidf
     ax.set_xscale("log", base=2)
     ax.set_xlabel("pretraining tokens seen")
     ax.set_ylabel("test accuracy (%)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="lower left", ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -172,20 +216,28 @@ def plot(path: Path, rows: list[dict[str, Any]], f: dict[str, Any] | None, tfidf
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, required=True, help="folder of the runs and the report")
-    p.add_argument("--steps", required=True, help="pretraining budgets in optimizer steps, e.g. 1500,3000,6000")
+    p.add_argument("--steps", help="pretraining budgets in optimizer steps, e.g. 1500,3000,6000")
     p.add_argument("--seeds", type=int, default=3, help="fine-tuning seeds per arm and budget (default 3)")
     p.add_argument("--preset", default="demo", help="the preset of every run (default: demo)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every run (repeatable)")
     p.add_argument("--report-only", action="store_true", help="report the finished budgets; train nothing")
+    p.add_argument("--from-csv", type=Path, metavar="CSV",
+                   help="report (table, fit, figure) from a curve.csv instead of the runs; train nothing")
     a = p.parse_args(argv)
+    a.work.mkdir(parents=True, exist_ok=True)
+    if a.from_csv:
+        rows = read_csv(a.from_csv)
+        report(a.work, rows, rows[0]["steps"])
+        return 0
+    if not a.steps:
+        p.error("--steps is needed (or --from-csv)")
     try:
         budgets = sorted({int(s) for s in a.steps.split(",")})
     except ValueError:
         p.error(f"--steps {a.steps!r}: comma-separated step counts, e.g. 1500,3000")
     if not budgets or budgets[0] < 1 or a.seeds < 2:
         p.error("--steps needs positive counts and --seeds at least 2 (the spread and the paired test)")
-    a.work.mkdir(parents=True, exist_ok=True)
     for i, steps in enumerate(budgets):
         if not a.report_only:
             print(f"[{i + 1}/{len(budgets)}] budget {steps} steps", flush=True)
