@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
 
+from bench_texts import test_texts  # noqa: E402
 from serving_fixtures import ServerProcess  # noqa: E402
 from soak import DEFAULT_DATA, rss_bytes  # noqa: E402
 
@@ -91,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap", type=float, default=6.0, help="idle seconds after each burst (> the 5 s to reclaim)")
     args = p.parse_args(argv)
 
-    lines = (args.data / "cls-books-fr" / "test.review.txt").read_text(encoding="utf-8").split("\n")
-    texts = random.Random(0).sample([t for t in lines if t.strip()], 500)
+    texts = test_texts(p, args.data, 500)
     common = ["--max-texts", str(args.texts), "--max-queue", str(4 * args.concurrency * args.texts)]
     server_args = ["--host", "127.0.0.1", "--metrics-port", "0", "--device", "cpu", *common]
     servers = {"reclaims": ServerProcess(args.bundle, *server_args),

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import re
 import shutil
 import signal
@@ -47,13 +46,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 import h2grpc  # noqa: E402
+from bench_texts import DEFAULT_DATA, test_texts  # noqa: E402
 from serving_fixtures import ServerProcess  # noqa: E402
 from swap_loads import OpenLoop, Row, closed_loop, stats, stubs  # noqa: E402
 
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb  # noqa: E402
-from trainer.config.presets import data_sets  # noqa: E402
 
-DEFAULT_DATA = Path(data_sets())
 PHASES = ("swap", "bad", "two", "cancel")
 
 
@@ -345,16 +343,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{flag}: {e}")
     if "two" in args.phases and not h2grpc.available():
         ap.error(f"the phase two: {h2grpc.MISSING}")
-    reviews = args.data / "cls-books-fr" / "test.review.txt"
-    if not reviews.is_file():
-        ap.error(f"{reviews} not found: --data names the folder holding cls-books-fr/")
     bad = [f"--{n.replace('_', '-')} {v}" for n, v in vars(args).items() if type(v) in (int, float)
            and (v < 0 or v == 0 and n not in ("swap_gap_s", "idle_s"))]
     if bad:
         ap.error(f"{', '.join(bad)}: counts and durations must be > 0 (--swap-gap-s, --idle-s >= 0)")
 
-    lines = reviews.read_text(encoding="utf-8").split("\n")
-    texts = random.Random(0).sample([t for t in lines if t.strip()], 256)
+    texts = test_texts(ap, args.data, 256)
     result: dict = {"bundle": str(args.bundle), "bundle_b": str(args.bundle_b), "args": sys.argv[1:] if argv is None
                     else argv, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                     "date": time.strftime("%Y-%m-%d"), "load_average_start": [round(x, 2) for x in os.getloadavg()]}

@@ -154,7 +154,7 @@ def report(work: Path, rows: list[dict[str, Any]], demo_steps: int) -> None:
     lines = ["| budget | steps | tokens | scratch | pretrained | gain (95% CI) | p | ECE after |", "|---" * 8 + "|"]
     for r in rows:
         lo, hi = r["gain_ci95"]
-        lines.append(f"| {r['steps'] / demo_steps:g}x | {r['steps']:,} | {r['tokens'] / 1e6:,.1f} M | "
+        lines.append(f"| {r['steps'] / demo_steps:.3g}x | {r['steps']:,} | {r['tokens'] / 1e6:,.1f} M | "
                      f"{r['scratch_mean']:.2f} (sd {r['scratch_sd']:.2f}) | {r['pretrained_mean']:.2f} (sd "
                      f"{r['pretrained_sd']:.2f}) | {r['gain']:+.2f} ({lo:+.2f} to {hi:+.2f}) | {r['p']:.3g} | "
                      f"{r['ece_after']:.3f} |")
@@ -213,6 +213,17 @@ def plot(path: Path, rows: list[dict[str, Any]], f: dict[str, Any] | None, tfidf
     plt.close(fig)
 
 
+def _preset_steps(name: str) -> int | None:
+    """The preset's own pretraining steps (`make demo`'s 1,500 for demo): the 1x of the budget column."""
+    sys.path.insert(0, str(REPO))
+    from trainer.config.presets import preset
+
+    try:
+        return preset(name).pretrain.max_steps
+    except ValueError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, required=True, help="folder of the runs and the report")
@@ -228,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     if a.from_csv:
         rows = read_csv(a.from_csv)
-        report(a.work, rows, rows[0]["steps"])
+        report(a.work, rows, _preset_steps(a.preset) or rows[0]["steps"])
         return 0
     if not a.steps:
         p.error("--steps is needed (or --from-csv)")
@@ -245,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for r in (row(a.work, s) for s in budgets) if r]
     if not rows:
         sys.exit("error: no budget has finished yet")
-    report(a.work, rows, budgets[0])
+    report(a.work, rows, _preset_steps(a.preset) or budgets[0])
     return 0
 
 

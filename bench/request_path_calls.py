@@ -27,9 +27,10 @@ import grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+from bench_texts import DEFAULT_DATA, reviews  # noqa: E402
+
 from serving.gen.sentiment.v1 import sentiment_service_pb2 as pb  # noqa: E402
 from serving.gen.sentiment.v1 import sentiment_service_pb2_grpc as pb_grpc  # noqa: E402
-from trainer.config.presets import data_sets  # noqa: E402
 
 
 class Counting:
@@ -105,14 +106,10 @@ def main() -> int:
     ap.add_argument("--bundle", type=Path, required=True, help="bundle to serve (the tests' tiny one will do)")
     ap.add_argument("--calls", type=int, default=200, help="counted calls, after 20 of warm-up")
     ap.add_argument("--top", type=int, default=25, help="serving/'s most called functions to list")
-    ap.add_argument("--data", type=Path, default=Path(data_sets()),
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA,
                     help="folder holding cls-books-fr/ (a test review is the text sent)")
     args = ap.parse_args()
-    path = args.data / "cls-books-fr" / "test.review.txt"
-    if not path.is_file():
-        ap.error(f"{path} not found: --data names the folder holding cls-books-fr/ (python -m trainer data "
-                 "fetch --preset demo puts it there)")
-    text = next(line for line in path.read_text(encoding="utf-8").split("\n") if line.strip())
+    text = reviews(ap, args.data)[0]
     rows = [("serving/", serving_counts(args.bundle, args.calls, text)),
             ("bare grpcio floor", floor_counts(args.bundle, args.calls, text))]
     print("| server | Python calls per Classify | C calls per Classify |\n|---|---:|---:|")

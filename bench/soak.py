@@ -207,13 +207,11 @@ def percentile_ms(values: list[float], q: float) -> float:
     return round(1e3 * float(np.percentile(np.asarray(values), q)), 2) if values else float("nan")
 
 
-def soak(args: argparse.Namespace) -> dict:
+def soak(args: argparse.Namespace, texts: list[str]) -> dict:
     from serving_fixtures import ServerProcess
 
     from serving.model.predictor import Predictor
 
-    lines = (args.data / "cls-books-fr" / "test.review.txt").read_text(encoding="utf-8").split("\n")
-    texts = random.Random(0).sample([t for t in lines if t.strip()], args.texts)
     reference = Predictor(args.bundle, device="cpu", intra_op_threads=1)
     preds = [p for i in range(0, len(texts), 16) for p in reference.predict(texts[i : i + 16])]
     expected = np.stack([p.probabilities for p in preds])  # (texts, C)
@@ -392,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < 1 or args.channels < 1 or args.texts_per_request < 1 or args.max_requests < 1:
         ap.error("--concurrency, --channels, --texts-per-request and --max-requests must be >= 1")
 
-    result = soak(args)
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_texts import test_texts
+
+    result = soak(args, test_texts(ap, args.data, args.texts))
     print(table(result))
     print(f"\n{'PASS' if result['passed'] else 'FAIL'}: bundle {result['bundle']}; machine {result['machine']}; "
           f"{result['date']}")

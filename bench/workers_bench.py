@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import h2grpc  # noqa: E402
+from bench_texts import reviews as test_reviews  # noqa: E402
 from serve_bench import DEFAULT_DATA, Server, cpu_seconds  # noqa: E402
 
 
@@ -202,8 +203,7 @@ def main() -> int:
         ap.error("--workers and --client-threads take counts >= 1, --connections at least one per client thread")
     if args.server_cpus and args.client_cpus and set(cores(args.server_cpus)) & set(cores(args.client_cpus)):
         ap.error(f"--server-cpus {args.server_cpus} and --client-cpus {args.client_cpus} share cores")
-    lines = (args.data / "cls-books-fr" / "test.review.txt").read_text(encoding="utf-8").split("\n")
-    reviews = sorted((t for t in lines if t.strip()), key=len)
+    reviews = sorted(test_reviews(ap, args.data), key=len)
     text = reviews[len(reviews) // 2]  # the median length
     with tempfile.TemporaryDirectory() as tmp:
         body = Path(tmp) / "classify.grpc"
