@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_texts import DEFAULT_DATA, test_texts  # noqa: E402
@@ -42,7 +43,7 @@ def ratios(texts: list[str], serving: Server, floor: Server, c: int, slices: int
             "floor_texts_per_s": statistics.median(floored)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, required=True, help="bundle both servers serve")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder holding cls-books-fr/")
@@ -50,7 +51,16 @@ def main() -> int:
     ap.add_argument("--slices", type=int, default=12, help="slices of serving/ (and of the floor) per concurrency")
     ap.add_argument("--seconds", type=float, default=2.0, help="measured seconds of a slice, after its warm-up")
     ap.add_argument("--server-args", default="", help="extra options of serving/'s server")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.slices < 1 or args.seconds <= 0 or min(args.concurrency) < 1:
+        ap.error(f"--slices {args.slices}, --seconds {args.seconds}, --concurrency "
+                 f"{' '.join(map(str, args.concurrency))}: each must be at least 1 (seconds > 0)")
+    from contract.bundle import verify_bundle
+
+    try:
+        verify_bundle(args.bundle)  # a missing or damaged bundle: one line, before either server starts
+    except ValueError as e:
+        ap.error(f"--bundle: {e}")
     texts = test_texts(ap, args.data, 256)
     serving = Server(args.bundle, "--intra-op-threads", "1", *args.server_args.split())
     try:
