@@ -177,7 +177,8 @@ def report(work: Path, rows: list[dict[str, Any]], demo_steps: int) -> None:
         w = csv.DictWriter(fh, CSV)
         w.writeheader()
         for r in rows:
-            w.writerow({"seeds": _arm(r)[2], "gain_lo": r["gain_ci95"][0], "gain_hi": r["gain_ci95"][1],
+            lo, hi = (round(v, 4) for v in r["gain_ci95"])
+            w.writerow({"seeds": _arm(r)[2], "gain_lo": lo, "gain_hi": hi,
                         **{k: r[k] if k in ("steps", "tokens") else r[k] if r[k] is None else round(r[k], 4)
                            for k in CSV if k in r}})
     plot(work / "curve.png", rows, f, tfidf)
