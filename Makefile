@@ -107,7 +107,7 @@ load-deps:
 # compose.yaml (tests/test_compose.py; with runc: Debian bookworm's crun does not take every host's cgroups).
 CONTAINER_TOOLS := buildah mmdebstrap podman runc
 container-deps:
-	@if ! for t in $(CONTAINER_TOOLS); do command -v $$t >/dev/null || exit 1; done; then \
+	@if ! (for t in $(CONTAINER_TOOLS); do command -v $$t >/dev/null || exit 1; done); then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(CONTAINER_TOOLS) >/dev/null; \
 	  else echo "warning: $(CONTAINER_TOOLS) not all installed and not root: tests/test_container.py and others need them"; fi; fi
 
