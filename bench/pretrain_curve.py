@@ -99,6 +99,10 @@ def read_csv(path: Path) -> list[dict[str, Any]]:
         out.append(v)
     if len(out) < 1:
         sys.exit(f"error: {path}: no rows")
+    steps = [r["steps"] for r in out]
+    twice = sorted({s for s in steps if steps.count(s) > 1})
+    if twice:
+        sys.exit(f"error: {path}: a budget is written twice (steps {', '.join(map(str, twice))})")
     return sorted(out, key=lambda r: r["steps"])
 
 

@@ -73,6 +73,12 @@ def test_a_curve_csv_without_a_column_is_refused_naming_the_line_and_the_column(
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and f"{bad}, line 2: no value for scratch_mean" in p.stderr, p.stderr
     assert not (tmp_path / "curve.png").exists()
+    twice = tmp_path / "twice.csv"  # one x for every seed: no line to fit
+    row = "100,4096,3,70,1,72,1,2,0,4,0.1,0.02,80"
+    twice.write_text(",".join(curve.CSV) + f"\n{row}\n{row}\n")
+    p = subprocess.run([sys.executable, "bench/pretrain_curve.py", "--work", str(tmp_path), "--from-csv", str(twice)],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "a budget is written twice (steps 100)" in p.stderr, p.stderr
 
 
 def test_results_table_is_the_committed_curve_csv_that_draws_its_figure() -> None:
