@@ -183,8 +183,7 @@ def report(work: Path, rows: list[dict[str, Any]], demo_steps: int) -> None:
         for r in rows:
             lo, hi = (round(v, 4) for v in r["gain_ci95"])
             w.writerow({"seeds": _arm(r)[2], "gain_lo": lo, "gain_hi": hi,
-                        **{k: r[k] if k in ("steps", "tokens") else r[k] if r[k] is None else round(r[k], 4)
-                           for k in CSV if k in r}})
+                        **{k: round(r[k], 4) if isinstance(r[k], float) else r[k] for k in CSV if k in r}})
     plot(work / "curve.png", rows, f, tfidf)
     print("\n".join(lines))
 
