@@ -2,6 +2,7 @@
 that stay up, so that what the machine's speed does over minutes falls on both.
 
     python bench/floor_ratio.py --bundle /tmp/lab-bundle [--concurrency 8 64] [--slices 12] [--seconds 2]
+    python bench/floor_ratio.py --bundle /tmp/lab-bundle --client h2load --concurrency 8 --slices 24
 
 Both servers start once (`python -m serving.server BUNDLE --device cpu`, and bench/grpc_floor.py over the same
 bundle) and the idle one waits. For each concurrency, `--slices` pairs of slices: serving/, then the floor, then the
@@ -10,6 +11,11 @@ review of the cls-books-fr test split a call). Each slice of serving/ is divided
 either side of it; the figure is the median of those ratios, with their spread. On this 2-core machine the rate of one
 server moves 20% from one minute to the next (docs/BENCHMARKS.md): bench/serve_bench.py's `--modes on floor`, one
 after the other, measures that as much as the servers.
+
+`--client h2load` sends the slices from h2load (bench/h2grpc.py: a C client, 1-2% of the cores, where the Python
+client's own CPU a call narrows every gap): `--concurrency` connections, one call at a time on each, the median
+review of the test split every call, a slice's rate the calls the server counted (h2load reads no gRPC trailers)
+over its wall time; each server is warmed up once per concurrency.
 """
 
 from __future__ import annotations
@@ -17,21 +23,44 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_texts import DEFAULT_DATA, test_texts  # noqa: E402
+import h2grpc  # noqa: E402
+from bench_texts import DEFAULT_DATA, reviews, test_texts  # noqa: E402
 from serve_bench import Server, bench_server  # noqa: E402
+from workers_bench import ok_calls  # noqa: E402
+
+Rate = Callable[[Server], float]  # one slice against a server: its texts/s
 
 
-def ratios(texts: list[str], serving: Server, floor: Server, c: int, slices: int, seconds: float) -> dict:
+def python_slices(texts: list[str], c: int, seconds: float) -> Rate:
+    """serve_bench's closed loop: c callers, one review of `texts` a call, its own warm-up every slice."""
+    return lambda server: bench_server(server, "", texts, c, seconds)["texts_per_s"]
+
+
+def h2load_slices(body: Path, c: int, seconds: float) -> Rate:
+    """h2load over c connections, one call at a time on each, `body` every call; calls as the server counts them."""
+
+    def rate(server: Server) -> float:
+        before, start = ok_calls([server]), time.perf_counter()
+        h2grpc.run(server.port, body, seconds, c, 1)
+        return (ok_calls([server]) - before) / (time.perf_counter() - start)
+
+    return rate
+
+
+def ratios(rate: Rate, serving: Server, floor: Server, c: int, slices: int) -> dict:
     """The slices at concurrency c, in the order serving/, floor, floor, serving/, ...: each serving/ slice over the
     mean of its neighbouring floor slices."""
     order = [serving, floor, floor, serving] * ((slices + 1) // 2)
-    rates = [(s is serving, bench_server(s, "", texts, c, seconds)["texts_per_s"]) for s in order[:2 * slices]]
+    rates = [(s is serving, rate(s)) for s in order[:2 * slices]]
     out = []
     for i, (is_serving, rate) in enumerate(rates):
         if is_serving:
@@ -51,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slices", type=int, default=12, help="slices of serving/ (and of the floor) per concurrency")
     ap.add_argument("--seconds", type=float, default=2.0, help="measured seconds of a slice, after its warm-up")
     ap.add_argument("--server-args", default="", help="extra options of serving/'s server")
+    ap.add_argument("--client", choices=["python", "h2load"], default="python",
+                    help="what sends the slices: serve_bench's Python callers, or h2load (a C client)")
     args = ap.parse_args(argv)
+    if args.client == "h2load" and not h2grpc.available():
+        ap.error(h2grpc.MISSING)
     if args.slices < 1 or args.seconds <= 0 or min(args.concurrency) < 1:
         ap.error(f"--slices {args.slices}, --seconds {args.seconds}, --concurrency "
                  f"{' '.join(map(str, args.concurrency))}: each must be at least 1 (seconds > 0)")
@@ -62,15 +95,27 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(f"--bundle: {e}")
     texts = test_texts(ap, args.data, 256)
-    serving = Server(args.bundle, "--intra-op-threads", "1", *args.server_args.split())
-    try:
-        floor = Server(args.bundle, "--intra-op-threads", "1", floor=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        body = Path(tmp) / "classify.grpc"
+        every = sorted(reviews(ap, args.data), key=len)
+        body.write_bytes(h2grpc.grpc_body([every[len(every) // 2]]))  # the median length, as workers_bench's
+        serving = Server(args.bundle, "--intra-op-threads", "1", *args.server_args.split())
         try:
-            rows = [ratios(texts, serving, floor, c, args.slices, args.seconds) for c in args.concurrency]
+            floor = Server(args.bundle, "--intra-op-threads", "1", floor=True)
+            try:
+                rows = []
+                for c in args.concurrency:
+                    if args.client == "h2load":
+                        rate = h2load_slices(body, c, args.seconds)
+                        for server in (serving, floor):
+                            h2load_slices(body, c, 1.0)(server)  # warm-up
+                    else:
+                        rate = python_slices(texts, c, args.seconds)
+                    rows.append(ratios(rate, serving, floor, c, args.slices))
+            finally:
+                floor.stop()
         finally:
-            floor.stop()
-    finally:
-        serving.stop()
+            serving.stop()
     print("| callers | serving/ texts/s (median slice) | floor texts/s | serving/ / floor, median | ratios, lowest "
           "to highest |\n|---|---:|---:|---:|---|")
     for r in rows:

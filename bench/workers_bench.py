@@ -19,6 +19,11 @@ connections, `--streams` calls at a time on each: it costs the cores far less th
 own CPU share is printed. Calls are counted by the server (sentiment_requests_total{code="OK"}), not by h2load,
 which does not read gRPC status trailers.
 
+--switches counts, over the measured seconds, the context switches (voluntary and not, /proc/PID/task/TID/status)
+of the first server's threads per call, summed by the thread's Python name (py-spy dump; a pool's numbers cut, so a
+pool is one line): each is a thread put to sleep or woken, which on a VM's halted cores costs more than the Python
+around it.
+
 --floor measures the bare grpcio server (bench/grpc_floor.py) at every worker count too: N such processes share the
 port as the workers do (grpcio sets SO_REUSEPORT), so serving/ is compared with what gRPC alone serves on as many
 processes. --server-cpus and --client-cpus pin the servers and h2load to disjoint cores (taskset), so that the load
@@ -41,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,6 +118,28 @@ def profile_summary(raw: Path, top: int = 15) -> str:
     return "\n".join(out)
 
 
+def thread_names(pid: int) -> dict[int, str]:
+    """OS thread id -> Python thread name (py-spy dump: the threads that run Python; the others keep their comm)."""
+    spy = Path(sys.executable).parent / "py-spy"
+    out = subprocess.run([str(spy), "dump", "-p", str(pid)], capture_output=True, text=True, timeout=60).stdout
+    return {int(tid, 0): name for tid, name in re.findall(r'Thread (\S+) \([^)]*\): "([^"]*)"', out)}
+
+
+def switches(pid: int, names: dict[int, str]) -> Counter:
+    """Context switches so far of the live threads of `pid`, summed by name with a pool's numbers cut (grpc_3 and
+    grpc_12 are both grpc, ThreadPoolExecutor-0_3 is ThreadPoolExecutor)."""
+    out: Counter = Counter()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = names.get(int(tid)) or Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:  # the thread ended
+            continue
+        counts = re.findall(r"^(?:non)?voluntary_ctxt_switches:\s+(\d+)$", status, re.M)
+        out[re.sub(r"([-_]\d+)+$", "", name)] += sum(map(int, counts))
+    return out
+
+
 def start(bundle: Path, workers: int, args: argparse.Namespace, floor: bool) -> list[Server]:
     """The server with `workers` processes, or that many bare grpcio floors on one port (the first picks it)."""
     if not floor:
@@ -135,6 +163,8 @@ def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace, fl
     server, pids = servers[0], [pid for s in servers for pid in s.pids]
     try:
         h2load(server.port, body, min(2.0, args.seconds / 2), args)  # warm-up
+        names = thread_names(server.pids[0]) if args.switches else {}
+        switched0 = switches(server.pids[0], names) if args.switches else Counter()
         calls0 = ok_calls(servers)
         runs0 = sum(s.metric("sentiment_inference_seconds_sum") for s in servers)
         cpu0, t0 = cpu_seconds(pids), time.perf_counter()
@@ -149,6 +179,7 @@ def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace, fl
             spy.wait(60)
         elapsed, cpu1 = time.perf_counter() - t0, cpu_seconds(pids)
         calls1 = ok_calls(servers)
+        switched = switches(server.pids[0], names) - switched0 if args.switches else Counter()
         runs1 = sum(s.metric("sentiment_inference_seconds_sum") for s in servers)
         sent = re.search(r"requests: (\d+) total", report)
     finally:
@@ -158,7 +189,9 @@ def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace, fl
     return {"workers": workers, "floor": floor, "requests_per_s": calls / elapsed, "calls": calls,
             "h2load_requests": int(sent.group(1)) if sent else None,
             "server_cpu_ms": 1e3 * (cpu1 - cpu0) / calls, "ort_wall_ms": 1e3 * (runs1 - runs0) / calls,
-            "server_cpu_share": (cpu1 - cpu0) / (elapsed * cores), "client_cpu_share": client_cpu / (elapsed * cores)}
+            "server_cpu_share": (cpu1 - cpu0) / (elapsed * cores), "client_cpu_share": client_cpu / (elapsed * cores),
+            **({"switches_per_call": {k: round(n * workers / calls, 2) for k, n in switched.most_common() if n}}
+               if args.switches else {})}
 
 
 def cores(text: str) -> list[int]:
@@ -194,6 +227,8 @@ def main() -> int:
     ap.add_argument("--server-args", default="", help="extra server options")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--profile", type=Path, help="py-spy the first worker during the measure; stacks to this file")
+    ap.add_argument("--switches", action="store_true",
+                    help="count the first server's context switches a call, by thread name (needs py-spy)")
     ap.add_argument("--floor", action="store_true",
                     help="also measure, at each count, as many bare grpcio servers (bench/grpc_floor.py) on one port")
     args = ap.parse_args()
@@ -230,6 +265,10 @@ def main() -> int:
     print(f"one review of {len(text)} characters (the median) per call; {args.connections} connections x "
           f"{args.streams} streams{pinned}; machine: {platform.machine()}, {os.cpu_count()} cores; "
           f"{time.strftime('%Y-%m-%d')}")
+    for r in rows + list(floors.values()) if args.switches else []:
+        per_call = r["switches_per_call"]
+        print(f"{'floor' if r['floor'] else 'serving/'}, {r['workers']} process(es), context switches a call (first "
+              f"process): {sum(per_call.values()):.1f}: " + ", ".join(f"{k} {v:.2f}" for k, v in per_call.items()))
     if args.profile:
         print("\n" + profile_summary(args.profile))
     if args.json:

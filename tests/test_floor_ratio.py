@@ -17,17 +17,16 @@ floor_ratio = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(floor_ratio)  # type: ignore[union-attr]
 
 
-def test_each_serving_slice_is_divided_by_the_floor_slices_beside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_serving_slice_is_divided_by_the_floor_slices_beside_it() -> None:
     serving, floor = object(), object()
     # the machine slows by 10 texts/s a slice; serving/ runs at 0.9 of the floor at every moment
     t = iter(range(100))
 
-    def slice_rate(server: object, _mode: str, _texts: list[str], _c: int, _s: float) -> dict:
+    def slice_rate(server: object) -> float:
         machine = 200.0 - 10 * next(t)
-        return {"texts_per_s": machine * (0.9 if server is serving else 1.0)}
+        return machine * (0.9 if server is serving else 1.0)
 
-    monkeypatch.setattr(floor_ratio, "bench_server", slice_rate)
-    r = floor_ratio.ratios([], serving, floor, 8, 3, 1.0)  # slices: S F F S S F
+    r = floor_ratio.ratios(slice_rate, serving, floor, 8, 3)  # slices: S F F S S F
     # rates in slice order: S 180, F 190, F 180, S 153, S 144, F 150
     assert len(r["ratios"]) == 3 and r["c"] == 8
     assert r["ratios"][0] == pytest.approx(180 / 190)  # slice 0 has one floor neighbour, slice 1
@@ -48,3 +47,9 @@ def test_a_folder_that_is_no_bundle_exits_2_naming_it(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "bench/floor_ratio.py", "--bundle", str(tmp_path)], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and f"--bundle: {tmp_path}/manifest.json" in p.stderr, p.stderr
+
+
+def test_h2load_slices_without_h2load_exit_2_naming_the_package(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "bench/floor_ratio.py", "--bundle", str(tmp_path), "--client", "h2load"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60, env={"PATH": str(tmp_path)})
+    assert p.returncode == 2 and "h2load not found" in p.stderr and "nghttp2-client" in p.stderr, p.stderr
