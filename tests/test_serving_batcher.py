@@ -256,3 +256,25 @@ def test_close_drains_then_refuses(predictor: Predictor) -> None:
     held.release()
     closer.join(10)
     assert blocker.done() and queued.result(0).shape == (1, len(predictor.label_names))
+
+
+def test_requests_queued_while_every_slot_is_busy_wake_no_worker_and_the_worker_goes_back_for_them(
+        predictor: Predictor) -> None:
+    """A wake that finds no free slot puts the worker back to sleep: two context switches a queued call for nothing
+    (bench/workers_bench.py --switches). The worker that frees the slot takes the queued texts itself."""
+    batcher = Batcher(predictor.infer, workers=1, max_queue_delay_s=0.0)
+    held = HeldRuns(batcher)
+    blocker = _hold_worker(batcher, held, predictor)
+    wakes = []
+    real_notify = batcher._cond.notify
+    batcher._cond.notify = lambda n=1: (wakes.append(n), real_notify(n))  # type: ignore[method-assign]
+    rows = [predictor.tokenizer.encode(f"texte {i}").ids for i in range(5)]
+    queued = [batcher.submit([r]) for r in rows]
+    assert wakes == []  # the one slot is the held run's
+    held.stop_holding()
+    held.release()
+    assert blocker.result(10).shape == (1, 2)
+    for r, f in zip(rows, queued, strict=True):
+        np.testing.assert_allclose(f.result(10)[0], predictor.infer([r])[0], rtol=1e-5, atol=1e-6)
+    assert wakes == []  # nothing but the worker itself went back for them
+    batcher.close(5)

@@ -152,10 +152,12 @@ class Batcher:
                 # queued and a slot free computes its batch itself (below); under load the workers form batches.
                 if idle:
                     self._busy += 1
-                else:
+                elif self._busy < self._slots or self._waiting:
+                    # a worker may take them now, or one waits for company; with every slot busy the one that
+                    # frees a slot takes them (`_run_batch`): a wake here would find no slot and sleep again
                     self._cond.notify()
         if idle:
-            self._run_batch()
+            self._run_batch(worker=False)
         if not self.enabled:
             try:
                 self._run_alone(req)
@@ -164,10 +166,10 @@ class Batcher:
                     self._in_flight -= len(rows)
         return req.future
 
-    def _run_batch(self) -> None:
+    def _run_batch(self, worker: bool = True) -> None:
         """Take the next batch and compute it, holding the slot its caller took (a worker, or a lone caller that
         blocks on its answer: `submit(inline=True)`, no hand-over to a worker and back); the slot is given back
-        after, and a worker is woken for any texts left queued."""
+        after; a caller's thread wakes a worker for any texts left queued (a worker goes back for them itself)."""
         if self.turns is not None:  # the cores, shared with the other models' batchers (serving/model/turns.py)
             self.turns.take(self.model)
         start = time.monotonic()
@@ -183,7 +185,7 @@ class Batcher:
                 self.turns.give(self.model, time.monotonic() - start)
             with self._lock:
                 self._busy -= 1
-                if self._pending:
+                if self._pending and not worker:
                     self._cond.notify()
 
     def _run_alone(self, req: _Request) -> None:
