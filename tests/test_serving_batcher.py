@@ -278,3 +278,31 @@ def test_requests_queued_while_every_slot_is_busy_wake_no_worker_and_the_worker_
         np.testing.assert_allclose(f.result(10)[0], predictor.infer([r])[0], rtol=1e-5, atol=1e-6)
     assert wakes == []  # nothing but the worker itself went back for them
     batcher.close(5)
+
+
+def test_a_worker_that_a_bug_ends_wakes_another_for_the_texts_left_queued(predictor: Predictor) -> None:
+    """Not onnxruntime's error (a run's error fails its requests): a bug out of a worker's batch ends its thread, and
+    on its way out it wakes another worker for the texts still queued (a worker that returns to its loop takes them
+    itself, and wakes no one)."""
+    batcher = Batcher(predictor.infer, workers=1, max_queue_delay_s=0.0)
+    held = HeldRuns(batcher)
+    blocker = _hold_worker(batcher, held, predictor)
+    queued = batcher.submit([predictor.tokenizer.encode("en attente").ids])
+    wakes = []
+    real_notify, real_take = batcher._cond.notify, batcher._take
+    batcher._cond.notify = lambda n=1: (wakes.append(n), real_notify(n))  # type: ignore[method-assign]
+
+    def broken_take(now: float) -> list:
+        raise SystemExit("a bug in the batcher")  # not an Exception: nothing on the way catches it
+
+    with batcher._lock:
+        batcher._busy += 1  # the slot of the worker this thread stands for
+    batcher._take = broken_take  # type: ignore[method-assign]
+    with pytest.raises(SystemExit):
+        batcher._run_batch(worker=True)
+    batcher._take = real_take  # type: ignore[method-assign]
+    assert wakes == [1] and batcher.queued == 1
+    held.stop_holding()
+    held.release()
+    assert blocker.result(10).shape == queued.result(10).shape == (1, 2)
+    batcher.close(5)

@@ -173,6 +173,7 @@ class Batcher:
         if self.turns is not None:  # the cores, shared with the other models' batchers (serving/model/turns.py)
             self.turns.take(self.model)
         start = time.monotonic()
+        back = False  # a worker returns to its loop for the texts left queued
         try:
             with self._lock:
                 batch = self._take(time.monotonic())
@@ -180,12 +181,13 @@ class Batcher:
                     self._depth.set(len(self._pending))
             if batch:
                 self._compute(batch)
+            back = worker
         finally:
             if self.turns is not None:
                 self.turns.give(self.model, time.monotonic() - start)
             with self._lock:
                 self._busy -= 1
-                if self._pending and not worker:
+                if self._pending and not back:  # a caller's thread, or a worker that a bug ends: wake another
                     self._cond.notify()
 
     def _run_alone(self, req: _Request) -> None:
