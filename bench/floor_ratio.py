@@ -62,10 +62,10 @@ def ratios(rate: Rate, serving: Server, floor: Server, c: int, slices: int) -> d
     order = [serving, floor, floor, serving] * ((slices + 1) // 2)
     rates = [(s is serving, rate(s)) for s in order[:2 * slices]]
     out = []
-    for i, (is_serving, rate) in enumerate(rates):
+    for i, (is_serving, texts_per_s) in enumerate(rates):
         if is_serving:
             near = [r for j, (other, r) in enumerate(rates) if abs(j - i) == 1 and not other]
-            out.append(rate / statistics.mean(near))
+            out.append(texts_per_s / statistics.mean(near))
     served = [r for s, r in rates if s]
     floored = [r for s, r in rates if not s]
     return {"c": c, "ratios": out, "median": statistics.median(out), "serving_texts_per_s": statistics.median(served),
@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     texts = test_texts(ap, args.data, 256)
     with tempfile.TemporaryDirectory() as tmp:
         body = Path(tmp) / "classify.grpc"
-        every = sorted(reviews(ap, args.data), key=len)
-        body.write_bytes(h2grpc.grpc_body([every[len(every) // 2]]))  # the median length, as workers_bench's
+        if args.client == "h2load":
+            every = sorted(reviews(ap, args.data), key=len)
+            body.write_bytes(h2grpc.grpc_body([every[len(every) // 2]]))  # the median length, as workers_bench's
         serving = Server(args.bundle, "--intra-op-threads", "1", *args.server_args.split())
         try:
             floor = Server(args.bundle, "--intra-op-threads", "1", floor=True)

@@ -234,6 +234,8 @@ def main() -> int:
     args = ap.parse_args()
     if not h2grpc.available():
         ap.error(h2grpc.MISSING)
+    if (args.switches or args.profile) and not (Path(sys.executable).parent / "py-spy").is_file():
+        ap.error(f"--switches and --profile need py-spy beside {sys.executable} (a dev dependency: make setup)")
     if min(args.workers) < 1 or args.client_threads < 1 or args.connections < args.client_threads:
         ap.error("--workers and --client-threads take counts >= 1, --connections at least one per client thread")
     if args.server_cpus and args.client_cpus and set(cores(args.server_cpus)) & set(cores(args.client_cpus)):

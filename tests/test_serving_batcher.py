@@ -273,7 +273,7 @@ def test_requests_queued_while_every_slot_is_busy_wake_no_worker_and_the_worker_
     assert wakes == []  # the one slot is the held run's
     held.stop_holding()
     held.release()
-    assert blocker.result(10).shape == (1, 2)
+    assert blocker.result(10).shape == (1, len(predictor.label_names))
     for r, f in zip(rows, queued, strict=True):
         np.testing.assert_allclose(f.result(10)[0], predictor.infer([r])[0], rtol=1e-5, atol=1e-6)
     assert wakes == []  # nothing but the worker itself went back for them
@@ -304,5 +304,5 @@ def test_a_worker_that_a_bug_ends_wakes_another_for_the_texts_left_queued(predic
     assert wakes == [1] and batcher.queued == 1
     held.stop_holding()
     held.release()
-    assert blocker.result(10).shape == queued.result(10).shape == (1, 2)
+    assert blocker.result(10).shape == queued.result(10).shape == (1, len(predictor.label_names))
     batcher.close(5)
