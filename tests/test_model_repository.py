@@ -311,3 +311,26 @@ def test_turns_share_the_runs_between_two_busy_models_whatever_their_callers() -
     alone.take("a")  # a model alone takes every slot: the second take does not wait for the first give
     alone.give("a", 0.0)
     alone.give("a", 0.0)
+
+
+def test_a_models_calls_take_their_turns_in_arrival_order_while_they_poll_for_their_clients() -> None:
+    """A waiting call wakes every 0.1 s to ask whether its client has gone; it keeps its place in its model's line.
+    Threads sharing one Condition went to the back of it at each such wake, behind every later call: waits then grow
+    without bound for some calls while a flood of the other model lasts (the p99 of bench/model_swap_bench.py's
+    two-model phase)."""
+    turns, order = Turns(1), []
+    assert turns.take("a")
+    threads = []
+    for i in range(7):
+        def wait(i: int = i) -> None:
+            assert turns.take("b", gone=lambda: False)
+            order.append(i)
+            turns.give("b", 1.0)
+        threads.append(threading.Thread(target=wait))
+        threads[-1].start()
+        time.sleep(0.037)  # a spacing that sets the threads' 0.1 s wakes in another order than their arrivals
+    time.sleep(0.35)  # each has woken to poll a few times
+    turns.give("a", 1.0)
+    for t in threads:
+        t.join(5)
+    assert order == list(range(7)), order

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 
@@ -33,9 +34,11 @@ class Turns:
         self._free = slots
         self._alone = alone
         self._used: dict[str, float] = {}  # cost so far, per model with runs or calls waiting or running
-        self._waiting: dict[str, int] = {}  # threads waiting for a place, per model
+        # per model with threads waiting for a place, one Condition a thread in arrival order: only the head of the
+        # model served least is woken, and a thread that wakes to ask `gone` keeps its place (a Condition shared by
+        # the model's threads would put it behind every later one, a tail of waits that grows with the flood)
+        self._waiting: dict[str, deque[threading.Condition]] = {}
         self._running: dict[str, int] = {}
-        self._wake: dict[str, threading.Condition] = {}  # per waiting model: only the next in line is woken
 
     def take(self, model: str, until: float | None = None, gone: Callable[[], bool] | None = None) -> bool:
         """Wait for `model`'s turn; False (no turn taken) once time.monotonic() passes `until` or `gone()` says the
@@ -51,23 +54,27 @@ class Turns:
             if model not in self._waiting and model not in self._running:  # back from idle: no saved-up credit
                 others = [self._used[m] for m in self._active() if m in self._used]
                 self._used[model] = max(self._used.get(model, 0.0), min(others, default=0.0))
-            self._waiting[model] = self._waiting.get(model, 0) + 1
-            wake = self._wake.setdefault(model, threading.Condition(self._lock))
+            line = self._waiting.setdefault(model, deque())
+            me = threading.Condition(self._lock)
+            line.append(me)
             taken = False
             try:
                 while not ((self._free > 0 or self._alone and self._only(model))
-                           and min(self._waiting, key=self._used.__getitem__) == model):
+                           and min(self._waiting, key=self._used.__getitem__) == model and line[0] is me):
                     if (until is not None and time.monotonic() >= until) or (gone is not None and gone()):
                         return False
-                    wake.wait(0.1 if until is not None or gone is not None else None)
+                    me.wait(0.1 if until is not None or gone is not None else None)
                 self._free -= 1
                 self._running[model] = self._running.get(model, 0) + 1
                 taken = True
                 return True
             finally:
-                self._waiting[model] -= 1
-                if not self._waiting[model]:
-                    del self._waiting[model], self._wake[model]
+                if line[0] is me:
+                    line.popleft()
+                else:  # gave up behind others
+                    line.remove(me)
+                if not line:
+                    del self._waiting[model]
                     if not taken and model not in self._running:  # gave up, and nothing of it runs: idle again
                         del self._used[model]
                 self._next()  # a place may still be free: the next in line
@@ -100,4 +107,4 @@ class Turns:
     def _next(self) -> None:
         """Wake one thread of the waiting model served least (the lock held): it takes the place, or waits again."""
         if self._waiting:
-            self._wake[min(self._waiting, key=self._used.__getitem__)].notify()
+            self._waiting[min(self._waiting, key=self._used.__getitem__)][0].notify()
