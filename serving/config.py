@@ -56,10 +56,11 @@ class ServerConfig:
     max_padding: float = 0.1  # padding ids at most this fraction of a batch's real ids (groups similar lengths)
     batch_workers: int = 2  # batches computed at once, each by one onnxruntime run
     max_queue_delay_ms: float = 2.0  # longest wait for company before a batch runs
-    fair_calls: int = 4  # with several models busy: model calls in the model path (tokenizing, queue, run) at
+    fair_calls: int = 16  # with several models busy: model calls in the model path (tokenizing, queue, run) at
     # once, the rest waiting their turn in their thread, each free place to the model served least
-    # (serving/model/turns.py), so that a flooded model cannot take another's share of the cores (16 hardly bound
-    # on 2 cores: docs/BENCHMARKS.md, "Model repository under load"). A model alone is not bounded by it
+    # (serving/model/turns.py), so that a flooded model cannot take another's share of the cores. On 2 cores 4 left
+    # them waiting, and 32 gave the flooded model more calls than the other (docs/BENCHMARKS.md, "Model repository
+    # under load"). A model alone is not bounded by it
     max_queue: int = 512  # texts waiting; past it calls get RESOURCE_EXHAUSTED at once. A call is admitted only
     # while a request of max_texts would fit (its size is known only once its body is read)
     # Request limits

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -51,15 +52,19 @@ def test_two_models_the_flooded_one_takes_no_call_of_the_other(tiny_bundle: Path
     for a's flood, and both models answered in it (a's texts counted by the server)."""
     out = tmp_path / "two.json"
     run = subprocess.run([sys.executable, "bench/model_swap_bench.py", "--bundle", str(tiny_bundle), "--phases",
-                          "two", "--two-s", "2", "--concurrency", "4", "--flood-callers", "24", "--poll-s", "0.2",
-                          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+                          "two", "--two-s", "1", "--two-rounds", "2", "--concurrency", "4", "--flood-callers", "24",
+                          "--poll-s", "0.2", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     two = json.loads(out.read_text())["two"]
     assert two["b_refused_in_flood"] == 0 and two["b_flooded"]["failed"] == 0
     assert two["b_flooded"]["calls"] > 0 and two["b_alone"]["calls"] > 0 and two["b_alone_again"]["calls"] > 0
     assert two["a_flood"]["texts_per_s"] > 0 and two["a_flood"]["client"] == "h2load, 16 connections x 2 streams"
     assert 0 < two["b_share"] and 0 < two["b_p99_ratio"] and two["server"]["exit_code"] == 0
-    assert "| b's texts/s in the flood / alone |" in run.stdout
+    first = two["rounds"][0]  # the first flood against the runs alone before and after it
+    assert first["share"] == round(2 * two["b_flooded"]["texts_per_s"] / (two["b_alone"]["texts_per_s"]
+                                                                          + two["b_alone_again"]["texts_per_s"]), 3)
+    assert len(two["rounds"]) == 2 and two["b_share"] == statistics.median(r["share"] for r in two["rounds"])
+    assert "| b's texts/s in the flood / alone (median) |" in run.stdout
 
 
 def test_a_terminated_benchmark_stops_its_server(tiny_bundle: Path, tmp_path: Path) -> None:
