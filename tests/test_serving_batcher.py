@@ -226,7 +226,7 @@ def test_a_per_row_graphs_blocking_caller_runs_its_rows_itself_whenever_a_slot_i
         batcher.close()
         return threads
 
-    assert runs_of_a_lone_caller_after_a_batch_of_three(per_row=True) == ["batcher-0", "inline-caller"]
+    assert runs_of_a_lone_caller_after_a_batch_of_three(per_row=True) == ["batcher-0"] * 3 + ["inline-caller"]
     assert runs_of_a_lone_caller_after_a_batch_of_three(per_row=False) == ["batcher-0", "batcher-0"]
 
 
@@ -306,3 +306,26 @@ def test_a_worker_that_a_bug_ends_wakes_another_for_the_texts_left_queued(predic
     held.release()
     assert blocker.result(10).shape == queued.result(10).shape == (1, len(predictor.label_names))
     batcher.close(5)
+
+
+def test_a_per_row_graphs_batch_answers_each_request_once_its_own_rows_have_run(predictor: Predictor) -> None:
+    """One run a row anyway: the first request of a batch need not wait for the last one's run."""
+    ids = [predictor.tokenizer.encode(f"Réponse numéro {i}.").ids for i in range(3)]
+    queued: list = []
+    done_at_each_run: list[int] = []
+
+    def infer(rows: Sequence[np.ndarray]) -> np.ndarray:
+        done_at_each_run.append(sum(f.done() for f in queued))
+        return predictor.infer(rows)
+
+    batcher = Batcher(infer, workers=1, per_row=True, max_queue_delay_s=0.0)
+    held = HeldRuns(batcher)
+    blocker = _hold_worker(batcher, held, predictor)
+    queued += [batcher.submit([r]) for r in ids]  # one batch of three, taken when the held run ends
+    held.stop_holding()
+    held.release()
+    blocker.result(10)
+    for r, f in zip(ids, queued, strict=True):
+        np.testing.assert_allclose(f.result(10)[0], predictor.infer([r])[0], rtol=1e-5, atol=1e-6)
+    batcher.close(5)
+    assert done_at_each_run[-3:] == [0, 1, 2], done_at_each_run

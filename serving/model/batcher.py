@@ -13,7 +13,8 @@ Callers `submit` a request's encoded rows and get a Future of its (n, C) probabi
     batch in its own thread: no hand-over to a worker and back, two thread wake-ups on its path (the workers and
     such callers together never run more than `workers` batches at once);
   - a graph that runs one text per run (`per_row`: int8 on the CPU) gains nothing from company: its workers never
-    wait for it, and a blocking caller computes its batch itself whenever a slot is free;
+    wait for it, a blocking caller computes its batch itself whenever a slot is free, and each request of a batch
+    is answered as soon as its own rows are, not once the whole batch has run;
   - texts whose request expired or was cancelled are dropped before compute (the caller gets DEADLINE_EXCEEDED
     or CANCELLED);
   - the queue is bounded (`max_queue` texts): past it, `submit` raises Overloaded at once.
@@ -328,7 +329,11 @@ class Batcher:
                 traced[id(row.request)] = row.request
         start_ns = time.time_ns() if traced else 0
         try:
-            probs = self.infer([row.request.rows[row.index] for row in batch])  # (len(batch), C)
+            if self.per_row:  # one run a row anyway: each request is answered once its rows are, not at the batch's end
+                for row in batch:
+                    self._deliver([row], self.infer([row.request.rows[row.index]]))
+            else:
+                self._deliver(batch, self.infer([row.request.rows[row.index] for row in batch]))
         except Exception as e:  # a failed run fails every request in it, and only those
             if traced:
                 self._trace(batch, traced, start_ns, time.time_ns(), e)
@@ -345,8 +350,13 @@ class Batcher:
         m.texts.inc(len(batch))
         if m.worker_texts is not None:
             m.worker_texts.inc(len(batch))
+        if traced:
+            self._trace(batch, traced, start_ns, end_ns, None)
+
+    def _deliver(self, rows: list[_Row], probs: np.ndarray) -> None:
+        """probs (len(rows), C) into their requests; a request whose last row this is gets its answer."""
         with self._lock:  # several workers may finish rows of one request
-            for row, p in zip(batch, probs, strict=True):
+            for row, p in zip(rows, probs, strict=True):
                 req = row.request
                 if req.future.done():  # failed earlier (expired between two of its batches)
                     continue
@@ -356,8 +366,6 @@ class Batcher:
                 req.remaining -= 1
                 if req.remaining == 0:
                     req.future.set_result(req.out)
-        if traced:
-            self._trace(batch, traced, start_ns, end_ns, None)
 
     def _trace(self, batch: list[_Row], traced: dict[int, _Request], start_ns: int, end_ns: int,
                error: Exception | None) -> None:
