@@ -319,6 +319,10 @@ def test_a_models_calls_take_their_turns_in_arrival_order_while_they_poll_for_th
     without bound for some calls while a flood of the other model lasts (the p99 of bench/model_swap_bench.py's
     two-model phase)."""
     turns, order = Turns(1), []
+    def waiting(model: str) -> int:  # a count of threads before the line, a line of them after
+        w = turns._waiting.get(model, 0)
+        return w if isinstance(w, int) else len(w)
+
     assert turns.take("a")
     threads = []
     for i in range(7):
@@ -328,6 +332,7 @@ def test_a_models_calls_take_their_turns_in_arrival_order_while_they_poll_for_th
             turns.give("b", 1.0)
         threads.append(threading.Thread(target=wait))
         threads[-1].start()
+        wait_until(lambda n=i + 1: waiting("b") == n, what=f"waiter {i} in line")
         time.sleep(0.037)  # a spacing that sets the threads' 0.1 s wakes in another order than their arrivals
     time.sleep(0.35)  # each has woken to poll a few times
     turns.give("a", 1.0)

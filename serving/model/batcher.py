@@ -334,7 +334,7 @@ class Batcher:
                     self._deliver([row], self.infer([row.request.rows[row.index]]))
             else:
                 self._deliver(batch, self.infer([row.request.rows[row.index] for row in batch]))
-        except Exception as e:  # a failed run fails every request in it, and only those
+        except Exception as e:  # a failed run fails its batch's requests not answered yet, and only those
             if traced:
                 self._trace(batch, traced, start_ns, time.time_ns(), e)
             with self._lock:
