@@ -42,6 +42,7 @@ def test_the_document_describes_every_route_and_only_those(tiny_bundle: Path) ->
     assert open_paths == {"/v2/health/live", "/v2/health/ready"}
 
 
+@pytest.mark.slow  # 37 s; by default test_the_document_describes_every_route_and_only_those checks the schema it fuzzes
 def test_schemathesis_finds_nothing(tiny_bundle: Path, tmp_path: Path) -> None:
     server = ServerProcess(tiny_bundle, "--http-port", "0", "--metrics-port", "0", "--device", "cpu",
                            "--max-texts", "16", "--max-message-bytes", str(256 * 1024),

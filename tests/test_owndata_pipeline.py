@@ -135,6 +135,8 @@ def test_an_interrupted_finetune_resumes_alone_into_the_same_artifact(run, user:
     assert again.returncode == 2 and "halves holds a run" in again.stderr and "--resume" in again.stderr
 
 
+# 44 s, in the slow suite; by default the user's labels still meet export (the labels test below)
+@pytest.mark.slow
 def test_export_check_predict_and_serve_answer_with_the_users_labels(run, user: Path, tmp_path: Path) -> None:
     from serving_fixtures import running_server
 

@@ -246,6 +246,9 @@ def _rss_mib(pid: int) -> float:
     return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
 
 
+# 33 s, most of it waiting for the reclaimer: in the slow suite. By default test_admission.py refuses past the answers'
+# budget on both protocols.
+@pytest.mark.slow
 def test_unread_answers_are_bounded_and_memory_returns_after_the_client_leaves(tiny_bundle: Path) -> None:
     """A real server subprocess, warmed up by 96 ordinary calls from 32 callers (its threads and allocators at their
     working size), then left to give back what the warm-up freed (its reclaim counter moves): RSS at rest is the

@@ -186,6 +186,9 @@ def reference(base: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict
 # ---------------------------------------------------------------------------------------------- SIGKILL in a save
 
 
+# 66 s with its reference run, in the slow suite (the default suite keeps to its 12 minutes); by default
+# test_training.py's test_corrupt_checkpoint_is_refused_and_left_untouched keeps a damaged checkpoint unused and unlost.
+@pytest.mark.slow
 def test_sigkill_of_rank0_during_a_checkpoint_save(base: list[str], reference: dict[str, torch.Tensor],
                                                     tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -235,7 +238,7 @@ def small_disk(tmp_path: Path) -> Iterator[tuple[Path, Callable[[str], None]]]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-@pytest.mark.slow  # 33 s; the SIGKILL-during-a-save test holds the same never-lose-the-last-checkpoint rule by default
+@pytest.mark.slow  # 33 s; beside the SIGKILL-during-a-save test, the same never-lose-the-last-checkpoint rule
 def test_full_disk_during_a_save(base: list[str], reference: dict[str, torch.Tensor],
                                 small_disk: tuple[Path, Callable[[str], None]]) -> None:
     out, grow = small_disk
