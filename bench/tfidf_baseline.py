@@ -29,7 +29,7 @@ def run(name: str, recipe: str | None) -> list[str]:
     t0 = time.perf_counter()
     data = labelled.load(cfg)
     scored = {"test": data.test.examples, **{f: p.examples for f, p in data.extra.items() if f != cfg.data.test}}
-    base = baseline.on_splits(cfg, data.train.examples, data.valid.examples, scored)
+    base = baseline.on_splits(cfg, data.train.originals, data.valid.examples, scored)
     if "skipped" in base:
         return [f"| {name} | {base['skipped']} | | | | | | | |"]
     seconds = time.perf_counter() - t0
@@ -39,7 +39,7 @@ def run(name: str, recipe: str | None) -> list[str]:
             return getattr(cfg.data, where) or f"{getattr(cfg.data, where + '_split'):.0%} of {cfg.data.train}"
         return where
 
-    return [f"| {name} | {len(data.train.examples)} | {named(w)} ({base[w]['examples']}) | {base['recipe']} | "
+    return [f"| {name} | {len(data.train.originals)} | {named(w)} ({base[w]['examples']}) | {base['recipe']} | "
             f"{base['C']:g} | {base[w]['accuracy']:.2f} | {base[w]['macro_f1']:.2f} | {base['fit_seconds']:.1f} | "
             f"{seconds:.1f} |"
             for w in ("valid", *scored)]

@@ -16,6 +16,7 @@ import torch
 
 from trainer.config.schema import ConfigError, RunConfig, override
 from trainer.data.batching import pad_batch
+from trainer.data.crops import add_crops
 from trainer.data.readers import SHOWN_LINES, DataError, Example, Occurrences, label_occurrences, read_labeled
 from trainer.data.tokenizer import Tokenizer
 
@@ -35,6 +36,12 @@ class Part:
     total: int = 0  # examples before the cap
     split_off: bool = False  # held out of data.train
     blank: list[str] = dataclasses.field(default_factory=list)  # "file:line" of the blank texts skipped
+    crops: int = 0  # the last N examples are data.crops' sentences of the others (the model trains on them)
+
+    @property
+    def originals(self) -> list[Example]:
+        """The split's own examples, without crops: what the TF-IDF baseline fits and a tokenizer trains on."""
+        return self.examples[:len(self.examples) - self.crops]
 
 
 @dataclasses.dataclass
@@ -52,7 +59,8 @@ class Labelled:
             counts = Counter(ex.label for ex in part.examples)
             per = ", ".join(f"{names[i]} {counts.get(i, 0)}" for i in range(len(names)))
             cap = f" (of {part.total}: {part.cap})" if part.cap else ""
-            lines.append(f"data: {name}: {part.source}: {len(part.examples)} examples{cap}; {per}"
+            crops = f" + {part.crops} crops (data.crops={','.join(d.crops)})" if part.crops else ""
+            lines.append(f"data: {name}: {part.source}{crops}: {len(part.examples)} examples{cap}; {per}"
                          + (f"; {blank_note(part.blank)}" if part.blank else ""))
         pairs = ", ".join(f"{v!r} -> {n!r}" for v, n in zip(d.labels, names, strict=True))
         lines.append(f"data: labels (value in the file -> name served, head order): {pairs}")
@@ -158,6 +166,8 @@ def load(cfg: RunConfig) -> Labelled:
     train_src = f"{file} less its {' and '.join(held_out)} split{'s' * (len(held_out) > 1)}" if held_out else file
     train = capped(Part(rest, train_src, blank=train_blank), d.max_train_examples, "data.max_train_examples",
                    cfg.seed)
+    if d.crops:
+        train.examples, train.crops = add_crops(train.examples, d.crops)
     valid = capped(parts["valid"], d.max_valid_examples, "data.max_valid_examples", cfg.seed)
     extra = {}
     for name in d.extra_test:

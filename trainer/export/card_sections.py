@@ -204,7 +204,9 @@ def training(m: Manifest, reproduce: list[str]) -> list[str]:
         out += ["Fine-tuning (labelled):", "", "| split | file | sha256 | examples | source |",
                 "|---|---|---|---:|---|"]
         out += [f"| {role} | `{f['file']}` | `{f['sha256']}` | {f['examples']} | {f['source']}"
-                + (f"; capped by {f['cap']}" if f.get("cap") else "") + " |" for role, f in files.items()]
+                + (f"; capped by {f['cap']}" if f.get("cap") else "")
+                + (f"; {f['crops']} of them its texts' first or last sentences (data.crops)" if f.get("crops") else "")
+                + " |" for role, f in files.items()]
     else:
         out.append("Fine-tuning data: not recorded by the source artifact (fine-tuned before artifacts listed their "
                    "data).")

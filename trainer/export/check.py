@@ -86,7 +86,7 @@ def tfidf_baseline(art: artifact_mod.Artifact | None, examples: list[Example], g
         data = labelled.load(art.cfg)
     except (DataError, ConfigError, OSError) as e:
         return {"skipped": f"the training data of {art.path} cannot be read ({one_line(e)})"}
-    base = baseline.on_splits(art.cfg, data.train.examples, data.valid.examples, {"file": examples})
+    base = baseline.on_splits(art.cfg, data.train.originals, data.valid.examples, {"file": examples})
     if "skipped" in base:
         return base
     scored = base.pop("file")

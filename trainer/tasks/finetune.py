@@ -211,7 +211,7 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
         if eng.is_main() and not (run_dir / "tokenizer").exists():
             pretrained.tokenizer().save(run_dir / "tokenizer")
         eng.barrier()
-    tok = run_tokenizer(cfg, run_dir, opts.tokenizer, labelled.texts(data.train.examples))
+    tok = run_tokenizer(cfg, run_dir, opts.tokenizer, labelled.texts(data.train.originals))
     encoded: dict[str, Split] = {}  # by file: a test file also among extra_test is encoded once
     test = encode(data.test.examples, tok)
     encoded[data.test.source] = test
@@ -231,7 +231,7 @@ def run(cfg: RunConfig, opts: FinetuneOptions) -> Path | None:
                  f"tokenizer.max_len={tok.max_len} ids (longer ones are cut)")
     tfidf = None
     if eng.is_main():  # the bar to beat, in the log before training starts
-        tfidf = baseline.on_splits(cfg, data.train.examples, data.valid.examples,
+        tfidf = baseline.on_splits(cfg, data.train.originals, data.valid.examples,
                                    {"test": data.test.examples, **{f: p.examples for f, p in data.extra.items()}})
         monitor.note(baseline.summary_line(tfidf))
     if pretrained is not None and pretrained.meta.get("objective") == "mlm" and cfg.model.classifier_causal:

@@ -46,7 +46,7 @@ def data_files(cfg: RunConfig, data: Labelled) -> dict[str, dict[str, Any]]:
         if name not in digests:
             digests[name] = sha256_file(d.path(name))
         out[role] = {"file": name, "sha256": digests[name], "examples": len(part.examples), "source": part.source,
-                     **({"cap": part.cap} if part.cap else {})}
+                     **({"cap": part.cap} if part.cap else {}), **({"crops": part.crops} if part.crops else {})}
     return out
 
 
