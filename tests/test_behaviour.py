@@ -167,6 +167,40 @@ def test_behaviour_alone_and_a_language_without_a_set(tiny_bundle: Path, tmp_pat
         "no behavioural set for language en")
 
 
+def test_the_baseline_scores_the_set_beside_the_graphs(tiny_bundle: Path, tiny_classifier_artifact: Path,
+                                                        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The TF-IDF baseline of the bundle's own training split, each capability's tally from a fit made here."""
+    from trainer import artifact
+    from trainer.baseline import on_splits
+    from trainer.data.labelled import load
+
+    assert cli(["export", "--check", str(tiny_bundle), "--behaviour", "--json", str(tmp_path / "b.json")]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    base = json.loads((tmp_path / "b.json").read_text())["behaviour"]["tfidf_baseline"]
+    cfg = artifact.load(tiny_classifier_artifact).cfg
+    data, rows = load(cfg), read_set(FR_SET, ["0", "1"])
+    caps = {cap: [ex for c, ex in rows if c == cap] for cap in dict.fromkeys(c for c, _ in rows)}
+    fit = on_splits(cfg, data.train.originals, data.valid.examples, caps)
+    assert {cap: t["correct"] for cap, t in base["capabilities"].items()} == {
+        cap: round(fit[cap]["accuracy"] * len(exs) / 100) for cap, exs in caps.items()}
+    assert base[ALL]["examples"] == 144
+    assert base[ALL]["correct"] == sum(t["correct"] for t in base["capabilities"].values())
+    assert last == (f"  TF-IDF + logistic regression baseline ({fit['recipe']} n-grams, C={fit['C']:g}, fitted on "
+                    f"{data.train.source}): " + ", ".join(f"{c} {t['accuracy']:.2f}%" for c, t in
+                                                          [*base["capabilities"].items(), (ALL, base[ALL])]))
+    # off with the flag that turns it off for --data; an artifact that is not there: said, not guessed
+    assert cli(["export", "--check", str(tiny_bundle), "--behaviour", "--no-tfidf-baseline", "--json",
+                str(tmp_path / "off.json")]) == 0
+    assert "TF-IDF" not in capsys.readouterr().out
+    assert "tfidf_baseline" not in json.loads((tmp_path / "off.json").read_text())["behaviour"]
+    moved = Path(shutil.copytree(tiny_bundle, tmp_path / "moved"))
+    edit_manifest(moved, lambda m: m["source_artifact"].update(path=str(tmp_path / "gone")))
+    assert cli(["export", "--check", str(moved), "--behaviour"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "  TF-IDF + logistic regression baseline not scored: no source artifact to take the training split from (the "
+        "manifest's is not here: pass --artifact ARTIFACT)")
+
+
 def test_a_set_of_ones_own_in_the_bundles_label_values(tiny_bundle: Path, predictor, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     own = tmp_path / "own.jsonl"

@@ -21,6 +21,8 @@ data.language at training; a tag's first subtag: fr-CA reads fr); a set's 0 and 
 "negative" and "positive", else those whose values are "0" and "1". `--behaviour FILE` scores a set of the user's
 own, in any labelled format, its labels the bundle's label values (as --data's).
 
+Beside the graphs, the TF-IDF + logistic regression baseline fitted on the source artifact's training split
+(trainer/export/check.py, as `--data` has it) scores the same set, so that a capability reads against a bar.
 The report is printed and, with --json, written under "behaviour"; it is not held to a threshold.
 """
 
@@ -35,8 +37,10 @@ import numpy as np
 from contract.bundle import verify_bundle
 from contract.manifest import DEVICES, Manifest
 from contract.tokens import PAD
+from trainer import artifact as artifact_mod
 from trainer.calibration import softmax
 from trainer.data.readers import DataError, Example, read_labeled
+from trainer.export.check import baseline_scores
 from trainer.export.score import graph_logits, predict
 from trainer.export.served import bundle_tokenizer, served_graph
 
@@ -97,8 +101,8 @@ def _choose(m: Manifest, file: str | Path | None) -> tuple[Path, str, list[str]]
     return sets[language], sets[language].name, values
 
 
-def behaviour_report(bundle: str | Path, file: str | Path | None = None, prefer_gpu: bool = True,
-                     batch_size: int = 32) -> dict[str, Any]:
+def behaviour_report(bundle: str | Path, file: str | Path | None = None, prefer_gpu: bool = True, batch_size: int = 32,
+                     tfidf: bool = True, artifact_dir: str | Path | None = None) -> dict[str, Any]:
     """Each graph of a bundle scored on its language's behavioural set (or `file`): per capability the examples,
     those it labels right and the accuracy (percent), the same over the whole set ("all"), and every example it
     labels wrong with the class it answered and that class's probability as served.
@@ -106,8 +110,10 @@ def behaviour_report(bundle: str | Path, file: str | Path | None = None, prefer_
     Returns {"bundle", "bundle_sha256", "set", "file", "examples", "capabilities" (names, in the file's order),
     "graphs": {graph file: {"precision", "serves", "provider", "capabilities": {name: {"examples", "correct",
     "accuracy"}}, "all": the same, "failed": [{"capability", "text", "label", "predicted", "probability",
-    "source"}]}}}, or {"bundle", "bundle_sha256", "skipped": why} when no set fits the bundle (a language without a
-    set, classes that are not negative and positive)."""
+    "source"}]}}, and with `tfidf` "tfidf_baseline": {"recipe", "C", "trained_on", "capabilities": the same tallies,
+    "all"} or {"skipped": why}}, fitted on `artifact_dir`'s training split (default: the manifest's source artifact);
+    or {"bundle", "bundle_sha256", "skipped": why} when no set fits the bundle (a language without a set, classes
+    that are not negative and positive)."""
     b = verify_bundle(bundle)
     m = b.manifest
     of = {"bundle": str(b.folder), "bundle_sha256": b.bundle_sha256}
@@ -136,8 +142,29 @@ def behaviour_report(bundle: str | Path, file: str | Path | None = None, prefer_
                    "source": ex.source} for i, (cap, ex) in enumerate(rows) if not right[i]]
         graphs[graph_file] = {"precision": graph.precision, "serves": serves, "provider": served.provider,
                               "capabilities": per, ALL: _tally(len(rows), int(right.sum())), "failed": failed}
-    return {**of, "set": name, "file": str(path), "examples": len(rows), "capabilities": capabilities,
-            "graphs": graphs}
+    report = {**of, "set": name, "file": str(path), "examples": len(rows), "capabilities": capabilities,
+              "graphs": graphs}
+    if tfidf:
+        source = artifact_dir or m.source_artifact.get("path")
+        report["tfidf_baseline"] = _baseline(artifact_mod.load(source) if source and Path(source).is_dir() else None,
+                                             rows, capabilities)
+    return report
+
+
+def _baseline(art: artifact_mod.Artifact | None, rows: list[tuple[str, Example]],
+              capabilities: list[str]) -> dict[str, Any]:
+    """The baseline's tallies per capability and over the set (its labels: the set's, mapped to the bundle's)."""
+    sets = {cap: [ex for c, ex in rows if c == cap] for cap in capabilities}
+    base = baseline_scores(art, {**sets, ALL: [ex for _, ex in rows]})
+    if "skipped" in base:
+        return base
+
+    def tally(n: int, accuracy: float) -> dict[str, Any]:
+        return _tally(n, round(accuracy * n / 100))
+
+    return {"recipe": base["recipe"], "C": base["C"], "trained_on": base["trained_on"],
+            "capabilities": {cap: tally(len(sets[cap]), base[cap]["accuracy"]) for cap in capabilities},
+            ALL: tally(len(rows), base[ALL]["accuracy"])}
 
 
 def _tally(examples: int, correct: int) -> dict[str, Any]:
@@ -164,4 +191,11 @@ def report_lines(report: dict[str, Any]) -> list[str]:
                       f"{f['text']}" for f in g["failed"]]
         else:
             lines.append("    failed: none")
+    base = report.get("tfidf_baseline")
+    if base is not None and "skipped" in base:
+        lines.append(f"  TF-IDF + logistic regression baseline not scored: {base['skipped']}")
+    elif base is not None:
+        per = ", ".join(f"{cap} {t['accuracy']:.2f}%" for cap, t in [*base["capabilities"].items(), (ALL, base[ALL])])
+        lines.append(f"  TF-IDF + logistic regression baseline ({base['recipe']} n-grams, C={base['C']:g}, fitted on "
+                     f"{base['trained_on']}): {per}")
     return lines

@@ -75,10 +75,10 @@ def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | 
             "calibration": m.calibration}
 
 
-def tfidf_baseline(art: artifact_mod.Artifact | None, examples: list[Example], graphs: dict[str, dict[str, Any]],
-                   file: str) -> dict[str, Any]:
-    """The baseline fitted on the source artifact's own training split (its config's files, split as in training),
-    scored on the checked examples, with a verdict per graph."""
+def baseline_scores(art: artifact_mod.Artifact | None, scored: dict[str, list[Example]]) -> dict[str, Any]:
+    """The baseline fitted on the source artifact's own training split (its config's files, split as in training,
+    its texts without data.crops'), scored on each of `scored`: on_splits' report plus "trained_on", or
+    {"skipped": why}."""
     if art is None:
         return {"skipped": "no source artifact to take the training split from (the manifest's is not here: pass "
                            "--artifact ARTIFACT)"}
@@ -86,12 +86,18 @@ def tfidf_baseline(art: artifact_mod.Artifact | None, examples: list[Example], g
         data = labelled.load(art.cfg)
     except (DataError, ConfigError, OSError) as e:
         return {"skipped": f"the training data of {art.path} cannot be read ({one_line(e)})"}
-    base = baseline.on_splits(art.cfg, data.train.originals, data.valid.examples, {"file": examples})
+    base = baseline.on_splits(art.cfg, data.train.originals, data.valid.examples, scored)
+    return base if "skipped" in base else {**base, "trained_on": data.train.source}
+
+
+def tfidf_baseline(art: artifact_mod.Artifact | None, examples: list[Example], graphs: dict[str, dict[str, Any]],
+                   file: str) -> dict[str, Any]:
+    """The baseline (baseline_scores) on the checked examples, with a verdict per graph."""
+    base = baseline_scores(art, {"file": examples})
     if "skipped" in base:
         return base
     scored = base.pop("file")
-    base.update(accuracy=scored["accuracy"], macro_f1=scored["macro_f1"], examples=scored["examples"],
-                trained_on=data.train.source)
+    base.update(accuracy=scored["accuracy"], macro_f1=scored["macro_f1"], examples=scored["examples"])
     base["verdicts"] = {name: baseline.verdict(f"{name} ({', '.join(g['serves']) or 'no device'})",
                                                g["bundle_accuracy"], scored["accuracy"], where=file)
                         for name, g in graphs.items()}

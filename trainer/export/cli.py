@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="threshold: accuracy at most POINTS below --baseline's, per device")
     c.add_argument("--no-tfidf-baseline", dest="tfidf", action="store_false",
                    help="skip the TF-IDF + logistic regression baseline (fitted on the source artifact's training "
-                        "split, scored on --data: seconds; it needs that artifact and its data)")
+                        "split, scored on --data and --behaviour's set: seconds; it needs that artifact and its data)")
     c.add_argument("--json", metavar="FILE", help="write the check's report, thresholds included, as JSON")
     c.add_argument("--junit", metavar="FILE", help="write the check's thresholds as JUnit XML (CI test results)")
 
@@ -165,13 +165,14 @@ def check(args: argparse.Namespace) -> int:
     given = [flag for flag, value in (("--min-accuracy", args.min_accuracy), ("--min-agreement", args.min_agreement),
                                       ("--baseline", args.baseline), ("--max-drop", args.max_drop),
                                       ("--artifact", args.check_artifact), ("--junit", args.junit))
-             if value is not None]
+             if value is not None and not (flag == "--artifact" and args.behaviour is not None)]  # its baseline's
     if given and not args.data:
         raise ExportError(f"{', '.join(given)} {'go' if len(given) > 1 else 'goes'} with --data FILE (a labelled "
                           "file to score)")
     full = check_data(args) if args.data else {"thresholds": [], "passed": True, "exit_code": EXIT_PASSED}
     if args.behaviour is not None:
-        full["behaviour"] = behaviour_report(args.check, args.behaviour or None)
+        full["behaviour"] = behaviour_report(args.check, args.behaviour or None, tfidf=args.tfidf,
+                                             artifact_dir=args.check_artifact or args.artifact)
         print("\n".join(report_lines(full["behaviour"])))
     if args.json:
         write_json(Path(args.json), full)
