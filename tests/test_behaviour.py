@@ -221,6 +221,8 @@ def test_a_set_of_ones_own_in_the_bundles_label_values(tiny_bundle: Path, predic
     (["--check", "{bundle}", "--behaviour", "--baseline", "{bundle}", "--max-drop", "1"],
      "--baseline, --max-drop go with --data FILE"),
     (["--check", "{bundle}", "--behaviour", "{missing}"], "missing.tsv: file not found"),
+    # the baseline's artifact, named and not there: an error, not the manifest's artifact in its place
+    (["--check", "{bundle}", "--behaviour", "--artifact", "{missing}"], "missing.tsv: not a folder"),
 ])
 def test_bad_input_exits_2_in_one_line(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                        args: list[str], message: str) -> None:

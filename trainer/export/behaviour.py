@@ -40,7 +40,7 @@ from contract.tokens import PAD
 from trainer import artifact as artifact_mod
 from trainer.calibration import softmax
 from trainer.data.readers import DataError, Example, read_labeled
-from trainer.export.check import baseline_scores
+from trainer.export.check import baseline_scores, source_artifact
 from trainer.export.score import graph_logits, predict
 from trainer.export.served import bundle_tokenizer, served_graph
 
@@ -145,9 +145,7 @@ def behaviour_report(bundle: str | Path, file: str | Path | None = None, prefer_
     report = {**of, "set": name, "file": str(path), "examples": len(rows), "capabilities": capabilities,
               "graphs": graphs}
     if tfidf:
-        source = artifact_dir or m.source_artifact.get("path")
-        report["tfidf_baseline"] = _baseline(artifact_mod.load(source) if source and Path(source).is_dir() else None,
-                                             rows, capabilities)
+        report["tfidf_baseline"] = _baseline(source_artifact(m, artifact_dir), rows, capabilities)
     return report
 
 
@@ -159,12 +157,11 @@ def _baseline(art: artifact_mod.Artifact | None, rows: list[tuple[str, Example]]
     if "skipped" in base:
         return base
 
-    def tally(n: int, accuracy: float) -> dict[str, Any]:
-        return _tally(n, round(accuracy * n / 100))
+    def tally(scored: dict[str, Any]) -> dict[str, Any]:  # the right answers: the confusion matrix's diagonal
+        return _tally(scored["examples"], int(np.trace(scored["confusion"])))
 
     return {"recipe": base["recipe"], "C": base["C"], "trained_on": base["trained_on"],
-            "capabilities": {cap: tally(len(sets[cap]), base[cap]["accuracy"]) for cap in capabilities},
-            ALL: tally(len(rows), base[ALL]["accuracy"])}
+            "capabilities": {cap: tally(base[cap]) for cap in capabilities}, ALL: tally(base[ALL])}
 
 
 def _tally(examples: int, correct: int) -> dict[str, Any]:

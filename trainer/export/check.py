@@ -11,7 +11,7 @@ import numpy as np
 
 from contract.bundle import verify_bundle
 from contract.errors import one_line
-from contract.manifest import DEVICES
+from contract.manifest import DEVICES, Manifest
 from contract.tokens import PAD
 from trainer import artifact as artifact_mod
 from trainer import baseline
@@ -41,17 +41,12 @@ def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | 
     skipped and counted. tfidf=False: no baseline (it needs the source artifact's training data)."""
     b = verify_bundle(bundle)
     m = b.manifest
-    source = (artifact_dir or m.source_artifact.get("path")) if compare_torch else None
-    model, art, trained_with = None, None, m.data_fields
-    if source is not None and Path(source).is_dir():
-        art = artifact_mod.load(source)
-        if art.task != "classifier":
-            raise ExportError(f"{art.path}: task {art.task!r}; --artifact must be a classifier artifact")
+    art = source_artifact(m, artifact_dir) if compare_torch else None
+    model, trained_with = None, m.data_fields
+    if art is not None:
         model = art.model()
         if m.format == 2:  # its manifest has no data_fields: the source artifact knows them
             trained_with = {"text_field": art.cfg.data.text_field, "label_field": art.cfg.data.label_field}
-    elif artifact_dir is not None:
-        raise ExportError(f"--artifact {artifact_dir}: not a folder")
     fields = (text_field or trained_with["text_field"], label_field or trained_with["label_field"])
     # The labelled file holds the data's raw label values; the bundle answers with names in the same order.
     blank: list[str] = []
@@ -70,9 +65,23 @@ def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | 
     base = tfidf_baseline(art, examples, graphs, str(data_file)) if tfidf else None
     return {"bundle": str(b.folder), "bundle_sha256": b.bundle_sha256, "file": str(data_file),
             "fields": dict(zip(("text_field", "label_field"), fields, strict=True)), "examples": len(seqs),
-            "blank_skipped": len(blank), "artifact": str(source) if model is not None else None, "graphs": graphs,
+            "blank_skipped": len(blank), "artifact": str(art.path) if model is not None else None, "graphs": graphs,
             "label_values": list(m.label_values), "label_names": list(m.label_names), "tfidf_baseline": base,
             "calibration": m.calibration}
+
+
+def source_artifact(m: Manifest, artifact_dir: str | Path | None) -> artifact_mod.Artifact | None:
+    """The classifier artifact a bundle came from: `artifact_dir` (--artifact), else the manifest's source when that
+    folder is still there, else None. A named folder that is missing, or not a classifier, is an error."""
+    source = artifact_dir or m.source_artifact.get("path")
+    if source is not None and Path(source).is_dir():
+        art = artifact_mod.load(source)
+        if art.task != "classifier":
+            raise ExportError(f"{art.path}: task {art.task!r}; --artifact must be a classifier artifact")
+        return art
+    if artifact_dir is not None:
+        raise ExportError(f"--artifact {artifact_dir}: not a folder")
+    return None
 
 
 def baseline_scores(art: artifact_mod.Artifact | None, scored: dict[str, list[Example]]) -> dict[str, Any]:
