@@ -70,7 +70,8 @@ def demo() -> RunConfig:
     next-token target is the same for every review), fine-tuning (only) uses dropout 0.3, and its lr is 4e-4 rather
     than the lab's 1e-4 (both arms, pretrained and from scratch, score higher on every one of 3 seeds), with a
     warm-up and a linear decay (the pretrained arm's best recipe over 3 seeds). Fine-tuning also trains on each
-    review's first and last sentence (data.crops), so that one-line reviews are read as well as long ones.
+    review's first and last sentence (data.crops), so that one-line reviews are read as well as long ones, and its
+    tokenizer folds case, so that a review's capitalised first word is the word it is inside a sentence.
 
     Pretraining text: the novels of eltec-fr plus the cls-books train reviews listed 8 times (so that in-domain text
     is not a sliver of the pieces); the valid reviews come last, so they are the held-out eval slice."""
@@ -78,12 +79,14 @@ def demo() -> RunConfig:
         preset="demo",
         model=ModelConfig(vocab_size=8004, d_model=128, n_layers=2, n_heads=2, d_ff=256, max_positions=512,
                           pooling="mean"),
-        tokenizer=TokenizerConfig(kind="train", vocab_size=8000, max_len=256, train_lines=100_000),
+        # case_fold: short reviews 83.33% -> 91.67% on every seed ("Ennuyeux du début à la fin." was read as
+        # positive: "Ennuyeux" was 4 pieces, "ennuyeux" 1), test within the noise: docs/RESULTS.md, Behaviour
+        tokenizer=TokenizerConfig(kind="train", vocab_size=8000, max_len=256, train_lines=100_000, case_fold=True),
         data=cls_books(
             pretrain=["eltec-fr/eltec_fra.txt.gz", *["cls-books-fr/train.review.txt"] * 8,
                       "cls-books-fr/valid.review.txt"],
             pretrain_eval_lines=400,
-            crops=["first", "last"],  # short reviews 62.50% -> 83.33%, test unchanged: docs/RESULTS.md, Behaviour
+            crops=["first", "last"],  # short reviews 62.50% -> 83.33% (kept case), test unchanged: RESULTS, Behaviour
         ),
         # windows as long as a fine-tuning review (256 ids), so that every position the classifier averages was
         # pretrained: 16 a step, the ids a step of 32 x 128 windows held; 1,500 steps keep `make demo` inside its

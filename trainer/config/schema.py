@@ -72,9 +72,16 @@ class TokenizerConfig:
     vocab: str = "cls-books-fr/dict.txt"  # kind=lab: fairseq "piece count" lines; piece on line i gets id i + 4
     vocab_size: Annotated[int, Field(ge=8)] = 8000  # kind=train: pieces learned (ids add the 4 specials)
     train_lines: Size = 200_000  # kind=train: at most this many corpus lines are sampled for learning
+    # kind=train: fold case in the model's own normalizer (sentencepiece's nmt_nfkc_cf rule), so "Ennuyeux" and
+    # "ennuyeux" get the same pieces; spm.model carries the rule, so the server folds what it is sent alike
+    case_fold: bool = False
     # A sequence is <sos> + pieces + <eos>, cut to this many ids (>= 3: <sos>, one piece, <eos>). Kept in the
     # artifact's config.json; export copies it to the bundle's manifest.json (max_len), or `export --max-len`'s
     max_len: Annotated[int, AfterValidator(lambda n: check_max_len(n, "tokenizer.max_len", ConfigError))] = 512
+
+    def __post_init__(self) -> None:
+        if self.case_fold and self.kind != "train":  # the lab's model has cased pieces: folded text would miss them
+            raise ConfigError("tokenizer.case_fold needs tokenizer.kind=train (the lab's model keeps case)")
 
 
 @section("data")

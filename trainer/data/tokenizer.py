@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2
 
 from contract.errors import TokenizerError
 from contract.tokens import (
@@ -160,6 +161,13 @@ class Tokenizer:
         return self._piece_to_id.get(piece, self.OOV)
 
     @property
+    def case_fold(self) -> bool:
+        """Whether its model folds case before cutting pieces (its normalizer is one of sentencepiece's *_cf rules)."""
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(self._model_proto)
+        return proto.normalizer_spec.name.endswith("_cf")
+
+    @property
     def fingerprint(self) -> str:
         """sha256 of the model bytes and the vocabulary: equal fingerprints give equal piece ids."""
         h = hashlib.sha256(self._model_proto)
@@ -196,12 +204,15 @@ class Tokenizer:
         max_len: int = 512,
         train_lines: int = 200_000,
         seed: int = 0,
+        case_fold: bool = False,
     ) -> Tokenizer:
         """Learn a BPE sentencepiece model with `vocab_size` pieces (ids: vocab_size + 4) on raw text.
 
         `source` is a list of file paths given as `pathlib.Path` (read with trainer.data.readers, any supported format,
         .spm pieces detokenized), or any iterable of text strings. At most `train_lines` non-blank lines are used,
-        drawn by a seeded reservoir sample, so the model depends only on (input, vocab_size, train_lines, seed)."""
+        drawn by a seeded reservoir sample, so the model depends only on (input, vocab_size, train_lines, seed).
+        case_fold: the model's normalizer folds case (NFKC then case folding, sentencepiece's nmt_nfkc_cf) before
+        learning and before every encoding, wherever the model is loaded (the server's encoder too)."""
         if vocab_size < 8:
             raise TokenizerError(f"vocab_size must be >= 8, got {vocab_size}")
         texts = _iter_source(source)
@@ -216,6 +227,7 @@ class Tokenizer:
                 model_type="bpe",
                 vocab_size=vocab_size + 1,  # + spm's <unk> (id 0), which is not written to vocab.txt
                 character_coverage=CHARACTER_COVERAGE,
+                normalization_rule_name="nmt_nfkc_cf" if case_fold else "nmt_nfkc",  # nmt_nfkc: spm's default
                 byte_fallback=False,
                 unk_id=0,  # spm needs an unknown piece; <s>, </s> and <pad> are ours, so spm has none of them
                 bos_id=-1,
@@ -354,6 +366,6 @@ def build_tokenizer(cfg: RunConfig) -> Tokenizer:
         paths = expand_inputs([cfg.data.path(p) for p in cfg.data.pretrain])  # globs too
         texts = (ex.text if ex.text is not None else detokenize(ex.pieces or [])  # data.text_field's column
                  for p in paths for ex in iter_texts(p, cfg.data.text_field))
-        tok = Tokenizer.train(texts, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed)
+        tok = Tokenizer.train(texts, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed, tc.case_fold)
     check_tokenizer(tok.vocab_size, cfg, f"the {tc.kind} tokenizer")
     return tok

@@ -50,6 +50,7 @@ def evaluation(meta: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
         "truncated_train_share": meta.get("truncated_train_share"), "command": meta.get("command"),
         "pretrained_from": meta.get("pretrained_from"), "compute": meta.get("compute"),
         "max_len": cfg.tokenizer.max_len,  # the artifact's cut: the export command says --max-len where it differs
+        "case_fold": cfg.tokenizer.case_fold,  # the tokenizer folds case (its spm.model's normalizer)
     }
 
 

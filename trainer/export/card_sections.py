@@ -227,7 +227,8 @@ def training(m: Manifest, reproduce: list[str]) -> list[str]:
         out.append("Pretraining data: " + ("not recorded by the pretrained artifact (pretrained before artifacts "
                                            "listed their corpus)." if pre else "none (trained from scratch)."))
     out += ["", "### Training Procedure", "", "#### Preprocessing", "",
-            f"Texts are cut into sentencepiece pieces by the bundle's tokenizer (`tokenizer/`), framed as `<sos>` "
+            f"Texts are {'case-folded and ' if m.evaluation.get('case_fold') else ''}cut into sentencepiece pieces "
+            f"by the bundle's tokenizer (`tokenizer/`), framed as `<sos>` "
             f"pieces `<eos>` and cut at {m.max_len} token ids; the server applies the same tokenizer.", "",
             "#### Training Hyperparameters", "",
             f"- Fine-tuning: preset `{ev.get('preset')}`, overrides {_overrides(ev.get('overrides', {}))}; seed "

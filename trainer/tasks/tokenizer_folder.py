@@ -24,7 +24,7 @@ def run_tokenizer(cfg: RunConfig, run_dir: Path, given: Path | None, texts: list
                 tok = Tokenizer.load(given, max_len)
             elif cfg.tokenizer.kind == "train" and not cfg.data.pretrain and texts:
                 tc = cfg.tokenizer
-                tok = Tokenizer.train(texts, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed)
+                tok = Tokenizer.train(texts, tc.vocab_size, tc.max_len, tc.train_lines, cfg.seed, tc.case_fold)
             else:
                 tok = build_tokenizer(cfg)
             where = f"--tokenizer {given}" if given else "the built tokenizer"
@@ -34,4 +34,7 @@ def run_tokenizer(cfg: RunConfig, run_dir: Path, given: Path | None, texts: list
             raise ConfigError(f"--tokenizer {given} differs from the run's {folder}; use a new --out")
     tok = Tokenizer.load(folder, max_len)
     check_tokenizer(tok.vocab_size, cfg, str(folder))
+    if tok.case_fold != cfg.tokenizer.case_fold:  # a given folder decides what is folded: the config must say the same
+        raise ConfigError(f"{given or folder}: the tokenizer {'folds' if tok.case_fold else 'keeps'} case but "
+                          f"tokenizer.case_fold={cfg.tokenizer.case_fold}; set it to {tok.case_fold}")
     return tok
