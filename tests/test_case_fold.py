@@ -50,6 +50,7 @@ def test_a_given_folder_that_disagrees_with_the_config_is_refused(tiny_tokenizer
     cfg = Choice("tiny", None, ["tokenizer.case_fold=true"]).resolve()
     with pytest.raises(ConfigError, match=r"the tokenizer keeps case but tokenizer.case_fold=True; set it to False"):
         run_tokenizer(cfg, tmp_path / "run", tiny_tokenizer_dir)
+    assert not (tmp_path / "run" / "tokenizer").exists()  # refused before it was copied into the run
     ok = run_tokenizer(Choice("tiny", None, []).resolve(), tmp_path / "run2", tiny_tokenizer_dir)
     assert not ok.case_fold
 

@@ -29,12 +29,18 @@ def run_tokenizer(cfg: RunConfig, run_dir: Path, given: Path | None, texts: list
                 tok = build_tokenizer(cfg)
             where = f"--tokenizer {given}" if given else "the built tokenizer"
             check_tokenizer(tok.vocab_size, cfg, where)
+            check_case(tok, cfg, given or folder)  # before saving: a refused folder is not left in the run
             tok.save(folder)
         elif given and Tokenizer.load(given, max_len).fingerprint != Tokenizer.load(folder, max_len).fingerprint:
             raise ConfigError(f"--tokenizer {given} differs from the run's {folder}; use a new --out")
     tok = Tokenizer.load(folder, max_len)
     check_tokenizer(tok.vocab_size, cfg, str(folder))
-    if tok.case_fold != cfg.tokenizer.case_fold:  # a given folder decides what is folded: the config must say the same
-        raise ConfigError(f"{given or folder}: the tokenizer {'folds' if tok.case_fold else 'keeps'} case but "
-                          f"tokenizer.case_fold={cfg.tokenizer.case_fold}; set it to {tok.case_fold}")
+    check_case(tok, cfg, folder)
     return tok
+
+
+def check_case(tok: Tokenizer, cfg: RunConfig, where: Path) -> None:
+    """A tokenizer folder decides what is folded (its spm.model's normalizer): the config must say the same."""
+    if tok.case_fold != cfg.tokenizer.case_fold:
+        raise ConfigError(f"{where}: the tokenizer {'folds' if tok.case_fold else 'keeps'} case but "
+                          f"tokenizer.case_fold={cfg.tokenizer.case_fold}; set it to {tok.case_fold}")
