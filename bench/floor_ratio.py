@@ -3,6 +3,7 @@ that stay up, so that what the machine's speed does over minutes falls on both.
 
     python bench/floor_ratio.py --bundle /tmp/lab-bundle [--concurrency 8 64] [--slices 12] [--seconds 2]
     python bench/floor_ratio.py --bundle /tmp/lab-bundle --client h2load --concurrency 8 --slices 24
+    python bench/floor_ratio.py --bundle /tmp/lab-bundle --client h2load --against /tmp/before   # and another tree
 
 Both servers start once (`python -m serving.server BUNDLE --device cpu`, and bench/grpc_floor.py over the same
 bundle) and the idle one waits. For each concurrency, `--slices` pairs of slices: serving/, then the floor, then the
@@ -21,11 +22,12 @@ over its wall time; each server is warmed up once per concurrency.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +40,14 @@ from serve_bench import Server, bench_server  # noqa: E402
 from workers_bench import ok_calls  # noqa: E402
 
 Rate = Callable[[Server], float]  # one slice against a server: its texts/s
+
+
+@contextlib.contextmanager
+def running(server: Server) -> Iterator[Server]:
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def python_slices(texts: list[str], c: int, seconds: float) -> Rate:
@@ -56,20 +66,34 @@ def h2load_slices(body: Path, c: int, seconds: float) -> Rate:
     return rate
 
 
-def ratios(rate: Rate, serving: Server, floor: Server, c: int, slices: int) -> dict:
+def ratios(rate: Rate, serving: Server, floor: Server, c: int, slices: int, against: Server | None = None) -> dict:
     """The slices at concurrency c, in the order serving/, floor, floor, serving/, ...: each serving/ slice over the
-    mean of its neighbouring floor slices."""
-    order = [serving, floor, floor, serving] * ((slices + 1) // 2)
-    rates = [(s is serving, rate(s)) for s in order[:2 * slices]]
-    out = []
-    for i, (is_serving, texts_per_s) in enumerate(rates):
-        if is_serving:
-            near = [r for j, (other, r) in enumerate(rates) if abs(j - i) == 1 and not other]
-            out.append(texts_per_s / statistics.mean(near))
-    served = [r for s, r in rates if s]
-    floored = [r for s, r in rates if not s]
-    return {"c": c, "ratios": out, "median": statistics.median(out), "serving_texts_per_s": statistics.median(served),
-            "floor_texts_per_s": statistics.median(floored)}
+    mean of its neighbouring floor slices. With `against` (another tree's serving/): serving/, floor, against, floor,
+    then against, floor, serving/, floor, ..., each of the two over the floor slices beside it."""
+    if against is None:
+        order = [serving, floor, floor, serving] * ((slices + 1) // 2)
+    else:
+        order = [x for i in range(slices) for x in ([serving, floor, against, floor] if i % 2 == 0 else
+                                                     [against, floor, serving, floor])]
+    rates = [(s, rate(s)) for s in order[:2 * slices if against is None else 4 * slices]]
+
+    def over_floor(who: Server) -> list[float]:
+        out = []
+        for i, (s, texts_per_s) in enumerate(rates):
+            if s is who:
+                near = [r for j, (other, r) in enumerate(rates) if abs(j - i) == 1 and other is floor]
+                out.append(texts_per_s / statistics.mean(near))
+        return out
+
+    def row(who: Server) -> dict:
+        out = over_floor(who)
+        return {"ratios": out, "median": statistics.median(out),
+                "texts_per_s": statistics.median(r for s, r in rates if s is who)}
+
+    mine = row(serving)
+    result = {"c": c, "ratios": mine["ratios"], "median": mine["median"], "serving_texts_per_s": mine["texts_per_s"],
+              "floor_texts_per_s": statistics.median(r for s, r in rates if s is floor)}
+    return {**result, "against": row(against)} if against is not None else result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slices", type=int, default=12, help="slices of serving/ (and of the floor) per concurrency")
     ap.add_argument("--seconds", type=float, default=2.0, help="measured seconds of a slice, after its warm-up")
     ap.add_argument("--server-args", default="", help="extra options of serving/'s server")
+    ap.add_argument("--against", type=Path, metavar="TREE",
+                    help="also slice, in turn, the serving/ of another checkout (e.g. `git worktree add TREE COMMIT`), "
+                         "run from TREE with this Python; both then serve without HTTP (--no-http: one port each)")
     ap.add_argument("--client", choices=["python", "h2load"], default="python",
                     help="what sends the slices: serve_bench's Python callers, or h2load (a C client)")
     args = ap.parse_args(argv)
@@ -88,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.slices < 1 or args.seconds <= 0 or min(args.concurrency) < 1:
         ap.error(f"--slices {args.slices}, --seconds {args.seconds}, --concurrency "
                  f"{' '.join(map(str, args.concurrency))}: each must be at least 1 (seconds > 0)")
+    if args.against is not None and not (args.against / "serving" / "server.py").is_file():
+        ap.error(f"--against {args.against}: no serving/server.py there (a checkout of this repository)")
     from contract.bundle import verify_bundle
 
     try:
@@ -100,29 +129,32 @@ def main(argv: list[str] | None = None) -> int:
         if args.client == "h2load":
             every = sorted(reviews(ap, args.data), key=len)
             body.write_bytes(h2grpc.grpc_body([every[len(every) // 2]]))  # the median length, as workers_bench's
-        serving = Server(args.bundle, "--intra-op-threads", "1", *args.server_args.split())
-        try:
-            floor = Server(args.bundle, "--intra-op-threads", "1", floor=True)
-            try:
-                rows = []
-                for c in args.concurrency:
-                    if args.client == "h2load":
-                        rate = h2load_slices(body, c, args.seconds)
-                        for server in (serving, floor):
+        options = ["--intra-op-threads", "1", *(["--no-http"] if args.against else []), *args.server_args.split()]
+        with contextlib.ExitStack() as up:
+            serving = up.enter_context(running(Server(args.bundle, *options)))
+            floor = up.enter_context(running(Server(args.bundle, "--intra-op-threads", "1", floor=True)))
+            against = up.enter_context(running(Server(args.bundle, *options, tree=args.against))) \
+                if args.against else None
+            rows = []
+            for c in args.concurrency:
+                if args.client == "h2load":
+                    rate = h2load_slices(body, c, args.seconds)
+                    for server in (serving, floor, against):
+                        if server is not None:
                             h2load_slices(body, c, 1.0)(server)  # warm-up
-                    else:
-                        rate = python_slices(texts, c, args.seconds)
-                    rows.append(ratios(rate, serving, floor, c, args.slices))
-            finally:
-                floor.stop()
-        finally:
-            serving.stop()
+                else:
+                    rate = python_slices(texts, c, args.seconds)
+                rows.append(ratios(rate, serving, floor, c, args.slices, against))
     print("| callers | serving/ texts/s (median slice) | floor texts/s | serving/ / floor, median | ratios, lowest "
           "to highest |\n|---|---:|---:|---:|---|")
     for r in rows:
         spread = ", ".join(f"{x:.2f}" for x in sorted(r["ratios"]))
         print(f"| {r['c']} | {r['serving_texts_per_s']:.1f} | {r['floor_texts_per_s']:.1f} | **{r['median']:.2f}** "
               f"| {spread} |")
+        if "against" in r:
+            a = r["against"]
+            print(f"| {r['c']}, {args.against}'s serving/ | {a['texts_per_s']:.1f} | | **{a['median']:.2f}** | "
+                  + ", ".join(f"{x:.2f}" for x in sorted(a["ratios"])) + " |")
     return 0
 
 

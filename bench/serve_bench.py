@@ -200,14 +200,15 @@ class Server:
     """`python -m serving.server` in a subprocess on a free loopback port, with metrics on another."""
 
     def __init__(self, bundle: Path, *args: str, floor: bool = False, device: str = "cpu",
-                 cpus: str | None = None) -> None:
+                 cpus: str | None = None, tree: Path | None = None) -> None:
         """floor: run bench/grpc_floor.py (a bare grpcio server over the same predictor) instead. cpus: a taskset
-        list (e.g. 0-13) the server and its workers run on, leaving the other cores to the load generator."""
+        list (e.g. 0-13) the server and its workers run on, leaving the other cores to the load generator. tree:
+        run the serving/ of that checkout (another commit's) instead of this one's."""
         program = [str(REPO / "bench" / "grpc_floor.py")] if floor else ["-m", "serving.server"]
         pin = ["taskset", "-c", cpus] if cpus else []  # taskset execs the server: the pid stays the server's
         cmd = [*pin, sys.executable, *program, str(bundle), "--port", "0", "--metrics-port", "0", "--device", device,
                *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, cwd=tree or REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             m = re.search(r"listening on [\d.]+:(\d+).*metrics on [\d.]*:(\d+)", line)

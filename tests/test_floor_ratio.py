@@ -35,6 +35,29 @@ def test_each_serving_slice_is_divided_by_the_floor_slices_beside_it() -> None:
     assert r["median"] == pytest.approx(sorted(r["ratios"])[1])
 
 
+def test_another_tree_is_sliced_in_turn_and_each_has_its_own_floor_neighbours() -> None:
+    serving, floor, against = object(), object(), object()
+    seen: list[object] = []
+
+    def slice_rate(server: object) -> float:  # the machine slows by 10 texts/s a slice
+        seen.append(server)
+        machine = 200.0 - 10 * (len(seen) - 1)
+        return machine * {serving: 0.9, against: 0.8}.get(server, 1.0)
+
+    r = floor_ratio.ratios(slice_rate, serving, floor, 64, 2, against)
+    assert seen == [serving, floor, against, floor, against, floor, serving, floor]  # each side first in turn
+    # rates: S 180, F 190, A 144, F 170, A 128, F 150, S 126, F 130
+    assert r["ratios"] == pytest.approx([180 / 190, 126 / 140])
+    assert r["against"]["ratios"] == pytest.approx([144 / 180, 128 / 160])
+    assert r["against"]["median"] == pytest.approx(0.8) and r["floor_texts_per_s"] == pytest.approx(160)
+
+
+def test_against_a_folder_that_is_no_checkout_exits_2(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "bench/floor_ratio.py", "--bundle", str(tmp_path), "--against", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and f"--against {tmp_path}: no serving/server.py there" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("args, named", [(["--slices", "0"], "--slices 0"), (["--seconds", "0"], "--seconds 0"),
                                          (["--concurrency", "8", "0"], "--concurrency 8 0")])
 def test_what_it_cannot_measure_exits_2_before_a_server_starts(args: list[str], named: str, tmp_path: Path) -> None:

@@ -227,3 +227,17 @@ def test_the_citation_comes_from_citation_cff_or_the_package(tiny_bundle: Path, 
     assert wheel["title"].startswith("transfer-sentiment: ") and wheel["license"] == "Apache-2.0"
     assert wheel["version"] == here["version"]
     assert "## Citation" in card.render(m, "python -m trainer export A --out BUNDLE")
+
+
+def test_the_card_says_when_the_tokenizer_folds_case(demo_shaped: Path) -> None:
+    """Export records the config's tokenizer.case_fold (the tiny preset keeps case) and the card's preprocessing line
+    says "case-folded" only when it is set: a user reads there why « ENNUYEUX » and « ennuyeux » score alike."""
+    import dataclasses
+
+    m = verify_bundle(demo_shaped).manifest
+    assert m.evaluation["case_fold"] is False
+    kept = card.render(m, "python -m trainer export A --out BUNDLE")
+    folded = card.render(dataclasses.replace(m, evaluation={**m.evaluation, "case_fold": True}),
+                         "python -m trainer export A --out BUNDLE")
+    assert "Texts are cut into sentencepiece pieces" in kept and "case-folded" not in kept
+    assert "Texts are case-folded and cut into sentencepiece pieces" in folded
