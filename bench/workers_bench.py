@@ -22,7 +22,8 @@ which does not read gRPC status trailers.
 --switches counts, over the measured seconds, the context switches (voluntary and not, /proc/PID/task/TID/status)
 of the first server's threads per call, summed by the thread's Python name (py-spy dump; a pool's numbers cut, so a
 pool is one line): each is a thread put to sleep or woken, which on a VM's halted cores costs more than the Python
-around it.
+around it. Beside them, each name's CPU ms per call (user + system, /proc/PID/task/TID/stat): where a server's CPU
+for a call goes, thread by thread, against the floor's.
 
 --floor measures the bare grpcio server (bench/grpc_floor.py) at every worker count too: N such processes share the
 port as the workers do (grpcio sets SO_REUSEPORT), so serving/ is compared with what gRPC alone serves on as many
@@ -128,16 +129,29 @@ def thread_names(pid: int) -> dict[int, str]:
 def switches(pid: int, names: dict[int, str]) -> Counter:
     """Context switches so far of the live threads of `pid`, summed by name with a pool's numbers cut (grpc_3 and
     grpc_12 are both grpc, ThreadPoolExecutor-0_3 is ThreadPoolExecutor)."""
-    out: Counter = Counter()
+    return _per_thread(pid, names)[0]
+
+
+def thread_cpu(pid: int, names: dict[int, str]) -> Counter:
+    """CPU seconds (user + system) so far of the live threads of `pid`, summed by name as `switches` sums them."""
+    return _per_thread(pid, names)[1]
+
+
+def _per_thread(pid: int, names: dict[int, str]) -> tuple[Counter, Counter]:
+    switched: Counter = Counter()
+    cpu: Counter = Counter()
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             name = names.get(int(tid)) or Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
             status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
         except OSError:  # the thread ended
             continue
-        counts = re.findall(r"^(?:non)?voluntary_ctxt_switches:\s+(\d+)$", status, re.M)
-        out[re.sub(r"([-_]\d+)+$", "", name)] += sum(map(int, counts))
-    return out
+        name = re.sub(r"([-_]\d+)+$", "", name)
+        switched[name] += sum(map(int, re.findall(r"^(?:non)?voluntary_ctxt_switches:\s+(\d+)$", status, re.M)))
+        fields = stat[stat.rindex(")") + 2:].split()  # after "tid (comm) ": utime and stime are fields[11:13]
+        cpu[name] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return switched, cpu
 
 
 def start(bundle: Path, workers: int, args: argparse.Namespace, floor: bool) -> list[Server]:
@@ -164,7 +178,7 @@ def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace, fl
     try:
         h2load(server.port, body, min(2.0, args.seconds / 2), args)  # warm-up
         names = thread_names(server.pids[0]) if args.switches else {}
-        switched0 = switches(server.pids[0], names) if args.switches else Counter()
+        switched0, threads0 = _per_thread(server.pids[0], names) if args.switches else (Counter(), Counter())
         calls0 = ok_calls(servers)
         runs0 = sum(s.metric("sentiment_inference_seconds_sum") for s in servers)
         cpu0, t0 = cpu_seconds(pids), time.perf_counter()
@@ -179,7 +193,8 @@ def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace, fl
             spy.wait(60)
         elapsed, cpu1 = time.perf_counter() - t0, cpu_seconds(pids)
         calls1 = ok_calls(servers)
-        switched = switches(server.pids[0], names) - switched0 if args.switches else Counter()
+        switched, threads = _per_thread(server.pids[0], names) if args.switches else (Counter(), Counter())
+        switched, threads = switched - switched0, threads - threads0
         runs1 = sum(s.metric("sentiment_inference_seconds_sum") for s in servers)
         sent = re.search(r"requests: (\d+) total", report)
     finally:
@@ -190,7 +205,8 @@ def measure(bundle: Path, workers: int, body: Path, args: argparse.Namespace, fl
             "h2load_requests": int(sent.group(1)) if sent else None,
             "server_cpu_ms": 1e3 * (cpu1 - cpu0) / calls, "ort_wall_ms": 1e3 * (runs1 - runs0) / calls,
             "server_cpu_share": (cpu1 - cpu0) / (elapsed * cores), "client_cpu_share": client_cpu / (elapsed * cores),
-            **({"switches_per_call": {k: round(n * workers / calls, 2) for k, n in switched.most_common() if n}}
+            **({"switches_per_call": {k: round(n * workers / calls, 2) for k, n in switched.most_common() if n},
+                "cpu_ms_per_call": {k: round(1e3 * v * workers / calls, 3) for k, v in threads.most_common() if v}}
                if args.switches else {})}
 
 
@@ -228,7 +244,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--profile", type=Path, help="py-spy the first worker during the measure; stacks to this file")
     ap.add_argument("--switches", action="store_true",
-                    help="count the first server's context switches a call, by thread name (needs py-spy)")
+                    help="count the first server's context switches and CPU ms a call, by thread name (needs py-spy)")
     ap.add_argument("--floor", action="store_true",
                     help="also measure, at each count, as many bare grpcio servers (bench/grpc_floor.py) on one port")
     args = ap.parse_args()
@@ -271,6 +287,9 @@ def main() -> int:
         per_call = r["switches_per_call"]
         print(f"{'floor' if r['floor'] else 'serving/'}, {r['workers']} process(es), context switches a call (first "
               f"process): {sum(per_call.values()):.1f}: " + ", ".join(f"{k} {v:.2f}" for k, v in per_call.items()))
+        cpu = r["cpu_ms_per_call"]
+        print(f"{'floor' if r['floor'] else 'serving/'}, {r['workers']} process(es), CPU ms a call by thread (first "
+              f"process): {sum(cpu.values()):.3f}: " + ", ".join(f"{k} {v:.3f}" for k, v in cpu.items()))
     if args.profile:
         print("\n" + profile_summary(args.profile))
     if args.json:
