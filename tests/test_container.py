@@ -154,7 +154,7 @@ def test_image_serves_a_root_exported_bundle_as_non_root_and_stops_on_sigterm(
     target = f"127.0.0.1:{port}"
     log = tmp_path / "server.log"
     server_args = [*entrypoint, cmd[0], "--host", "127.0.0.1", "--port", str(port), "--metrics-port",
-                   str(metrics_port), "--auth-token-file", "/run/secrets/token"]
+                   str(metrics_port), "--http-port", str(free_port()), "--auth-token-file", "/run/secrets/token"]
     with log.open("w") as out:
         # No --user: the image's own USER runs the server.
         launcher = popen(["buildah", "run", "--isolation", "chroot", "--volume", f"{bundle}:/mnt/models:ro",

@@ -73,7 +73,7 @@ def test_the_image_passes_calls_on_and_its_stop_signal_lets_the_call_in_flight_e
     model end, then haproxy exits 0."""
     settings = config(image)
     port = free_port()
-    env = {"PROXY_BIND": f"127.0.0.1:{port}"}
+    env = {"PROXY_BIND": f"127.0.0.1:{port}", "HTTP_BIND": f"127.0.0.1:{free_port()}"}  # no port another run holds
     target = f"127.0.0.1:{port}"
     log = tmp_path / "proxy.log"
     with running_server(tiny_bundle, device="cpu", behind_proxy=True, auth_token=TOKEN, batch_workers=1) as s, \

@@ -82,7 +82,8 @@ def test_corrupt_bundle_exits_non_zero_naming_the_file(tiny_bundle: Path, tmp_pa
 
 def test_launch_script_serves_and_stops_on_sigterm(tiny_bundle: Path) -> None:
     proc = subprocess.Popen(["bash", str(REPO_ROOT / "launch" / "serve.sh"), str(tiny_bundle), "--port", "0",
-                             "--no-metrics", "--device", "cpu"], env={**os.environ, "PY": sys.executable},
+                             "--http-port", "0", "--no-metrics", "--device", "cpu"],  # no port another run holds
+                            env={**os.environ, "PY": sys.executable},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         port = None
