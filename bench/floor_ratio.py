@@ -27,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,14 +40,6 @@ from serve_bench import Server, bench_server  # noqa: E402
 from workers_bench import ok_calls  # noqa: E402
 
 Rate = Callable[[Server], float]  # one slice against a server: its texts/s
-
-
-@contextlib.contextmanager
-def running(server: Server) -> Iterator[Server]:
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def python_slices(texts: list[str], c: int, seconds: float) -> Rate:
@@ -71,29 +63,23 @@ def ratios(rate: Rate, serving: Server, floor: Server, c: int, slices: int, agai
     mean of its neighbouring floor slices. With `against` (another tree's serving/): serving/, floor, against, floor,
     then against, floor, serving/, floor, ..., each of the two over the floor slices beside it."""
     if against is None:
-        order = [serving, floor, floor, serving] * ((slices + 1) // 2)
+        order = ([serving, floor, floor, serving] * ((slices + 1) // 2))[:2 * slices]
     else:
         order = [x for i in range(slices) for x in ([serving, floor, against, floor] if i % 2 == 0 else
                                                      [against, floor, serving, floor])]
-    rates = [(s, rate(s)) for s in order[:2 * slices if against is None else 4 * slices]]
-
-    def over_floor(who: Server) -> list[float]:
-        out = []
-        for i, (s, texts_per_s) in enumerate(rates):
-            if s is who:
-                near = [r for j, (other, r) in enumerate(rates) if abs(j - i) == 1 and other is floor]
-                out.append(texts_per_s / statistics.mean(near))
-        return out
+    rates = [(s, rate(s)) for s in order]
 
     def row(who: Server) -> dict:
-        out = over_floor(who)
+        out = [texts_per_s / statistics.mean([r for j, (other, r) in enumerate(rates) if abs(j - i) == 1
+                                              and other is floor])
+               for i, (s, texts_per_s) in enumerate(rates) if s is who]
         return {"ratios": out, "median": statistics.median(out),
                 "texts_per_s": statistics.median(r for s, r in rates if s is who)}
 
     mine = row(serving)
-    result = {"c": c, "ratios": mine["ratios"], "median": mine["median"], "serving_texts_per_s": mine["texts_per_s"],
-              "floor_texts_per_s": statistics.median(r for s, r in rates if s is floor)}
-    return {**result, "against": row(against)} if against is not None else result
+    return {"c": c, "ratios": mine["ratios"], "median": mine["median"], "serving_texts_per_s": mine["texts_per_s"],
+            "floor_texts_per_s": statistics.median(r for s, r in rates if s is floor),
+            **({"against": row(against)} if against is not None else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,11 +116,14 @@ def main(argv: list[str] | None = None) -> int:
             every = sorted(reviews(ap, args.data), key=len)
             body.write_bytes(h2grpc.grpc_body([every[len(every) // 2]]))  # the median length, as workers_bench's
         options = ["--intra-op-threads", "1", *(["--no-http"] if args.against else []), *args.server_args.split()]
-        with contextlib.ExitStack() as up:
-            serving = up.enter_context(running(Server(args.bundle, *options)))
-            floor = up.enter_context(running(Server(args.bundle, "--intra-op-threads", "1", floor=True)))
-            against = up.enter_context(running(Server(args.bundle, *options, tree=args.against))) \
-                if args.against else None
+        with contextlib.ExitStack() as up:  # each server started is stopped, whichever fails to start
+            serving = Server(args.bundle, *options)
+            up.callback(serving.stop)
+            floor = Server(args.bundle, "--intra-op-threads", "1", floor=True)
+            up.callback(floor.stop)
+            against = Server(args.bundle, *options, tree=args.against) if args.against else None
+            if against is not None:
+                up.callback(against.stop)
             rows = []
             for c in args.concurrency:
                 if args.client == "h2load":

@@ -140,6 +140,7 @@ def thread_cpu(pid: int, names: dict[int, str]) -> Counter:
 def _per_thread(pid: int, names: dict[int, str]) -> tuple[Counter, Counter]:
     switched: Counter = Counter()
     cpu: Counter = Counter()
+    tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             name = names.get(int(tid)) or Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
@@ -150,7 +151,7 @@ def _per_thread(pid: int, names: dict[int, str]) -> tuple[Counter, Counter]:
         name = re.sub(r"([-_]\d+)+$", "", name)
         switched[name] += sum(map(int, re.findall(r"^(?:non)?voluntary_ctxt_switches:\s+(\d+)$", status, re.M)))
         fields = stat[stat.rindex(")") + 2:].split()  # after "tid (comm) ": utime and stime are fields[11:13]
-        cpu[name] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        cpu[name] += (int(fields[11]) + int(fields[12])) / tick
     return switched, cpu
 
 
