@@ -201,6 +201,28 @@ def test_the_baseline_scores_the_set_beside_the_graphs(tiny_bundle: Path, tiny_c
         "manifest's is not here: pass --artifact ARTIFACT)")
 
 
+def test_data_and_behaviour_share_one_baseline_fit(tiny_bundle: Path, data_dir: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--data and --behaviour together fit the baseline once (the `english` preset's fit takes minutes), and each
+    report holds what it holds alone. The real fit runs: the wrapper only counts its calls."""
+    from trainer import baseline
+    real, fits = baseline.fit, []
+    monkeypatch.setattr(baseline, "fit", lambda *a, **k: fits.append(a[0]) or real(*a, **k))
+    check, data = ["export", "--check", str(tiny_bundle)], ["--data", str(data_dir / TEST_FILE), "--limit", "50"]
+    assert cli([*check, *data, "--behaviour", "--json", str(tmp_path / "both.json")]) == 0
+    assert len(fits) == 1
+    assert cli([*check, *data, "--json", str(tmp_path / "data.json")]) == 0
+    assert cli([*check, "--behaviour", "--json", str(tmp_path / "set.json")]) == 0
+    assert len(fits) == 3
+    capsys.readouterr()
+    both, alone, set_alone = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("both", "data", "set"))
+    for report in (both, alone):
+        report["tfidf_baseline"].pop("fit_seconds")
+    assert both["tfidf_baseline"] == alone["tfidf_baseline"] and "accuracy" in both["tfidf_baseline"]
+    assert both["behaviour"]["tfidf_baseline"] == set_alone["behaviour"]["tfidf_baseline"]
+
+
 def test_a_set_of_ones_own_in_the_bundles_label_values(tiny_bundle: Path, predictor, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     own = tmp_path / "own.jsonl"

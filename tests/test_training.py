@@ -565,3 +565,32 @@ def test_a_test_sample_taken_from_an_encoded_extra_set_equals_the_one_loaded_alo
     assert len(whole.ids) == 2000 and len(sampled.ids) == 39
     assert sampled.ids == alone.ids and np.array_equal(sampled.labels, alone.labels)
     assert set(sampled.labels.tolist()) == {0, 1}  # a shuffled sample, not the file's first (sorted) lines
+
+
+def test_an_extra_set_that_is_the_test_file_is_scored_once(tiny_tokenizer, data_dir, monkeypatch) -> None:
+    """The kept weights score each split once: the test file among data.extra_test (the `english` preset's 25,000
+    IMDB reviews) takes the test set's scores, the same as scoring it again; another extra set is scored."""
+    from trainer.config.presets import tiny
+    from trainer.config.schema import override
+    from trainer.engine.distributed import DistInfo
+    from trainer.metrics import summarize
+    from trainer.model.encoder import Classifier
+    from trainer.tasks import finetune
+    from trainer.tasks.classifier_task import Sets, confusion, logits_of
+
+    cfg = override(tiny(), {"data.root": str(data_dir)})
+    torch.manual_seed(3)
+    clf, names = Classifier(cfg.model), cfg.data.names
+    test = finetune.load_split(cfg, "cls-books-fr/test.review.txt", tiny_tokenizer, 41)
+    valid = finetune.load_split(cfg, "cls-books-fr/valid.review.txt", tiny_tokenizer, 23)
+    sets = Sets(valid, valid, test, test, {"test.review.txt": test, "valid.review.txt": valid})
+    info = DistInfo(0, 1, 0, 1, "gloo", torch.device("cpu"))
+    scored: list[int] = []
+    monkeypatch.setattr(finetune, "logits_of",
+                        lambda m, split, i: scored.append(len(split.ids)) or logits_of(m, split, i))
+    raw, final = finetune.final_scores(clf, sets, info, names)
+    assert scored == [23, 41, 23]  # valid, test, then the extra valid set; not the test file again
+    again = summarize(confusion(*logits_of(clf, test, info), len(names)), names)
+    assert final["extra"]["test.review.txt"] == final["test"] == again
+    assert final["extra"]["valid.review.txt"] == final["valid"] and len(raw["test"][1]) == 41
+    assert final["extra"]["test.review.txt"] is not final["test"]  # a copy: a report that edits one keeps the other

@@ -121,20 +121,32 @@ def on_splits(cfg: RunConfig, train: list[Example], valid: list[Example],
     """Fit the run's recipe (cfg.finetune.tfidf_baseline) on its training split, C chosen on its validation split,
     and score each of `scored` (name -> examples). Returns {method, recipe, C, ..., "valid": metrics, name: metrics}
     or {"skipped": why} when it cannot run (scikit-learn missing, one class only): a report goes on without it."""
-    f, names = cfg.finetune, cfg.data.names
+    b = fit_splits(cfg, train, valid)
+    return {"skipped": b} if isinstance(b, str) else scores(b, cfg.data.names, scored)
+
+
+def fit_splits(cfg: RunConfig, train: list[Example], valid: list[Example]) -> Baseline | str:
+    """on_splits' fit alone, for a caller that scores several sets at different times: the fitted baseline, or
+    why it cannot run."""
+    f = cfg.finetune
     if f.tfidf_baseline == "none":
-        return {"skipped": "finetune.tfidf_baseline=none"}
-
-    def xy(examples: list[Example]) -> tuple[list[str], np.ndarray]:
-        return texts(examples), np.array([ex.label for ex in examples], dtype=np.int64)
-
+        return "finetune.tfidf_baseline=none"
     try:
-        b = fit(f.tfidf_baseline, xy(train), xy(valid), names, cfg.seed, f.select_metric, f.class_weights)
+        return fit(f.tfidf_baseline, _xy(train), _xy(valid), cfg.data.names, cfg.seed, f.select_metric,
+                   f.class_weights)
     except ImportError as e:
-        return {"skipped": f"scikit-learn is not installed ({e}); pip install scikit-learn (the train extra)"}
+        return f"scikit-learn is not installed ({e}); pip install scikit-learn (the train extra)"
     except ValueError as e:  # e.g. a training split of one class, an empty vocabulary
-        return {"skipped": f"{NAME} could not be fitted: {e}"}
-    return {**b.about(), "valid": b.valid, **{name: b.score(*xy(ex), names) for name, ex in scored.items()}}
+        return f"{NAME} could not be fitted: {e}"
+
+
+def scores(b: Baseline, names: Sequence[str], scored: dict[str, list[Example]]) -> dict[str, Any]:
+    """on_splits' report of a fitted baseline: {method, recipe, C, ..., "valid": metrics, name: metrics}."""
+    return {**b.about(), "valid": b.valid, **{name: b.score(*_xy(ex), names) for name, ex in scored.items()}}
+
+
+def _xy(examples: list[Example]) -> tuple[list[str], np.ndarray]:
+    return texts(examples), np.array([ex.label for ex in examples], dtype=np.int64)
 
 
 def summary_line(base: dict[str, Any], where: str = "test") -> str:

@@ -37,10 +37,9 @@ import numpy as np
 from contract.bundle import verify_bundle
 from contract.manifest import DEVICES, Manifest
 from contract.tokens import PAD
-from trainer import artifact as artifact_mod
 from trainer.calibration import softmax
 from trainer.data.readers import DataError, Example, read_labeled
-from trainer.export.check import baseline_scores, source_artifact
+from trainer.export.check import SourceBaseline, source_artifact, source_baseline
 from trainer.export.score import graph_logits, predict
 from trainer.export.served import bundle_tokenizer, served_graph
 
@@ -102,7 +101,8 @@ def _choose(m: Manifest, file: str | Path | None) -> tuple[Path, str, list[str]]
 
 
 def behaviour_report(bundle: str | Path, file: str | Path | None = None, prefer_gpu: bool = True, batch_size: int = 32,
-                     tfidf: bool = True, artifact_dir: str | Path | None = None) -> dict[str, Any]:
+                     tfidf: bool = True, artifact_dir: str | Path | None = None,
+                     fitted: SourceBaseline | None = None) -> dict[str, Any]:
     """Each graph of a bundle scored on its language's behavioural set (or `file`): per capability the examples,
     those it labels right and the accuracy (percent), the same over the whole set ("all"), and every example it
     labels wrong with the class it answered and that class's probability as served.
@@ -111,7 +111,8 @@ def behaviour_report(bundle: str | Path, file: str | Path | None = None, prefer_
     "graphs": {graph file: {"precision", "serves", "provider", "capabilities": {name: {"examples", "correct",
     "accuracy"}}, "all": the same, "failed": [{"capability", "text", "label", "predicted", "probability",
     "source"}]}}, and with `tfidf` "tfidf_baseline": {"recipe", "C", "trained_on", "capabilities": the same tallies,
-    "all"} or {"skipped": why}}, fitted on `artifact_dir`'s training split (default: the manifest's source artifact);
+    "all"} or {"skipped": why}}, fitted on `artifact_dir`'s training split (default: the manifest's source artifact;
+    `fitted`: that baseline already fitted, check.source_baseline);
     or {"bundle", "bundle_sha256", "skipped": why} when no set fits the bundle (a language without a set, classes
     that are not negative and positive)."""
     b = verify_bundle(bundle)
@@ -145,15 +146,16 @@ def behaviour_report(bundle: str | Path, file: str | Path | None = None, prefer_
     report = {**of, "set": name, "file": str(path), "examples": len(rows), "capabilities": capabilities,
               "graphs": graphs}
     if tfidf:
-        report["tfidf_baseline"] = _baseline(source_artifact(m, artifact_dir), rows, capabilities)
+        report["tfidf_baseline"] = _baseline(fitted or source_baseline(source_artifact(m, artifact_dir)), rows,
+                                             capabilities)
     return report
 
 
-def _baseline(art: artifact_mod.Artifact | None, rows: list[tuple[str, Example]],
+def _baseline(fitted: SourceBaseline, rows: list[tuple[str, Example]],
               capabilities: list[str]) -> dict[str, Any]:
     """The baseline's tallies per capability and over the set (its labels: the set's, mapped to the bundle's)."""
     sets = {cap: [ex for c, ex in rows if c == cap] for cap in capabilities}
-    base = baseline_scores(art, {**sets, ALL: [ex for _, ex in rows]})
+    base = fitted.scores({**sets, ALL: [ex for _, ex in rows]})
     if "skipped" in base:
         return base
 

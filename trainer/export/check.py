@@ -4,6 +4,7 @@ TF-IDF + logistic regression baseline fitted on that model's own training split 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from trainer.export.served import bundle_tokenizer, served_graph
 def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | Path | None = None,
                  batch_size: int = 32, limit: int = 0, prefer_gpu: bool = True, compare_torch: bool = True,
                  text_field: str | None = None, label_field: str | None = None,
-                 tfidf: bool = True) -> dict[str, Any]:
+                 tfidf: bool = True, fitted: SourceBaseline | None = None) -> dict[str, Any]:
     """Accuracy of each graph of a bundle on a labelled file, in an onnxruntime session opened the way the server
     opens it (a graph the manifest serves on CUDA runs there when a GPU is present), and its agreement with the
     PyTorch model of `artifact_dir` (default: the manifest's source, if present; compare_torch=False: none).
@@ -38,7 +39,8 @@ def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | 
     manifest's}; each graph's report also holds "ece_served" and "ece_uncalibrated" (its logits times the
     manifest's temperature: what they were before it). The file's fields:
     `text_field` / `label_field`, else those the bundle was trained with (manifest data_fields). Blank texts are
-    skipped and counted. tfidf=False: no baseline (it needs the source artifact's training data)."""
+    skipped and counted. tfidf=False: no baseline (it needs the source artifact's training data); `fitted`: the
+    baseline already fitted (source_baseline), instead of fitting it here."""
     b = verify_bundle(bundle)
     m = b.manifest
     art = source_artifact(m, artifact_dir) if compare_torch else None
@@ -62,7 +64,7 @@ def check_bundle(bundle: str | Path, data_file: str | Path, artifact_dir: str | 
         report = score_data(served.session, seqs, labels, PAD, reference, batch_size, graph.per_row,
                             m.temperature)
         graphs[name] = {"precision": graph.precision, "serves": serves, "provider": served.provider, **report}
-    base = tfidf_baseline(art, examples, graphs, str(data_file)) if tfidf else None
+    base = tfidf_baseline(fitted or source_baseline(art), examples, graphs, str(data_file)) if tfidf else None
     return {"bundle": str(b.folder), "bundle_sha256": b.bundle_sha256, "file": str(data_file),
             "fields": dict(zip(("text_field", "label_field"), fields, strict=True)), "examples": len(seqs),
             "blank_skipped": len(blank), "artifact": str(art.path) if model is not None else None, "graphs": graphs,
@@ -84,25 +86,43 @@ def source_artifact(m: Manifest, artifact_dir: str | Path | None) -> artifact_mo
     return None
 
 
-def baseline_scores(art: artifact_mod.Artifact | None, scored: dict[str, list[Example]]) -> dict[str, Any]:
-    """The baseline fitted on the source artifact's own training split (its config's files, split as in training,
-    its texts without data.crops'), scored on each of `scored`: on_splits' report plus "trained_on", or
-    {"skipped": why}."""
+@dataclass(frozen=True)
+class SourceBaseline:
+    """The baseline fitted once on the source artifact's own training split (its config's files, split as in
+    training, its texts without data.crops'), or why it was not: --data and --behaviour's set share one fit (the
+    `english` preset's takes minutes)."""
+
+    fitted: baseline.Baseline | None
+    names: tuple[str, ...] = ()
+    trained_on: str = ""
+    skipped: str = ""
+
+    def scores(self, scored: dict[str, list[Example]]) -> dict[str, Any]:
+        """Each of `scored`: on_splits' report plus "trained_on", or {"skipped": why}."""
+        if self.fitted is None:
+            return {"skipped": self.skipped}
+        return {**baseline.scores(self.fitted, self.names, scored), "trained_on": self.trained_on}
+
+
+def source_baseline(art: artifact_mod.Artifact | None) -> SourceBaseline:
+    """Fit the baseline on `art`'s training split (the manifest's source artifact, or --artifact)."""
     if art is None:
-        return {"skipped": "no source artifact to take the training split from (the manifest's is not here: pass "
-                           "--artifact ARTIFACT)"}
+        return SourceBaseline(None, skipped="no source artifact to take the training split from (the manifest's is "
+                                            "not here: pass --artifact ARTIFACT)")
     try:
         data = labelled.load(art.cfg)
     except (DataError, ConfigError, OSError) as e:
-        return {"skipped": f"the training data of {art.path} cannot be read ({one_line(e)})"}
-    base = baseline.on_splits(art.cfg, data.train.originals, data.valid.examples, scored)
-    return base if "skipped" in base else {**base, "trained_on": data.train.source}
+        return SourceBaseline(None, skipped=f"the training data of {art.path} cannot be read ({one_line(e)})")
+    b = baseline.fit_splits(art.cfg, data.train.originals, data.valid.examples)
+    if isinstance(b, str):
+        return SourceBaseline(None, skipped=b)
+    return SourceBaseline(b, tuple(art.cfg.data.names), data.train.source)
 
 
-def tfidf_baseline(art: artifact_mod.Artifact | None, examples: list[Example], graphs: dict[str, dict[str, Any]],
+def tfidf_baseline(fitted: SourceBaseline, examples: list[Example], graphs: dict[str, dict[str, Any]],
                    file: str) -> dict[str, Any]:
-    """The baseline (baseline_scores) on the checked examples, with a verdict per graph."""
-    base = baseline_scores(art, {"file": examples})
+    """The baseline on the checked examples, with a verdict per graph."""
+    base = fitted.scores({"file": examples})
     if "skipped" in base:
         return base
     scored = base.pop("file")
