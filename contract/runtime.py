@@ -17,6 +17,7 @@ import ctypes
 import functools
 import io
 import logging
+import platform
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +40,20 @@ Device = Literal["auto", "cpu", "cuda"]
 CUDA_PROVIDER_LIBRARY = "libonnxruntime_providers_cuda.so"
 DRIVER_LIBRARY = "libcuda.so.1"  # the NVIDIA driver's: the node (or the container runtime) provides it, no wheel
 CUDNN_LIBRARY = "libcudnn.so.9"  # loaded by the provider when it starts, not named among its ELF dependencies
+
+
+def x86_without_vnni(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """True on an x86 CPU known to lack VNNI (AVX2; AVX-512 without VNNI), where onnxruntime's u8 x s8 kernel sums
+    pairs of products in int16 (VPMADDUBSW) and 8-bit int8 weights overflow it (docs/BENCHMARKS.md, Export). False
+    on other CPUs and where the flags cannot be read (not Linux)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
+    return flags is not None and not {"avx512_vnni", "avx_vnni"} & set(flags)
 
 
 def cuda_driver_present() -> bool:

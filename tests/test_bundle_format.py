@@ -150,6 +150,66 @@ def test_the_cpu_runs_int8_and_answers_like_fp32_within_the_bound(default_bundle
         Predictor(default_bundle, device="cpu", graph="model.fp16.onnx")
 
 
+def int8_weights(graph: Path) -> np.ndarray:
+    """Every int8 initializer of a graph, flattened (the quantised weights)."""
+    from onnx import numpy_helper
+
+    tensors = [numpy_helper.to_array(t) for t in onnx.load(str(graph)).graph.initializer
+               if t.data_type == onnx.TensorProto.INT8]
+    return np.concatenate([t.ravel() for t in tensors]).astype(np.int32)
+
+
+def test_int8_weights_are_7_bit_so_every_x86_cpu_answers_within_the_bound(default_bundle: Path,
+                                                                          tmp_path: Path) -> None:
+    """Without VNNI (AVX2; AVX-512 without VNNI) onnxruntime adds pairs of u8 x s8 products into int16, which 8-bit
+    weights overflow (2 x 255 x 127 > 32,767): on such a CPU the tiny model's int8 logits moved by 0.129 against a
+    bound of 0.097. The bundle is served on CPUs its export never saw, so its weights keep to 7 bits by default.
+    (Fails with 8-bit weights: their largest is 127.)"""
+    from trainer.export.quantize import quantize_int8
+
+    weights = int8_weights(default_bundle / "model.int8.onnx")
+    assert weights.size > 10_000 and np.abs(weights).max() == 64  # symmetric 7-bit: 2 x 255 x 64 = 32,640
+    m = manifest_of(default_bundle)
+    assert m["graphs"]["model.int8.onnx"]["quantization"]["reduce_range"] is True
+    quantize_int8(default_bundle / "model.onnx", tmp_path / "full.onnx", reduce_range=False)  # what --full-range runs
+    assert np.abs(int8_weights(tmp_path / "full.onnx")).max() > 64
+
+
+def test_a_cpu_server_without_vnni_warns_of_8_bit_int8_weights(tiny_classifier_artifact: Path, default_bundle: Path,
+                                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A bundle exported before 7-bit weights were the default (here: --full-range under a loose bound) still serves
+    on a CPU without VNNI, and the log says its answers move there; with VNNI, or 7-bit weights, nothing is said."""
+    import serving.model.predictor as predictor_mod
+
+    loose = dataclasses.replace(INT8_CPU_BOUND, max_abs_diff=1.0)
+    old = export_bundle(tiny_classifier_artifact, tmp_path / "old", ExportOptions(full_range=True, int8_bound=loose))
+    m = manifest_of(old)
+    assert m["serve"]["cpu"] == "model.int8.onnx" and m["graphs"]["model.int8.onnx"]["quantization"]["reduce_range"] \
+        is False
+    for lacks_vnni, bundle, warns in ((True, old, True), (False, old, False), (True, default_bundle, False)):
+        monkeypatch.setattr(predictor_mod, "x86_without_vnni", lambda lacks=lacks_vnni: lacks)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger=predictor_mod.__name__):
+            assert Predictor(bundle, device="cpu").graph == "model.int8.onnx"
+        said = "model.int8.onnx has 8-bit int8 weights and this CPU has no VNNI" in caplog.text
+        assert said == warns, (lacks_vnni, bundle, caplog.text)
+
+
+def test_vnni_is_read_from_the_cpu_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import contract.runtime as runtime
+
+    monkeypatch.setattr(runtime.platform, "machine", lambda: "x86_64")
+    info = tmp_path / "cpuinfo"
+    for flags, lacks in (("fpu sse2 avx2 fma", True), ("avx2 avx512f avx512_vnni", False), ("avx2 avx_vnni", False)):
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+        assert runtime.x86_without_vnni(info) is lacks, flags
+    assert runtime.x86_without_vnni(tmp_path / "absent") is False  # unknown: no warning
+    monkeypatch.setattr(runtime.platform, "machine", lambda: "aarch64")
+    info.write_text("flags\t\t: avx2\n")
+    assert runtime.x86_without_vnni(info) is False  # not x86: its int8 kernels do not sum in int16
+
+
 def test_int8_beyond_its_bound_is_left_out_and_the_cpu_runs_fp32(tiny_classifier_artifact: Path, tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bundle"

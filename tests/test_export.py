@@ -426,8 +426,14 @@ def test_int8_and_fp16_are_exclusive(tiny_classifier_artifact, tmp_path, capsys)
     assert rc == 2 and "exclusive" in capsys.readouterr().err
     rc = cli(["export", str(tiny_classifier_artifact), "--out", str(tmp_path / "b"), "--precision", "fp32", "--fp16"])
     assert rc == 2 and "--fp16 and --precision fp32 are exclusive" in capsys.readouterr().err
-    with pytest.raises(ExportError, match="per_channel and reduce_range apply to int8 only"):
+    with pytest.raises(ExportError, match="per_channel and full_range apply to int8 only"):
         ExportOptions(precision="fp16", per_channel=True)
+    rc = cli(["export", str(tiny_classifier_artifact), "--out", str(tmp_path / "b"), "--reduce-range", "--full-range"])
+    assert rc == 2 and "--reduce-range (7-bit int8 weights, the default) and --full-range are exclusive" in \
+        capsys.readouterr().err
+    rc = cli(["export", str(tiny_classifier_artifact), "--out", str(tmp_path / "b"), "--precision", "fp32",
+              "--reduce-range"])
+    assert rc == 2 and "--reduce-range applies to int8 only, not to fp32" in capsys.readouterr().err
     with pytest.raises(ExportError, match="precision='fp32' writes that one graph only"):
         ExportOptions(precision="fp32", gpu_precision="fp16")
     rc = cli(["export", str(tiny_classifier_artifact), "--out", str(tmp_path / "b"), "--int8-min-agreement", "150"])
@@ -453,7 +459,8 @@ def test_every_export_flag_reaches_its_option() -> None:
         ("--save-optimized",): {"save_optimized": True},
         ("--no-fuse-attention",): {"fuse_attention": False},
         ("--per-channel",): {"per_channel": True},
-        ("--reduce-range",): {"reduce_range": True},
+        ("--full-range",): {"full_range": True},
+        ("--reduce-range",): {},  # 7-bit weights, the default: kept for the commands that name it
         ("--max-len", "37"): {"max_len": 37},
         ("--data", "d.tsv"): {"data_file": Path("d.tsv")},
         ("--limit", "9"): {"data_limit": 9},

@@ -117,6 +117,22 @@ def test_resume_after_a_kill_gives_the_same_bytes(reference: Path, inputs: list[
     assert digest(out) == digest(reference)
 
 
+def test_resume_removes_what_a_kill_mid_write_left(reference: Path, inputs: list[Path], tiny_tokenizer: Tokenizer,
+                                                  tmp_path: Path) -> None:
+    """A kill while the manifest (or a shard) was written leaves its temporary sibling: the resume removes it (the
+    kill above lands there now and then: its folder kept a .manifest.json.*.tmp)."""
+    out = Path(shutil.copytree(reference, tmp_path / "killed"))
+    body = read_manifest(out)
+    body["shards"] = body["shards"][:2]  # as a prepare killed after its second shard left it
+    body.update(complete=False, documents=sum(s["documents"] for s in body["shards"]),
+                tokens=sum(s["tokens"] for s in body["shards"]))
+    (out / MANIFEST).write_text(json.dumps(body, indent=1) + "\n")
+    (out / f".{MANIFEST}.0123456789ab.tmp").write_text("{")
+    (out / ".shard-00002.bin.0123456789ab.tmp").write_bytes(b"\0")
+    prepare(inputs, tiny_tokenizer, out, workers=1, shard_tokens=SHARD)
+    assert digest(out) == digest(reference)
+
+
 def test_a_finished_folder_is_reused_and_other_inputs_are_refused(reference: Path, inputs: list[Path],
                                                                    tiny_tokenizer: Tokenizer, tmp_path: Path) -> None:
     copy = Path(shutil.copytree(reference, tmp_path / "copy"))

@@ -24,7 +24,7 @@ import numpy as np
 from contract.bundle import verify_bundle
 from contract.errors import SessionError
 from contract.graph import ATTENTION_MASK, INPUT_IDS, LOGITS
-from contract.runtime import OPT_LEVELS, Device
+from contract.runtime import CPU, OPT_LEVELS, Device, x86_without_vnni
 from contract.session import open_graph
 from contract.tokens import PAD, Encoded, TokenEncoder
 from serving.errors import ServerConfigError
@@ -93,6 +93,13 @@ class Predictor:
         log.info("loaded bundle %s (sha256 %s, %s: %s, max_len %d, labels %s, graph optimization %s) on %s",
                  b.folder, self.bundle_sha256[:12], self.graph, self.precision, self.max_len, self.label_names,
                  self.optimization, self.provider)
+        quant = b.manifest.graphs[self.graph].quantization or {}
+        if self.provider == CPU and self.precision == "int8" and quant.get("reduce_range") is False \
+                and x86_without_vnni():
+            # Exported before 7-bit weights were the default: its answers move on this CPU, nothing fails.
+            log.warning("%s: %s has 8-bit int8 weights and this CPU has no VNNI, where onnxruntime's int8 kernel "
+                        "overflows on them and the logits move (docs/BENCHMARKS.md, Export): export the bundle "
+                        "again (7-bit weights by default)", b.folder, self.graph)
 
     @property
     def runs(self) -> int:

@@ -240,7 +240,8 @@ def _with_end(jobs: Iterator[Job]) -> Iterator[Job | None]:
 
 def _resume_point(out: Path, header: dict[str, Any]) -> dict[str, Any]:
     """The manifest to continue from: none yet, or a killed prepare's (its listed shards checked, strays removed)."""
-    for stray in out.glob(".shard-*.tmp"):
+    # A kill while a shard or the manifest was written leaves its temporary sibling (write_bytes_atomic's name).
+    for stray in [*out.glob(".shard-*.tmp"), *out.glob(f".{MANIFEST}.*.tmp")]:
         stray.unlink()
     if not (out / MANIFEST).exists():
         if any(out.glob("shard-*")):

@@ -71,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--int8-max-drop", type=float, metavar="POINTS",
                    help=f"auto, with --data: accuracy points int8 may lose (default {bound.max_accuracy_drop:g})")
     g.add_argument("--per-channel", action="store_true", help="int8: per-channel weight scales")
-    g.add_argument("--reduce-range", action="store_true", help="int8: 7-bit weights (older x86 CPUs)")
+    g.add_argument("--full-range", action="store_true",
+                   help="int8: 8-bit weights (default 7-bit: 8-bit ones overflow on x86 CPUs without VNNI)")
+    g.add_argument("--reduce-range", action="store_true", help=argparse.SUPPRESS)  # 7-bit weights: the default
     g.add_argument("--optimize", choices=sorted(OPT_LEVELS), default=DEFAULT_OPT_LEVEL,
                    help=f"onnxruntime graph optimisation level to validate at and recommend "
                         f"(default: {DEFAULT_OPT_LEVEL})")
@@ -132,6 +134,10 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         precision = value
     if args.quantize and args.fp16:
         raise ExportError("--quantize int8 and --fp16 are exclusive: choose one precision")
+    if args.reduce_range and args.full_range:
+        raise ExportError("--reduce-range (7-bit int8 weights, the default) and --full-range are exclusive")
+    if args.reduce_range and precision not in (AUTO, "int8"):
+        raise ExportError(f"--reduce-range applies to int8 only, not to {precision}")
     for flag, value, top in (("--int8-max-logit-diff", args.int8_max_logit_diff, float("inf")),
                              ("--int8-min-agreement", args.int8_min_agreement, 100.0),
                              ("--int8-max-drop", args.int8_max_drop, 100.0)):

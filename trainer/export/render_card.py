@@ -27,7 +27,7 @@ def export_command_of(m: Manifest) -> str:
                         gpu_precision="fp16" if auto and EXTRA_GRAPH_FILES["fp16"] in m.graphs else "fp32",
                         optimize=m.runtime.graph_optimization_level, save_optimized=m.runtime.optimized_offline,
                         fuse_attention=m.runtime.fused_attention, per_channel=bool(quant.get("per_channel")),
-                        reduce_range=bool(quant.get("reduce_range")),
+                        full_range=bool(quant) and not quant.get("reduce_range", True),
                         max_len=None if artifact_max_len in (None, m.max_len) else m.max_len)
     return opt.command(Path(m.source_artifact.get("path") or "ARTIFACT"))
 

@@ -69,7 +69,10 @@ class ExportOptions:
     save_optimized: bool = False  # store the graphs onnxruntime optimised at `optimize` (basic or extended only)
     fuse_attention: bool = True  # one onnxruntime Attention node per layer instead of the exporter's decomposition
     per_channel: bool = False  # int8: per-channel weight scales
-    reduce_range: bool = False  # int8: 7-bit weights (older x86 CPUs)
+    # int8: 8-bit weights. Off by default, 7-bit weights: without VNNI (AVX2, AVX-512 without VNNI) onnxruntime's
+    # u8 x s8 kernel adds pairs of products into int16 (VPMADDUBSW), which 8-bit weights overflow (2 x 255 x 127 >
+    # 32,767) and 7-bit ones cannot; a bundle is served on CPUs its export never saw (docs/BENCHMARKS.md, Export).
+    full_range: bool = False
     max_len: int | None = None  # longest sequence served; None: the artifact's tokenizer.max_len
     opset: int | None = None  # None: the exporter's default
     data_file: Path | None = None  # labelled file whose accuracy change is recorded and held to the tolerance
@@ -90,8 +93,8 @@ class ExportOptions:
         if self.save_optimized and self.optimize not in ("basic", "extended"):
             raise ExportError(f"save_optimized needs optimize 'basic' or 'extended', got {self.optimize!r} "
                               "('all' writes a graph laid out for this machine's CPU)")
-        if (self.per_channel or self.reduce_range) and self.precision not in (AUTO, "int8"):
-            raise ExportError(f"per_channel and reduce_range apply to int8 only, not to {self.precision}")
+        if (self.per_channel or self.full_range) and self.precision not in (AUTO, "int8"):
+            raise ExportError(f"per_channel and full_range apply to int8 only, not to {self.precision}")
         if self.max_len is not None:
             check_max_len(self.max_len, "max_len", ExportError)
         if self.data_limit < 0:
@@ -101,7 +104,7 @@ class ExportOptions:
     def quantization(self) -> dict[str, object]:
         """An int8 graph's quantization record in the manifest."""
         return {"method": "dynamic", "weight_type": "int8", "per_channel": self.per_channel,
-                "reduce_range": self.reduce_range}
+                "reduce_range": not self.full_range}
 
     def command(self, artifact: Path) -> str:
         """The export command with these options (those at their defaults left out); --out BUNDLE, so that exporting
@@ -111,7 +114,7 @@ class ExportOptions:
         parts = ["python", "-m", "trainer", "export", str(artifact), "--out", "BUNDLE"]
         parts += [x for flag, value, default in flags if value != default for x in (flag, str(value))]
         parts += [flag for flag, on in (("--save-optimized", self.save_optimized), ("--per-channel", self.per_channel),
-                                        ("--reduce-range", self.reduce_range),
+                                        ("--full-range", self.full_range),
                                         ("--no-fuse-attention", not self.fuse_attention)) if on]
         return shlex.join(parts)
 
@@ -246,7 +249,7 @@ def _write_graph(fp32: Path, tmp: Path, name: str, precision: str, opt: ExportOp
     staged = fp32
     if precision == "int8":
         staged = tmp / f".{name}.int8"
-        quantize_int8(fp32, staged, per_channel=opt.per_channel, reduce_range=opt.reduce_range)
+        quantize_int8(fp32, staged, per_channel=opt.per_channel, reduce_range=not opt.full_range)
     elif precision == "fp16":
         staged = tmp / f".{name}.fp16"
         convert_fp16(fp32, staged)
