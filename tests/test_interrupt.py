@@ -122,6 +122,7 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path: Path, tiny_t
     assert "exits with return code = 143" in output  # the launcher reports the rank's status
 
 
+@pytest.mark.slow  # in CI's slow suite: the default suite keeps to its 12 minutes on a host without AVX-512
 def test_ctrl_c_while_fine_tuning_then_resume_alone(tmp_path: Path, tiny_tokenizer_dir: Path, data_dir: Path) -> None:
     out = tmp_path / "cls"
     args = ["finetune", "--preset", "tiny", "--tokenizer", str(tiny_tokenizer_dir), "--set", f"data.root={data_dir}",

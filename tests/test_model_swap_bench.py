@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from procs import REPO
 
 
@@ -47,6 +48,7 @@ def test_a_swap_and_a_damaged_version_under_load_fail_no_call(tiny_bundle: Path,
     assert "### swap" in run.stdout and "| p99 in the windows / before |" in run.stdout
 
 
+@pytest.mark.slow  # in CI's slow suite: the default suite keeps to its 12 minutes on a host without AVX-512
 def test_two_models_the_flooded_one_takes_no_call_of_the_other(tiny_bundle: Path, tmp_path: Path) -> None:
     """The phase two, short: b measured alone, under h2load's flood of a, alone again; b's calls are never refused
     for a's flood, and both models answered in it (a's texts counted by the server)."""

@@ -92,6 +92,7 @@ def seeds_run(base: list[str], pretrained: Path, tmp_path_factory: pytest.TempPa
     return out, p.stdout
 
 
+@pytest.mark.slow  # in CI's slow suite: the default suite keeps to its 12 minutes on a host without AVX-512
 def test_compare_over_seeds_reports_each_seed_its_mean_spread_and_a_paired_test(
         seeds_run: tuple[Path, str], base: list[str], pretrained: Path, tmp_path: Path) -> None:
     out, stdout = seeds_run
@@ -233,6 +234,7 @@ def test_the_task_text_stage_reads_the_training_texts_only(base: list[str], pret
 # ---------------------------------------------------------------------------------------------- the bundle of a run
 
 
+@pytest.mark.slow  # in CI's slow suite: the default suite keeps to its 12 minutes on a host without AVX-512
 def test_the_bundle_of_a_run_carries_its_card_and_calibration_to_the_server(seeds_run: tuple[Path, str],
                                                                             data_dir: Path, tmp_path: Path) -> None:
     """Fine-tuning fitted a temperature and recorded how the model was made; export puts both in the manifest and the

@@ -184,6 +184,7 @@ def test_every_rank_says_its_error_on_a_line_of_its_own(base: list[str], tmp_pat
                                                             r"\S+missing\.json", ln) for ln in lines), lines
 
 
+@pytest.mark.slow  # in CI's slow suite: the default suite keeps to its 12 minutes on a host without AVX-512
 def test_simulated_two_nodes_equal_one_node(runs: dict[str, Path], base: list[str], tmp_path: Path) -> None:
     """Two launchers, one per 'node' of a hostfile, started without ssh: the path a cluster takes minus ssh."""
     hostfile = tmp_path / "hostfile"
@@ -268,6 +269,7 @@ def test_sigkill_of_a_rank_then_resume_finishes(runs: dict[str, Path], base: lis
 # ---------------------------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.slow  # in CI's slow suite: the default suite keeps to its 12 minutes on a host without AVX-512
 def test_corrupt_checkpoint_is_refused_and_left_untouched(runs: dict[str, Path], base: list[str],
                                                           tmp_path: Path) -> None:
     src = uninterrupted(runs, base)
@@ -360,7 +362,7 @@ def test_artifact_is_the_engines_fp32_weights_and_loads_without_pickle(runs: dic
             assert torch.equal(v, saved[k]), k
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, pytest.param(2, marks=pytest.mark.slow)])  # ZeRO-2: slow suite
 def test_bf16_is_autocast_over_fp32_weights_and_deepspeeds_bf16_mode_stays_a_json_away(base: list[str], tmp_path: Path,
                                                                                         zero: int) -> None:
     """engine.precision=bf16 trains under torch.autocast with fp32 weights in the module (DeepSpeed's torch_autocast):
@@ -460,6 +462,7 @@ def test_finetune_compare_two_ranks(runs: dict[str, Path], base: list[str]) -> N
     assert want[0] != want[1]
 
 
+@pytest.mark.slow  # in CI's slow suite: the default suite keeps to its 12 minutes on a host without AVX-512
 def test_mlm_pretraining_and_generation(runs: dict[str, Path], base: list[str], tmp_path: Path) -> None:
     from trainer import artifact
     from trainer.data.tokenizer import Tokenizer
