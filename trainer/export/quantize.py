@@ -60,8 +60,9 @@ assert set(TOLERANCES) == set(PRECISIONS)
 INT8_CPU_BOUND = Tolerance(max_abs_diff=5e-2, rel_diff=5e-2, min_data_agreement=0.99, max_accuracy_drop=0.5)
 
 
-def quantize_int8(src: Path, dst: Path, per_channel: bool = False, reduce_range: bool = False) -> None:
-    """Dynamic int8 quantisation (weights int8 offline, activations at run time); Attention -> QAttention."""
+def quantize_int8(src: Path, dst: Path, per_channel: bool = False, reduce_range: bool = True) -> None:
+    """Dynamic int8 quantisation (weights int8 offline, activations at run time); Attention -> QAttention.
+    reduce_range: 7-bit weights, export's default (ExportOptions.full_range says why)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     model = onnx.load(str(src))
